@@ -1,0 +1,36 @@
+"""ckptio: a PyTorch Distributed Checkpoint writer and reader for S3 and shared filesystems."""
+
+__version__ = "0.1.0"
+
+from .config import WriterConfig  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotCkptioCheckpointError,
+    PerRankStateError,
+    StorageError,
+    UnsafeObjectError,
+)
+from .reader import Reader  # noqa: E402
+from .writer import Writer  # noqa: E402
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointFormatError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "NotCkptioCheckpointError",
+    "PerRankStateError",
+    "Reader",
+    "StorageError",
+    "UnsafeObjectError",
+    "Writer",
+    "WriterConfig",
+    "__version__",
+]

@@ -1,0 +1,116 @@
+"""Every tunable of ckptio, with its default, in one place.
+
+Precedence, lowest to highest: the defaults below, then the values given to
+``WriterConfig(...)`` or ``WriterConfig.from_dict(...)``, then ``CKPTIO_<FIELD>``
+environment variables (e.g. ``CKPTIO_MODE=replica_group``), so an operator can change a
+job's behaviour without touching its code. Every override is logged at INFO level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
+
+MODES = ("all_ranks", "replica_group")
+COMPRESSIONS = (None, "zstd")
+MiB = 1 << 20
+
+
+@dataclasses.dataclass
+class WriterConfig:
+    """How a checkpoint is written.
+
+    Example::
+
+        cfg = WriterConfig(mode="replica_group", compression="zstd")
+        cfg = WriterConfig.from_dict({"mode": "all_ranks", "part_size": 64 << 20})
+    """
+
+    #: ``all_ranks``: every rank writes its own file, replicated data spread evenly.
+    #: ``replica_group``: each replicated item is written by the lowest rank holding it,
+    #: so only the first HSDP replica group writes; ranks with nothing to write create nothing.
+    mode: str = "all_ranks"
+    #: ``None`` or ``"zstd"``; compression is per block, and a block that does not shrink is kept raw.
+    compression: str | None = None
+    compression_level: int = 3
+    #: Unit of checksumming, compression and ranged reads, in bytes (a multiple of 64).
+    block_size: int = 1 * MiB
+    #: Replace a committed checkpoint; the old one stays loadable until the new one commits.
+    overwrite: bool = False
+    #: Object stores: objects larger than this go up as multipart uploads of this part size.
+    part_size: int = 16 * MiB
+    #: Parallel requests per rank (multipart parts on write, ranged GETs on read).
+    max_concurrency: int = 8
+    #: Attempts per request for retryable storage errors (503 SlowDown, 500, timeouts, resets).
+    retry_attempts: int = 8
+    #: Upper bound in seconds on the time spent retrying one request.
+    retry_deadline_s: float = 120.0
+    #: What to do when ranks hold different values under one non-tensor key:
+    #: ``"error"`` fails the save naming the key and ranks; ``"keep_per_rank"`` stores one value per rank.
+    differing_objects: str = "error"
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            env_name = "CKPTIO_" + field.name.upper()
+            if env_name in os.environ:
+                value = _parse_env(field, os.environ[env_name])
+                log.info("ckptio: %s=%r from the environment overrides %r", field.name, value, getattr(self, field.name))
+                setattr(self, field.name, value)
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> "WriterConfig":
+        """Build a config from a mapping (e.g. a ``[checkpoint]`` section of a job's TOML/YAML)."""
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ckptio config key(s) {unknown}; valid keys are {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown ckptio mode {self.mode!r}; valid modes are {list(MODES)}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {self.compression!r}; valid values are {list(COMPRESSIONS)}")
+        if self.differing_objects not in ("error", "keep_per_rank"):
+            raise ValueError(
+                f"unknown differing_objects policy {self.differing_objects!r}; valid values are ['error', 'keep_per_rank']"
+            )
+        if self.block_size <= 0 or self.block_size % 64:
+            raise ValueError(f"block_size must be a positive multiple of 64 bytes, got {self.block_size}")
+        if self.part_size < 5 * MiB:
+            raise ValueError(f"part_size must be at least 5 MiB (the S3 minimum), got {self.part_size}")
+        for name in ("max_concurrency", "retry_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 1 <= self.compression_level <= 22:
+            raise ValueError(f"compression_level must be within 1..22, got {self.compression_level}")
+
+
+def _parse_env(field: dataclasses.Field, raw: str) -> Any:
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    text = raw.strip()
+    try:
+        if kind == "bool":
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind == "int":
+            return int(text)
+        if kind == "float":
+            return float(text)
+        if kind == "str | None":
+            return None if text.lower() in ("", "none") else text
+        return text
+    except ValueError:
+        raise ValueError(f"environment variable CKPTIO_{field.name.upper()}={raw!r} is not a valid {kind}") from None

@@ -1,0 +1,72 @@
+"""Which stored blocks a read needs: sub-box arithmetic over row-major chunks. Pure."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+# Past this many separate row runs, a sub-box touches (nearly) every block in its span anyway.
+_MAX_RUNS = 4096
+
+
+def row_major_strides(shape: Sequence[int]) -> list[int]:
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return strides
+
+
+def box_runs(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous element runs ``(start, stop)`` covering a sub-box, or ``[(first, last+1)]``
+    when there would be more than ``_MAX_RUNS`` of them."""
+    if not shape:
+        return [(0, 1)]
+    if any(n == 0 for n in lengths):
+        return []
+    strides = row_major_strides(shape)
+    # The innermost dims a run spans: trailing full dims plus the last partial one.
+    split = len(shape) - 1
+    while split > 0 and offsets[split] == 0 and lengths[split] == shape[split]:
+        split -= 1
+    run_len = lengths[split] * strides[split]
+    base = sum(o * s for o, s in zip(offsets, strides))
+    outer = lengths[:split]
+    if math.prod(outer) > _MAX_RUNS:
+        last = base + sum((n - 1) * s for n, s in zip(lengths, strides))
+        return [(base, last + 1)]
+    runs = []
+    for idx in _product(outer):
+        start = base + sum(i * s for i, s in zip(idx, strides))
+        runs.append((start, start + run_len))
+    return runs
+
+
+def _product(lengths: Sequence[int]) -> Iterable[tuple[int, ...]]:
+    if not lengths:
+        yield ()
+        return
+    for head in range(lengths[0]):
+        for tail in _product(lengths[1:]):
+            yield (head, *tail)
+
+
+def blocks_for_runs(runs: Iterable[tuple[int, int]], itemsize: int, block_size: int) -> list[int]:
+    """Sorted indices of the blocks that hold any byte of the element runs."""
+    needed: set[int] = set()
+    for start, stop in runs:
+        first = start * itemsize // block_size
+        last = (stop * itemsize - 1) // block_size
+        needed.update(range(first, last + 1))
+    return sorted(needed)
+
+
+def coalesce(spans: Iterable[tuple[str, int, int]], max_len: int) -> list[tuple[str, int, int]]:
+    """Merge byte spans that touch (same file, next start == previous end), up to ``max_len`` each."""
+    merged: list[list] = []
+    for name, start, end in sorted(spans):
+        last = merged[-1] if merged else None
+        if last and last[0] == name and last[2] == start and end - last[1] <= max_len:
+            last[2] = end
+        else:
+            merged.append([name, start, end])
+    return [tuple(m) for m in merged]

@@ -1,0 +1,26 @@
+"""Storage backends: ``open_store(url)`` picks the one for a URL's protocol."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from .base import FsspecStore, RangeRequest, Sink
+from .local import LocalStore
+
+__all__ = ["FsspecStore", "LocalStore", "RangeRequest", "Sink", "open_store"]
+
+
+def open_store(url: str | os.PathLike, storage_options: dict[str, Any] | None = None, config: Any = None) -> FsspecStore:
+    url = os.fspath(url)
+    fs, root = url_to_fs(url, **(storage_options or {}))
+    if isinstance(fs, LocalFileSystem):
+        return LocalStore(fs, root, url, config)
+    if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        from .s3 import S3Store
+
+        return S3Store(fs, root, url, config)
+    return FsspecStore(fs, root, url, config)

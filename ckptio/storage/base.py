@@ -1,0 +1,144 @@
+"""Where and how bytes land: the generic fsspec store every backend starts from.
+
+A store is rooted at one checkpoint directory (or key prefix) and speaks in plain names
+inside it. Backends override only what they do differently (``local.py``, ``s3.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol, Sequence
+
+import fsspec
+
+from ..errors import StorageError
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    """A data file being written front to back."""
+
+    def write(self, data: bytes | memoryview) -> None: ...
+
+    def close(self) -> None:
+        """Make the file durable under its final name."""
+
+    def abort(self) -> None:
+        """Give up: leave nothing behind (or as little as the backend allows)."""
+
+
+class RangeRequest(tuple):
+    """``(name, start, end)``: bytes ``start`` up to ``end`` (exclusive) of a file."""
+
+    __slots__ = ()
+
+    def __new__(cls, name: str, start: int, end: int) -> "RangeRequest":
+        return super().__new__(cls, (name, start, end))
+
+
+class FsspecStore:
+    """Any fsspec filesystem: plain opens, puts and ``cat_ranges``."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: Any = None):
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        self.config = config
+
+    def path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def describe(self, name: str) -> str:
+        return f"{self.url.rstrip('/')}/{name}"
+
+    # --- metadata-sized objects -------------------------------------------------------
+    def exists(self, name: str) -> bool:
+        return self._guard(name, "check", lambda: self.fs.exists(self.path(name)))
+
+    def read(self, name: str) -> bytes:
+        """Whole object; raises ``FileNotFoundError`` when it is absent."""
+        return self._guard(name, "read", lambda: self.fs.cat_file(self.path(name)), passthrough=(FileNotFoundError,))
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        """Publish ``data`` under ``name`` all at once (a single PUT on object stores)."""
+        self._guard(name, "write", lambda: self.fs.pipe_file(self.path(name), data))
+
+    def list_names(self) -> list[str] | None:
+        """Names directly under the root, or ``None`` when the root does not exist."""
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # noqa: BLE001 - listing is diagnostic only
+            log.debug("listing %s failed: %r", self.url, exc)
+            return None
+        return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def root_exists(self) -> bool:
+        try:
+            return bool(self.fs.exists(self.root))
+        except Exception:  # noqa: BLE001
+            return False
+
+    def delete(self, names: Sequence[str]) -> None:
+        for name in names:
+            try:
+                self.fs.rm_file(self.path(name))
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - cleanup of superseded files must not fail a commit
+                log.warning("ckptio: could not delete superseded %s: %r", self.describe(name), exc)
+
+    # --- data files -------------------------------------------------------------------
+    def prepare_directory(self) -> None:
+        self._guard("", "create", lambda: self.fs.makedirs(self.root, exist_ok=True))
+
+    def open_sink(self, name: str) -> Sink:
+        handle = self._guard(name, "open", lambda: self.fs.open(self.path(name), "wb"))
+        return _FileSink(self, name, handle)
+
+    def read_ranges(self, requests: Sequence[RangeRequest]) -> list[bytes]:
+        if not requests:
+            return []
+        paths = [self.path(n) for n, _, _ in requests]
+        starts = [s for _, s, _ in requests]
+        ends = [e for _, _, e in requests]
+        return self._guard(requests[0][0], "read", lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"))
+
+    # --- errors -----------------------------------------------------------------------
+    def _guard(self, name: str, action: str, fn, passthrough: tuple = ()):
+        try:
+            return fn()
+        except passthrough:
+            raise
+        except PermissionError as exc:
+            raise StorageError(
+                f"permission denied to {action} {self.describe(name)}: {exc}. Check the path's permissions "
+                "or the credentials in storage_options / the AWS environment."
+            ) from exc
+        except FileNotFoundError as exc:
+            raise StorageError(f"cannot {action} {self.describe(name)}: {exc} (does the bucket or directory exist?)") from exc
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise StorageError(f"failed to {action} {self.describe(name)}: {type(exc).__name__}: {exc}") from exc
+
+
+class _FileSink:
+    def __init__(self, store: FsspecStore, name: str, handle: Any):
+        self.store, self.name, self.handle = store, name, handle
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.store._guard(self.name, "write", lambda: self.handle.write(data))
+
+    def close(self) -> None:
+        self.store._guard(self.name, "finish", self.handle.close)
+
+    def abort(self) -> None:
+        discard = getattr(self.handle, "discard", None)
+        try:
+            discard() if discard else self.handle.close()
+        except Exception:  # noqa: BLE001
+            pass
+        self.store.delete([self.name])

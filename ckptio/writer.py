@@ -1,0 +1,203 @@
+"""The DCP StorageWriter: plan -> encode -> store -> commit.
+
+Each writing rank streams its items, block by block, into one data file; the coordinator
+publishes ``ckptio.json`` only after every rank's file is durable, so a checkpoint is
+loadable exactly when it is complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import __version__
+from .codec import BlockEncoder
+from .config import WriterConfig
+from .errors import CheckpointExistsError, CheckpointError, CheckpointFormatError
+from .layout import METADATA_NAME, StoredItem, data_file_name, decode_metadata, dtype_name, encode_metadata
+from .planning import Holdings, assign_writers
+from .storage import FsspecStore, open_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankAssignment:
+    """What the coordinator tells each rank: this save's id and the file it writes (if any)."""
+
+    save_id: str
+    file: str | None
+
+
+class Writer(StorageWriter):
+    """Save a DCP checkpoint to any fsspec URL.
+
+    Example::
+
+        dcp.save(state, storage_writer=ckptio.Writer("s3://bucket/run/step-100",
+                                                     ckptio.WriterConfig(mode="replica_group")))
+    """
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike | None = None,
+        config: WriterConfig | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+    ):
+        super().__init__()
+        self.config = config if config is not None else WriterConfig()
+        self.storage_options = dict(storage_options or {})
+        self.checkpoint_id: str | None = None
+        self.rank = 0
+        self.is_coordinator = True
+        self.reset(checkpoint_id)
+
+    # --- DCP protocol -----------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        # storage_options survive reset: torch's FsspecWriter drops them here and silently
+        # falls back to the default endpoint.
+        if checkpoint_id is not None:
+            self.checkpoint_id = os.fspath(checkpoint_id)
+        self._store: FsspecStore | None = None
+        self._superseded: list[str] = []
+        self._save_id: str | None = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.rank = rank
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id) if self.checkpoint_id else None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._open_store().prepare_directory()
+        return dataclasses.replace(plan, storage_data=Holdings(self.rank, tuple(plan.items)))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._check_target()
+        save_id = uuid.uuid4().hex[:16]
+        assigned = assign_writers(plans, self.config.mode)
+        return [
+            dataclasses.replace(
+                plan, items=items, storage_data=RankAssignment(save_id, data_file_name(save_id, rank) if items else None)
+            )
+            for rank, (plan, items) in enumerate(zip(plans, assigned))
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assignment: RankAssignment = plan.storage_data
+        self._save_id = assignment.save_id
+        future: Future[list[WriteResult]] = Future()
+        results = self._write_file(assignment.file, plan.items, planner) if assignment.file else []
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        files: dict[str, int] = {}
+        writers: dict[str, int] = {}
+        for rank, rank_results in enumerate(results):
+            for r in rank_results:
+                item: StoredItem = r.storage_data
+                files[item.file] = files.get(item.file, 0) + item.stored_bytes
+                writers[item.file] = rank
+        header = {
+            "written_by": f"ckptio {__version__}",
+            "torch_version": torch.__version__,
+            "created_unix": time.time(),
+            "save_id": self._save_id,
+            "world_size": len(results),
+            "config": {k: v for k, v in self.config.to_dict().items() if k in ("mode", "compression", "block_size")},
+            "files": files,
+            "writer_ranks": writers,
+        }
+        store = self._open_store()
+        store.put_atomic(METADATA_NAME, encode_metadata(metadata, items, header))
+        stale = [name for name in self._superseded if name not in files]
+        if stale:
+            store.delete(stale)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+    # --- helpers ----------------------------------------------------------------------
+    def _open_store(self) -> FsspecStore:
+        if self._store is None:
+            if self.checkpoint_id is None:
+                raise CheckpointError(
+                    "ckptio.Writer has no checkpoint location: pass it to Writer(...) or to dcp.save(checkpoint_id=...)"
+                )
+            self._store = open_store(self.checkpoint_id, self.storage_options, self.config)
+        return self._store
+
+    def _check_target(self) -> None:
+        """Refuse to replace a committed checkpoint unless asked; remember what an overwrite supersedes."""
+        store = self._open_store()
+        try:
+            old = store.read(METADATA_NAME)
+        except FileNotFoundError:
+            return
+        if not self.config.overwrite:
+            raise CheckpointExistsError(
+                f"{store.describe(METADATA_NAME)} already holds a committed checkpoint; save to a new path, "
+                "or pass WriterConfig(overwrite=True) to replace it (the old one stays loadable until the new one commits)"
+            )
+        try:
+            self._superseded = sorted(decode_metadata(old, store.describe(METADATA_NAME)).files)
+        except CheckpointFormatError as exc:
+            log.warning("ckptio: overwriting an unreadable checkpoint; its data files are left in place: %s", exc)
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        encoder = BlockEncoder(self.config.block_size, self.config.compression, self.config.compression_level)
+        sink = self._open_store().open_sink(name)
+        results: list[WriteResult] = []
+        offset = 0
+        try:
+            # Objects first: they are small, and their pickling is the likeliest thing to fail.
+            for item in sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO):
+                data, kind, dtype, shape = _item_bytes(item, planner.resolve_data(item))
+                blocks = []
+                for stored, crc in encoder.encode(data):
+                    sink.write(stored)
+                    blocks.append((len(stored), crc))
+                record = StoredItem(name, offset, len(data), kind, dtype, shape, encoder.codec,
+                                    encoder.block_size, tuple(blocks))
+                offset += record.stored_bytes
+                results.append(WriteResult(index=item.index, size_in_bytes=record.stored_bytes, storage_data=record))
+            sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+        return results
+
+
+def _item_bytes(item: WriteItem, data: Any) -> tuple[memoryview, str, str | None, tuple[int, ...] | None]:
+    if item.type == WriteItemType.BYTE_IO:
+        return data.getbuffer(), "bytes", None, None
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = tensor.contiguous()
+    expected = tuple(item.tensor_data.chunk.sizes)
+    if tuple(tensor.shape) != expected:
+        raise CheckpointError(
+            f"key {item.index.fqn!r}: the planner resolved a tensor of shape {tuple(tensor.shape)} "
+            f"for a chunk of shape {expected}"
+        )
+    raw = tensor.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(raw).cast("B"), "tensor", dtype_name(tensor.dtype), expected
