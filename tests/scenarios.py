@@ -1,0 +1,113 @@
+"""Deterministic training-like states and the per-rank bodies the distributed tests spawn."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import ckptio
+
+# name -> (global shape, dtype); dims 37 and 50 split unevenly across 2 or 4 shards.
+TENSORS = {
+    "model.layers.0.weight": ((64, 48), torch.float32),
+    "model.layers.0.bias": ((37,), torch.bfloat16),
+    "model.embed.weight": ((50, 24), torch.bfloat16),
+    "optim.state.layers.0.weight.exp_avg": ((64, 48), torch.float32),
+    "optim.state.layers.0.weight.exp_avg_sq": ((64, 48), torch.float32),
+    "optim.state.embed.weight.exp_avg": ((50, 24), torch.float32),
+}
+OBJECTS = {"extra": {"lr": 0.01, "betas": [0.9, 0.999], "name": "run-7"}, "blob": b"\x00\x01ckptio" * 10}
+STEP = torch.tensor(100.0)
+
+
+def global_tensor(name: str) -> torch.Tensor:
+    shape, dtype = TENSORS[name]
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def logical_tensor_bytes() -> int:
+    return sum(global_tensor(n).numel() * global_tensor(n).element_size() for n in TENSORS) + STEP.element_size()
+
+
+def make_mesh(mesh_shape):
+    if mesh_shape is None:
+        return None
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    return init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=names)
+
+
+def make_state(mesh, empty: bool = False) -> dict:
+    state: dict = {"model": {}, "optim": {}}
+    for name in TENSORS:
+        value = torch.zeros_like(global_tensor(name)) if empty else global_tensor(name)
+        if mesh is not None:
+            placements = [Replicate(), Shard(0)] if mesh.ndim == 2 else [Shard(0)]
+            value = distribute_tensor(value, mesh, placements)
+        _put(state, name, value)
+    state["optim"]["step"] = torch.zeros(()) if empty else STEP.clone()
+    for key, value in OBJECTS.items():
+        state[key] = {k: None for k in value} if (empty and isinstance(value, dict)) else (None if empty else value)
+    return state
+
+
+def _put(state: dict, dotted: str, value) -> None:
+    head, _, rest = dotted.partition(".")
+    if head in ("model", "optim") and head in state:
+        state[head][rest] = value
+    else:
+        state[dotted] = value
+
+
+def mismatches(state: dict) -> list[str]:
+    """Names whose loaded value differs (bitwise) from what was saved."""
+    bad = []
+    for name in TENSORS:
+        head, _, rest = name.partition(".")
+        value = state[head][rest]
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        expected = global_tensor(name)
+        if full.dtype != expected.dtype or not torch.equal(full.view(torch.uint8), expected.view(torch.uint8)):
+            bad.append(name)
+    if not torch.equal(state["optim"]["step"], STEP):
+        bad.append("optim.step")
+    for key, value in OBJECTS.items():
+        if state[key] != value:
+            bad.append(key)
+    return bad
+
+
+def save(url: str, mesh_shape, mode: str, storage_options=None, **config) -> int:
+    state = make_state(make_mesh(mesh_shape))
+    writer = ckptio.Writer(url, ckptio.WriterConfig(mode=mode, **config), storage_options=storage_options)
+    dcp.save(state, storage_writer=writer)
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def load(url: str, mesh_shape, storage_options=None, via_checkpoint_id: bool = False) -> list[str]:
+    state = make_state(make_mesh(mesh_shape), empty=True)
+    if via_checkpoint_id:
+        dcp.load(state, storage_reader=ckptio.Reader(storage_options=storage_options), checkpoint_id=url)
+    else:
+        dcp.load(state, storage_reader=ckptio.Reader(url, storage_options=storage_options))
+    return mismatches(state)
+
+
+def save_each_mode(base: str, mesh_shape, storage_options=None, via_checkpoint_id: bool = False) -> None:
+    """Save the same state once per mode under ``base/<mode>``."""
+    for mode in ckptio.config.MODES:
+        if via_checkpoint_id:
+            state = make_state(make_mesh(mesh_shape)) if mode == "all_ranks" else state
+            writer = ckptio.Writer(config=ckptio.WriterConfig(mode=mode), storage_options=storage_options)
+            dcp.save(state, storage_writer=writer, checkpoint_id=f"{base}/{mode}")
+        else:
+            save(f"{base}/{mode}", mesh_shape, mode, storage_options)
+
+
+def load_each_mode(base: str, mesh_shape, storage_options=None, via_checkpoint_id: bool = False) -> dict:
+    return {mode: load(f"{base}/{mode}", mesh_shape, storage_options, via_checkpoint_id) for mode in ckptio.config.MODES}
