@@ -15,6 +15,8 @@ from .errors import (  # noqa: E402
     StorageError,
     UnsafeObjectError,
 )
+from .api import load, save, unwrap  # noqa: E402
+from .planners import SafeLoadPlanner  # noqa: E402
 from .reader import Reader  # noqa: E402
 from .writer import Writer  # noqa: E402
 
@@ -28,9 +30,13 @@ __all__ = [
     "NotCkptioCheckpointError",
     "PerRankStateError",
     "Reader",
+    "SafeLoadPlanner",
     "StorageError",
     "UnsafeObjectError",
     "Writer",
     "WriterConfig",
     "__version__",
+    "load",
+    "save",
+    "unwrap",
 ]

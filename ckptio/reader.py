@@ -135,26 +135,26 @@ class Reader(StorageReader):
                 )
             spans.setdefault(name, []).append((start, end, memoryview(data)))
         for job in jobs:
-            blocks = {b: self._decode(store, job, b, _slice(spans, job.item.file, *job.item_block_span(b)))
-                      for b in job.blocks}
+            where = f"key {job.read_item.storage_index.fqn!r} in {store.describe(job.item.file)}"
+            blocks = {b: decode_verified(job.item, b, _slice(spans, job.item.file, *job.item_block_span(b)), where,
+                                         self.verify) for b in job.blocks}
             job.deliver(blocks, planner)
 
-    def _decode(self, store: FsspecStore, job: "_ReadJob", block: int, stored: memoryview) -> Any:
-        item = job.item
-        where = (f"key {job.read_item.storage_index.fqn!r} in {store.describe(item.file)}, block {block} "
-                 f"at byte offset {item.block_offsets[block]}")
-        expected = item.blocks[block][1]
-        if self.verify:
-            actual = checksum(stored)
-            if actual != expected:
-                raise CorruptCheckpointError(
-                    f"checksum mismatch for {where}: crc32c recorded {expected:08x}, read {actual:08x}. "
-                    "The data file is damaged; restore it or load an earlier checkpoint"
-                )
-        try:
-            return decode_block(stored, item.block_logical_len(block), item.codec)
-        except Exception as exc:  # zstd raises its own error type
-            raise CorruptCheckpointError(f"cannot decompress {where}: {exc}") from None
+def decode_verified(item: StoredItem, block: int, stored: memoryview, where: str, verify: bool = True) -> Any:
+    """Check one stored block against its recorded CRC32C and return its logical bytes."""
+    where = f"{where}, block {block} at byte offset {item.block_offsets[block]}"
+    expected = item.blocks[block][1]
+    if verify:
+        actual = checksum(stored)
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"checksum mismatch for {where}: crc32c recorded {expected:08x}, read {actual:08x}. "
+                "The data file is damaged; restore it or load an earlier checkpoint"
+            )
+    try:
+        return decode_block(stored, item.block_logical_len(block), item.codec)
+    except Exception as exc:  # zstd raises its own error type
+        raise CorruptCheckpointError(f"cannot decompress {where}: {exc}") from None
 
 
 def _slice(spans: dict[str, list[tuple[int, int, memoryview]]], name: str, start: int, end: int) -> memoryview:

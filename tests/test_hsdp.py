@@ -10,7 +10,7 @@ import pytest
 from ckptio.layout import METADATA_NAME, is_data_file_name
 
 from . import scenarios
-from .dist import spawn
+from benchmarks.spawn import spawn
 
 LOAD_MESHES = [(4, (2, 2)), (2, (1, 2)), (4, (4, 1)), (0, None)]  # (processes, mesh); 0 = one process, no PG
 

@@ -16,11 +16,12 @@ __all__ = ["FsspecStore", "LocalStore", "RangeRequest", "Sink", "open_store"]
 
 def open_store(url: str | os.PathLike, storage_options: dict[str, Any] | None = None, config: Any = None) -> FsspecStore:
     url = os.fspath(url)
+    if url.startswith(("s3://", "s3a://")):
+        from .s3 import S3Store, s3_storage_options
+
+        fs, root = url_to_fs(url, **s3_storage_options(storage_options))
+        return S3Store(fs, root, url, config)
     fs, root = url_to_fs(url, **(storage_options or {}))
     if isinstance(fs, LocalFileSystem):
         return LocalStore(fs, root, url, config)
-    if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-        from .s3 import S3Store
-
-        return S3Store(fs, root, url, config)
     return FsspecStore(fs, root, url, config)

@@ -1,0 +1,58 @@
+"""``ckptio.save`` / ``ckptio.load``: dcp.save/dcp.load with ckptio storage, safe object loading,
+and failures raised as ``ckptio.CheckpointError`` instead of torch's ``BaseException``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .config import WriterConfig
+from .errors import CheckpointError
+from .planners import SafeLoadPlanner
+from .reader import Reader
+from .writer import Writer
+
+
+def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, config: WriterConfig | None = None, *,
+         storage_options: dict[str, Any] | None = None, planner=None, process_group=None):
+    """Save ``state_dict`` to ``checkpoint_id``; every rank of ``process_group`` must call it."""
+    writer = Writer(checkpoint_id, config, storage_options=storage_options)
+    with raising_checkpoint_errors():
+        return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+
+
+def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
+         planner=None, process_group=None, verify: bool = True) -> None:
+    """Load into ``state_dict`` in place. Objects are restored safely unless ``planner`` says otherwise."""
+    reader = Reader(checkpoint_id, storage_options=storage_options, verify=verify)
+    with raising_checkpoint_errors():
+        dcp.load(state_dict, storage_reader=reader, planner=planner if planner is not None else SafeLoadPlanner(),
+                 process_group=process_group)
+
+
+@contextlib.contextmanager
+def raising_checkpoint_errors() -> Iterator[None]:
+    """Turn torch's ``CheckpointException`` into the ckptio error one of the ranks raised."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise unwrap(exc) from None
+
+
+def unwrap(exc: CheckpointException) -> CheckpointError:
+    failures = exc.failures
+    ranks = sorted(failures)
+    for rank in ranks:
+        error = failures[rank][0]
+        if isinstance(error, CheckpointError):
+            others = f" (ranks that failed: {ranks})" if len(ranks) > 1 else ""
+            return type(error)(f"rank {rank}: {error}{others}")
+    rank = ranks[0]
+    error = failures[rank][0]
+    wrapped = CheckpointError(f"rank {rank}: {type(error).__name__}: {error} (ranks that failed: {ranks})")
+    wrapped.__cause__ = error
+    return wrapped

@@ -1,0 +1,97 @@
+"""``ckptio inspect | verify | convert | bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .errors import CheckpointError
+
+
+def _storage_options(args: argparse.Namespace) -> dict:
+    options = json.loads(args.storage_options) if args.storage_options else {}
+    if getattr(args, "endpoint_url", None):
+        options.setdefault("client_kwargs", {})["endpoint_url"] = args.endpoint_url
+    return options
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .report import describe, format_description
+
+    desc = describe(args.url, _storage_options(args))
+    print(json.dumps(desc, indent=2) if args.json else format_description(desc))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .report import describe, verify
+
+    total = describe(args.url, _storage_options(args))["stored_bytes"]
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
+        manifest, problems = verify(args.url, _storage_options(args), progress=bar.update)
+    if problems:
+        print(f"{args.url}: {len(problems)} problem(s)", file=sys.stderr)
+        for problem in problems:
+            print(f"  BAD {problem}", file=sys.stderr)
+        return 1
+    print(f"{args.url}: OK, {len(manifest.items)} items in {len(manifest.files)} files, every checksum matches")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import to_torch_save
+
+    keys = to_torch_save(args.url, args.output, storage_options=_storage_options(args))
+    print(f"wrote {args.output} with {keys} keys")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from benchmarks.__main__ import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ckptio", description="PyTorch distributed checkpoints on S3 and shared filesystems")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_url(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("url", help="checkpoint location (path, file://, s3://, memory://...)")
+        p.add_argument("--storage-options", help="fsspec storage_options as JSON")
+        p.add_argument("--endpoint-url", help="S3-compatible endpoint (shortcut for client_kwargs.endpoint_url)")
+        return p
+
+    p = with_url(sub.add_parser("inspect", help="show what a checkpoint holds"))
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+    p = with_url(sub.add_parser("verify", help="read every block and check every checksum"))
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_verify)
+    p = with_url(sub.add_parser("convert", help="write a single-file torch.save checkpoint"))
+    p.add_argument("output", help="path of the .pt file to write")
+    p.set_defaults(func=cmd_convert)
+    p = sub.add_parser("bench", help="benchmark ckptio against torch's writers (see ckptio bench --help)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except CheckpointError as exc:
+        print(f"ckptio: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Load planners: a safe one that never runs code from a checkpoint's pickled objects."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
+
+from .errors import UnsafeObjectError
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """Like torch's ``DefaultLoadPlanner``, but non-tensor items are restored with
+    ``torch.load(weights_only=True)``: plain containers, numbers, strings, bytes and tensors
+    only. Anything else raises ``ckptio.UnsafeObjectError`` naming the key and the type.
+
+    To allow a type you trust: ``torch.serialization.add_safe_globals([MyType])``.
+    """
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeObjectError(
+                f"key {fqn!r}: the saved object needs a type the safe loader does not allow ({exc}). If you trust "
+                "this checkpoint, allow the type with torch.serialization.add_safe_globals([...]) or load with "
+                "planner=torch.distributed.checkpoint.DefaultLoadPlanner()"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj

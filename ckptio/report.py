@@ -1,0 +1,134 @@
+"""What a checkpoint holds (``inspect``) and whether every byte of it is intact (``verify``)."""
+
+from __future__ import annotations
+
+import datetime
+from collections import defaultdict
+from typing import Any, Callable
+
+from .errors import CheckpointError, CorruptCheckpointError
+from .layout import Manifest, StoredItem
+from .reader import decode_verified, read_manifest
+from .storage import FsspecStore, RangeRequest, open_store
+
+
+def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything ``ckptio inspect`` prints, as one JSON-ready dict."""
+    manifest = read_manifest(open_store(url, storage_options))
+    header = manifest.header
+    by_key: dict[str, list[StoredItem]] = defaultdict(list)
+    for index, item in manifest.items.items():
+        by_key[index.fqn].append(item)
+    keys = []
+    for fqn, md in sorted(manifest.metadata.state_dict_metadata.items()):
+        items = by_key.get(fqn, [])
+        stored = sum(i.stored_bytes for i in items)
+        logical = sum(i.logical_bytes for i in items)
+        is_tensor = hasattr(md, "chunks")
+        keys.append({
+            "key": fqn,
+            "type": "tensor" if is_tensor else "object",
+            "dtype": str(md.properties.dtype).removeprefix("torch.") if is_tensor else None,
+            "shape": list(md.size) if is_tensor else None,
+            "chunks": len(md.chunks) if is_tensor else 1,
+            "stored_bytes": stored,
+            "logical_bytes": logical,
+            "files": sorted({i.file for i in items}),
+            "compression_ratio": round(logical / stored, 3) if stored else 1.0,
+        })
+    stored_total = sum(k["stored_bytes"] for k in keys)
+    logical_total = sum(k["logical_bytes"] for k in keys)
+    return {
+        "url": url,
+        "written_by": header.get("written_by"),
+        "format_version": header.get("format_version"),
+        "created": datetime.datetime.fromtimestamp(header.get("created_unix", 0), datetime.timezone.utc).isoformat(),
+        "save_id": header.get("save_id"),
+        "world_size": header.get("world_size"),
+        "mesh": header.get("mesh"),
+        "mode": header.get("config", {}).get("mode"),
+        "compression": header.get("config", {}).get("compression"),
+        "files": manifest.files,
+        "writer_ranks": header.get("writer_ranks", {}),
+        "stored_bytes": stored_total,
+        "logical_bytes": logical_total,
+        "compression_ratio": round(logical_total / stored_total, 3) if stored_total else 1.0,
+        "keys": keys,
+    }
+
+
+def format_description(desc: dict[str, Any]) -> str:
+    lines = [
+        f"checkpoint   {desc['url']}",
+        f"written by   {desc['written_by']} (format {desc['format_version']}) at {desc['created']}",
+        f"saved on     {desc['world_size']} ranks" + (f", mesh {desc['mesh']}" if desc.get("mesh") else "")
+        + f", mode {desc['mode']}, compression {desc['compression'] or 'none'}",
+        f"files        {len(desc['files'])} data files, {_size(desc['stored_bytes'])} stored, "
+        f"{_size(desc['logical_bytes'])} logical (ratio {desc['compression_ratio']})",
+    ]
+    for name, size in sorted(desc["files"].items()):
+        lines.append(f"  {name}  {_size(size)}  written by rank {desc['writer_ranks'].get(name, '?')}")
+    header = ("key", "dtype", "shape", "chunks", "stored", "logical", "ratio", "files")
+    rows = [(k["key"], k["dtype"] or "object", "x".join(map(str, k["shape"])) if k["shape"] is not None else "-",
+             str(k["chunks"]), _size(k["stored_bytes"]), _size(k["logical_bytes"]), str(k["compression_ratio"]),
+             ",".join(f.split("-r")[-1].removesuffix(".ckio") for f in k["files"])) for k in desc["keys"]]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines.append("")
+    for row in [header, *rows]:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+_BLOCKS_PER_READ = 32
+
+
+def verify(url: str, storage_options: dict[str, Any] | None = None,
+           progress: Callable[[int], None] | None = None) -> tuple[Manifest, list[str]]:
+    """Read every stored block, check sizes and checksums; return the problems found (empty = intact)."""
+    store = open_store(url, storage_options)
+    manifest = read_manifest(store)
+    problems: list[str] = []
+    for name, size in sorted(manifest.files.items()):
+        actual = _object_size(store, name)
+        if actual is None:
+            problems.append(f"{store.describe(name)}: data file is missing")
+        elif actual != size:
+            problems.append(f"{store.describe(name)}: holds {actual} bytes, the metadata records {size} (truncated or rewritten)")
+    missing = {p.split(": ")[0].rsplit("/", 1)[-1] for p in problems}
+    for index, item in sorted(manifest.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
+        where = f"key {index.fqn!r}" + (f" chunk {tuple(index.offset)}" if index.offset is not None else "")
+        if item.file in missing:
+            problems.append(f"{where}: stored in missing or truncated file {item.file}")
+            continue
+        try:
+            for first in range(0, len(item.blocks), _BLOCKS_PER_READ):
+                last = min(first + _BLOCKS_PER_READ, len(item.blocks))
+                base = item.block_offsets[first]
+                (data,) = store.read_ranges([RangeRequest(item.file, base, item.block_offsets[last])])
+                data = memoryview(data)
+                for b in range(first, last):
+                    block = data[item.block_offsets[b] - base : item.block_offsets[b + 1] - base]
+                    decode_verified(item, b, block, f"{where} in {store.describe(item.file)}")
+        except CorruptCheckpointError as exc:
+            problems.append(str(exc))
+        except CheckpointError as exc:
+            problems.append(f"{where}: {exc}")
+        if progress:
+            progress(item.stored_bytes)
+    return manifest, problems
+
+
+def _object_size(store: FsspecStore, name: str) -> int | None:
+    try:
+        return int(store.fs.size(store.path(name)))
+    except FileNotFoundError:
+        return None
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+

@@ -1,0 +1,53 @@
+"""The one retry policy for object-store requests: exponential backoff with full jitter,
+bounded in attempts and in total time, and only for errors that can succeed on a retry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from typing import Awaitable, Callable, TypeVar
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRYABLE_CODES = {
+    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException",
+    "Throttling", "ThrottlingException", "TooManyRequestsException", "RequestLimitExceeded",
+    "BadDigest", "IncompleteBody", "XAmzContentSHA256Mismatch", "500", "502", "503", "504",
+}
+BASE_DELAY_S = 0.05
+MAX_DELAY_S = 5.0
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """True for throttling, 5xx, timeouts and dropped connections; False for e.g. 403 or 404."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        error = response.get("Error", {}) or {}
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return str(error.get("Code")) in RETRYABLE_CODES or (isinstance(status, int) and status >= 500)
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError, OSError)):
+        return not isinstance(exc, (FileNotFoundError, PermissionError))
+    module = type(exc).__module__ or ""
+    # aiohttp client/payload errors and botocore connection/read-timeout errors
+    return module.startswith(("aiohttp", "botocore.exceptions", "urllib3", "http.client"))
+
+
+async def with_retries(fn: Callable[[], Awaitable[T]], *, attempts: int, deadline_s: float, what: str) -> T:
+    """Await ``fn()``; on a retryable error wait and try again, at most ``attempts`` times in
+    ``deadline_s`` seconds. The last error propagates."""
+    start = time.monotonic()
+    for attempt in range(1, attempts + 1):
+        try:
+            return await fn()
+        except Exception as exc:
+            remaining = deadline_s - (time.monotonic() - start)
+            if attempt == attempts or not is_retryable(exc) or remaining <= 0:
+                raise
+            delay = min(remaining, random.uniform(0, min(MAX_DELAY_S, BASE_DELAY_S * 2**attempt)))
+            log.info("ckptio: %s failed (%s: %s); retry %d/%d in %.2fs", what, type(exc).__name__, exc,
+                     attempt, attempts - 1, delay)
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
