@@ -49,6 +49,9 @@ class WriterConfig:
     retry_attempts: int = 8
     #: Upper bound in seconds on the time spent retrying one request.
     retry_deadline_s: float = 120.0
+    #: A rank whose only items are its own per-rank state, at most this many bytes, hands them
+    #: to the coordinator to store inside ckptio.json instead of creating a tiny object.
+    inline_limit: int = 64 << 10
     #: What to do when ranks hold different values under one non-tensor key:
     #: ``"error"`` fails the save naming the key and ranks; ``"keep_per_rank"`` stores one value per rank.
     differing_objects: str = "error"
@@ -88,6 +91,8 @@ class WriterConfig:
             raise ValueError(f"block_size must be a positive multiple of 64 bytes, got {self.block_size}")
         if self.part_size < 5 * MiB:
             raise ValueError(f"part_size must be at least 5 MiB (the S3 minimum), got {self.part_size}")
+        if self.inline_limit < 0:
+            raise ValueError(f"inline_limit must be >= 0, got {self.inline_limit}")
         for name in ("max_concurrency", "retry_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -5,12 +5,17 @@ A checkpoint is a directory (or key prefix) holding::
     ckptio.json                       metadata, written last: its presence commits the save
     data-<save_id>-r<rank>.ckio       one per writing rank: items' blocks, back to back
 
+A rank whose only items are its own small per-rank state stores them inline in ckptio.json
+(base64, still checksummed per block) and creates no file.
+
 Nothing here does I/O, and nothing is ever unpickled: the metadata is JSON, validated
 before any data file is opened.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import re
@@ -57,6 +62,7 @@ class StoredItem:
     codec: str
     block_size: int
     blocks: tuple[tuple[int, int], ...]  # (stored length, crc32c) per block
+    inline: bytes | None = None  # stored bytes kept inside ckptio.json (file == "")
 
     @cached_property
     def block_offsets(self) -> list[int]:
@@ -84,6 +90,7 @@ class StoredItem:
             "codec": self.codec,
             "block_size": self.block_size,
             "blocks": [list(b) for b in self.blocks],
+            **({"inline": base64.b64encode(self.inline).decode()} if self.inline is not None else {}),
         }
 
 
@@ -236,6 +243,7 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
             codec=raw["codec"],
             block_size=_require_int(raw["block_size"], "block_size"),
             blocks=tuple((_require_int(a, "block length"), _require_int(b, "crc")) for a, b in raw["blocks"]),
+            inline=_decode_inline(raw.get("inline"), where),
         )
         offset = raw["chunk_offset"]
         index = MetadataIndex(raw["fqn"], torch.Size(_ints(offset)) if offset is not None else None, raw["index"])
@@ -254,7 +262,10 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
 
 def _check_item(item: StoredItem, index: MetadataIndex, files: dict[str, int], where: str) -> None:
     key = f"{where}: item {index.fqn!r}"
-    if item.file not in files:
+    if item.file == "":
+        if item.inline is None or item.offset != 0 or len(item.inline) != item.stored_bytes:
+            raise CheckpointFormatError(f"{key} is stored inline but its inline bytes do not match its blocks")
+    elif item.inline is not None or item.file not in files:
         raise CheckpointFormatError(f"{key} points at {item.file!r}, which is not a data file of this checkpoint")
     if item.kind not in ("tensor", "bytes") or item.codec not in ("raw", "zstd"):
         raise CheckpointFormatError(f"{key} has unknown kind {item.kind!r} or codec {item.codec!r}")
@@ -263,7 +274,7 @@ def _check_item(item: StoredItem, index: MetadataIndex, files: dict[str, int], w
     expected_blocks = -(-item.logical_bytes // item.block_size)
     if len(item.blocks) != expected_blocks:
         raise CheckpointFormatError(f"{key} lists {len(item.blocks)} blocks, expected {expected_blocks}")
-    if item.offset < 0 or item.offset + item.stored_bytes > files[item.file]:
+    if item.file and item.offset + item.stored_bytes > files[item.file]:
         raise CheckpointFormatError(
             f"{key} spans bytes {item.offset}..{item.offset + item.stored_bytes} of {item.file}, "
             f"which the metadata says holds {files[item.file]} bytes"
@@ -279,6 +290,15 @@ def _check_item(item: StoredItem, index: MetadataIndex, files: dict[str, int], w
             numel *= dim
         if numel * dtype.itemsize != item.logical_bytes:
             raise CheckpointFormatError(f"{key} has shape {item.shape} of {item.dtype} but {item.logical_bytes} bytes")
+
+
+def _decode_inline(value: Any, where: str) -> bytes | None:
+    if value is None:
+        return None
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise CheckpointFormatError(f"{where}: an inline item is not valid base64") from None
 
 
 def _require_int(value: Any, what: str) -> int:

@@ -28,7 +28,16 @@ def item_size(item: WriteItem) -> int:
     return item.tensor_storage_size() or 1
 
 
-def assign_writers(plans: list[SavePlan], mode: str) -> list[list[WriteItem]]:
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    """The items one rank writes; ``private_only`` when no other rank holds any of them
+    (per-rank state), which makes them candidates for inlining into the metadata."""
+
+    items: list[WriteItem]
+    private_only: bool
+
+
+def assign_writers(plans: list[SavePlan], mode: str) -> list[Assignment]:
     """Return, for each rank, the items it writes.
 
     Every item present in ``plans`` (torch's deduplicated global plan) is assigned exactly
@@ -67,4 +76,4 @@ def assign_writers(plans: list[SavePlan], mode: str) -> list[list[WriteItem]]:
     replicated.sort(key=lambda it: (-item_size(it), it.index.fqn, tuple(it.index.offset or ())))
     for item in replicated:
         give(item, min(holders[item.index], key=lambda r: (load[r], r)))
-    return assigned
+    return [Assignment(items, all(len(holders[it.index]) == 1 for it in items)) for items in assigned]

@@ -116,7 +116,7 @@ class Reader(StorageReader):
         if not jobs:
             return
         store = self._open_store()
-        wanted = {(job.item.file, *job.item_block_span(b)) for job in jobs for b in job.blocks}
+        wanted = {(job.item.file, *job.item_block_span(b)) for job in jobs if job.item.inline is None for b in job.blocks}
         requests = [RangeRequest(*r) for r in coalesce(wanted, _MAX_REQUEST_BYTES)]
         try:
             fetched = store.read_ranges(requests)
@@ -136,8 +136,8 @@ class Reader(StorageReader):
             spans.setdefault(name, []).append((start, end, memoryview(data)))
         for job in jobs:
             where = f"key {job.read_item.storage_index.fqn!r} in {store.describe(job.item.file)}"
-            blocks = {b: decode_verified(job.item, b, _slice(spans, job.item.file, *job.item_block_span(b)), where,
-                                         self.verify) for b in job.blocks}
+            blocks = {b: decode_verified(job.item, b, _stored_block(spans, job.item, b), where, self.verify)
+                      for b in job.blocks}
             job.deliver(blocks, planner)
 
 def decode_verified(item: StoredItem, block: int, stored: memoryview, where: str, verify: bool = True) -> Any:
@@ -157,8 +157,13 @@ def decode_verified(item: StoredItem, block: int, stored: memoryview, where: str
         raise CorruptCheckpointError(f"cannot decompress {where}: {exc}") from None
 
 
-def _slice(spans: dict[str, list[tuple[int, int, memoryview]]], name: str, start: int, end: int) -> memoryview:
-    """The bytes [start, end) of ``name`` out of the fetched spans (sorted by start, as coalesce emits them)."""
+def _stored_block(spans: dict[str, list[tuple[int, int, memoryview]]], item: StoredItem, block: int) -> memoryview:
+    """The stored bytes of one block: inline in the metadata, or out of the fetched spans
+    (sorted by start, as coalesce emits them)."""
+    start, end = item.block_offsets[block], item.block_offsets[block + 1]
+    if item.inline is not None:
+        return memoryview(item.inline)[start:end]
+    name = item.file
     file_spans = spans[name]
     at = bisect.bisect_right(file_spans, start, key=lambda s: s[0]) - 1
     span_start, span_end, data = file_spans[at]

@@ -71,7 +71,8 @@ def format_description(desc: dict[str, Any]) -> str:
     header = ("key", "dtype", "shape", "chunks", "stored", "logical", "ratio", "files")
     rows = [(k["key"], k["dtype"] or "object", "x".join(map(str, k["shape"])) if k["shape"] is not None else "-",
              str(k["chunks"]), _size(k["stored_bytes"]), _size(k["logical_bytes"]), str(k["compression_ratio"]),
-             ",".join(f.split("-r")[-1].removesuffix(".ckio") for f in k["files"])) for k in desc["keys"]]
+             ",".join(f.split("-r")[-1].removesuffix(".ckio") if f else "inline" for f in k["files"]))
+            for k in desc["keys"]]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines.append("")
     for row in [header, *rows]:
@@ -104,8 +105,11 @@ def verify(url: str, storage_options: dict[str, Any] | None = None,
             for first in range(0, len(item.blocks), _BLOCKS_PER_READ):
                 last = min(first + _BLOCKS_PER_READ, len(item.blocks))
                 base = item.block_offsets[first]
-                (data,) = store.read_ranges([RangeRequest(item.file, base, item.block_offsets[last])])
-                data = memoryview(data)
+                if item.inline is not None:
+                    data = memoryview(item.inline)[base:]
+                else:
+                    (data,) = store.read_ranges([RangeRequest(item.file, base, item.block_offsets[last])])
+                    data = memoryview(data)
                 for b in range(first, last):
                     block = data[item.block_offsets[b] - base : item.block_offsets[b + 1] - base]
                     decode_verified(item, b, block, f"{where} in {store.describe(item.file)}")

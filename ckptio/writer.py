@@ -37,6 +37,7 @@ class RankAssignment:
 
     save_id: str
     file: str | None
+    private_only: bool = False
 
 
 class Writer(StorageWriter):
@@ -92,17 +93,17 @@ class Writer(StorageWriter):
         save_id = uuid.uuid4().hex[:16]
         assigned = assign_writers(plans, self.config.mode)
         return [
-            dataclasses.replace(
-                plan, items=items, storage_data=RankAssignment(save_id, data_file_name(save_id, rank) if items else None)
-            )
-            for rank, (plan, items) in enumerate(zip(plans, assigned))
+            dataclasses.replace(plan, items=a.items, storage_data=RankAssignment(
+                save_id, data_file_name(save_id, rank) if a.items else None, a.private_only))
+            for rank, (plan, a) in enumerate(zip(plans, assigned))
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: RankAssignment = plan.storage_data
         self._save_id = assignment.save_id
         future: Future[list[WriteResult]] = Future()
-        results = self._write_file(assignment.file, plan.items, planner) if assignment.file else []
+        inline_limit = self.config.inline_limit if assignment.private_only else 0
+        results = self._write_file(assignment.file, plan.items, planner, inline_limit) if assignment.file else []
         future.set_result(results)
         return future
 
@@ -113,8 +114,9 @@ class Writer(StorageWriter):
         for rank, rank_results in enumerate(results):
             for r in rank_results:
                 item: StoredItem = r.storage_data
-                files[item.file] = files.get(item.file, 0) + item.stored_bytes
-                writers[item.file] = rank
+                if item.file:
+                    files[item.file] = files.get(item.file, 0) + item.stored_bytes
+                    writers[item.file] = rank
         header = {
             "written_by": f"ckptio {__version__}",
             "torch_version": torch.__version__,
@@ -162,9 +164,10 @@ class Writer(StorageWriter):
         except CheckpointFormatError as exc:
             log.warning("ckptio: overwriting an unreadable checkpoint; its data files are left in place: %s", exc)
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner,
+                    inline_limit: int) -> list[WriteResult]:
         encoder = BlockEncoder(self.config.block_size, self.config.compression, self.config.compression_level)
-        sink = self._open_store().open_sink(name)
+        sink = _InlineOrFileSink(self._open_store(), name, inline_limit)
         results: list[WriteResult] = []
         offset = 0
         try:
@@ -183,7 +186,43 @@ class Writer(StorageWriter):
         except BaseException:
             sink.abort()
             raise
+        if sink.inline is not None:
+            results = [dataclasses.replace(r, storage_data=dataclasses.replace(
+                r.storage_data, file="", offset=0,
+                inline=sink.inline[r.storage_data.offset : r.storage_data.offset + r.storage_data.stored_bytes]))
+                for r in results]
         return results
+
+
+class _InlineOrFileSink:
+    """Holds up to ``limit`` bytes in memory; past that, streams to the real data file.
+    If the limit is never crossed, ``inline`` holds everything and no file is created."""
+
+    def __init__(self, store: FsspecStore, name: str, limit: int):
+        self.store, self.name, self.limit = store, name, limit
+        self.buffer: bytearray | None = bytearray() if limit > 0 else None
+        self.sink = None if limit > 0 else store.open_sink(name)
+        self.inline: bytes | None = None
+
+    def write(self, data) -> None:
+        if self.buffer is not None and len(self.buffer) + len(data) <= self.limit:
+            self.buffer += data
+            return
+        if self.sink is None:
+            self.sink = self.store.open_sink(self.name)
+            self.sink.write(self.buffer)
+            self.buffer = None
+        self.sink.write(data)
+
+    def close(self) -> None:
+        if self.sink is None:
+            self.inline = bytes(self.buffer)
+        else:
+            self.sink.close()
+
+    def abort(self) -> None:
+        if self.sink is not None:
+            self.sink.abort()
 
 
 def _item_bytes(item: WriteItem, data: Any) -> tuple[memoryview, str, str | None, tuple[int, ...] | None]:

@@ -70,8 +70,12 @@ def test_hsdp_s3(s3):
 
 def test_memory_single_process():
     url = "memory://ckptio-test/single"
-    for mode in ("all_ranks", "replica_group"):
-        scenarios.save(f"{url}/{mode}", None, mode)
-        assert scenarios.load(f"{url}/{mode}", None) == []
-    files = _data_files(f"{url}/all_ranks", None)
-    assert list(files) and all(name.endswith("-r00000.ckio") for name in files)
+    scenarios.save(f"{url}/file", None, "all_ranks", inline_limit=0)
+    scenarios.save(f"{url}/inline", None, "replica_group")  # one process: all private, small enough to inline
+    for name in ("file", "inline"):
+        assert scenarios.load(f"{url}/{name}", None) == []
+    (name, size), = _data_files(f"{url}/file", None).items()
+    assert name.endswith("-r00000.ckio") and size == _metadata(f"{url}/file", None)["files"][name]
+    assert _data_files(f"{url}/inline", None) == {}
+    inline_meta = _metadata(f"{url}/inline", None)
+    assert inline_meta["files"] == {} and all(i["file"] == "" and i["inline"] for i in inline_meta["items"])

@@ -9,7 +9,11 @@ from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from ckptio.planning import Holdings, assign_writers, item_size
+from ckptio.planning import Holdings, assign_writers as assign_with_flags, item_size
+
+
+def assign_writers(plans, mode):
+    return [a.items for a in assign_with_flags(plans, mode)]
 
 
 def tensor_item(fqn: str, rows: int, row_offset: int = 0) -> WriteItem:
@@ -81,6 +85,7 @@ def test_replica_group_uses_lowest_rank_and_keeps_single_holder_items():
     assert all(not n.startswith("rank_state.") or n == "rank_state.0" for n in names[0])
     tensor_ranks = {rank for rank, items in enumerate(assigned) for it in items if it.index.offset is not None}
     assert tensor_ranks == {0, 1}
+    assert [a.private_only for a in assign_with_flags(plans, "replica_group")] == [False, False, True, True]
 
 
 def test_without_holdings_falls_back_to_the_plans():

@@ -1,0 +1,1 @@
+"""ckptio's benchmark suite: ``python -m benchmarks`` or ``ckptio bench``."""

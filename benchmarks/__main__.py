@@ -1,0 +1,162 @@
+"""``python -m benchmarks`` / ``ckptio bench``: ckptio against torch's writers, side by side.
+
+With no target it benchmarks a temporary directory and an S3 server (moto) it starts on
+127.0.0.1 itself, so it runs anywhere without an account.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+
+from . import report, workload
+from .spawn import spawn
+from .writers import WRITERS, select
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ckptio bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=4, help="processes to spawn (default 4)")
+    p.add_argument("--mesh", default="2x2", help="replicate x shard mesh, e.g. 2x2 (default), 1x4, 4x1")
+    p.add_argument("--size", default="256MiB", help="total state size: model + 2 Adam moments (default 256MiB)")
+    p.add_argument("--repeats", type=int, default=1, help="saves/loads per writer and target (median reported)")
+    p.add_argument("--compressible", action="store_true", help="bf16-precision values in fp32 (compress ~2x)")
+    p.add_argument("--writers", nargs="+", help=f"subset of: {', '.join(w.name for w in WRITERS)}")
+    p.add_argument("--compressed", action="store_true", help="also run ckptio's zstd variants")
+    p.add_argument("--path", help="local or NFS directory to benchmark")
+    p.add_argument("--s3", help="s3://bucket/prefix to benchmark (standard AWS credentials)")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint for --s3")
+    p.add_argument("--out", default="bench-results", help="directory for JSON, Markdown and charts")
+    p.add_argument("--compare", help="a previous results.json: show deltas")
+    p.add_argument("--no-charts", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def targets_for(args: argparse.Namespace):
+    """Yield the target list; the embedded default starts (and stops) its own S3 server."""
+    from .s3server import create_bucket, local_s3_server, use_test_credentials
+
+    run_id = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    with contextlib.ExitStack() as stack:
+        targets = []
+        if args.path or not args.s3:
+            base = args.path or stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptio-bench-"))
+            targets.append({"name": "local", "kind": "local", "base": os.path.join(base, run_id), "embedded": not args.path})
+        if args.s3:
+            options = {"client_kwargs": {"endpoint_url": args.endpoint_url}} if args.endpoint_url else {}
+            targets.append({"name": "s3", "kind": "s3", "base": f"{args.s3.rstrip('/')}/{run_id}",
+                            "storage_options": options, "embedded": False})
+        elif not args.path:
+            endpoint = stack.enter_context(local_s3_server())
+            use_test_credentials()
+            create_bucket(endpoint, "ckptio-bench")
+            targets.append({"name": "s3 (moto)", "kind": "s3", "base": f"s3://ckptio-bench/{run_id}",
+                            "storage_options": {"client_kwargs": {"endpoint_url": endpoint}}, "embedded": True})
+        yield targets
+
+
+def run(args: argparse.Namespace) -> dict:
+    from benchmarks import runner
+
+    replicas, shards = (int(x) for x in args.mesh.lower().split("x"))
+    if replicas * shards != args.ranks:
+        raise SystemExit(f"--mesh {args.mesh} has {replicas * shards} ranks but --ranks is {args.ranks}")
+    writers = [w.name for w in select(args.writers, args.compressed)]
+    size_bytes = workload.parse_size(args.size)
+    with targets_for(args) as targets, tempfile.TemporaryDirectory() as scratch:
+        progress_file = os.path.join(scratch, "progress")
+        cfg = {"size_bytes": size_bytes, "mesh": [replicas, shards], "compressible": args.compressible,
+               "writers": writers, "repeats": args.repeats, "targets": targets, "progress_file": progress_file}
+        steps = sum(args.repeats for t in targets for w in select(args.writers, args.compressed) if t["kind"] in w.targets)
+        records = _spawn_with_progress(args, cfg, progress_file, steps)
+        listings = {}
+        from .counting import checkpoint_files
+
+        for r in records:
+            if r["repeat"] == 0 and r["url"] not in listings:
+                target = next(t for t in targets if t["name"] == r["target"])
+                listings[r["url"]] = checkpoint_files(r["url"], target.get("storage_options"))
+        sizes = workload.byte_counts(workload.tensor_specs(size_bytes), (replicas, shards))
+        results = report.summarize(records, listings, args.ranks, sizes)
+    import ckptio
+    import torch
+
+    return {
+        "schema_version": report.SCHEMA_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "versions": {"ckptio": ckptio.__version__, "torch": torch.__version__, "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.machine()},
+        "config": {"ranks": args.ranks, "mesh": [replicas, shards], "size_bytes": size_bytes,
+                   "compressible": args.compressible, "repeats": args.repeats, "writers": writers,
+                   "targets": [{k: v for k, v in t.items() if k != "storage_options"} for t in targets]},
+        "results": results,
+    }
+
+
+def _spawn_with_progress(args, cfg, progress_file: str, steps: int) -> list[dict]:
+    from tqdm import tqdm
+
+    from benchmarks import runner
+
+    out: dict = {}
+
+    def work() -> None:
+        try:
+            out["records"] = [r for rank_records in spawn(args.ranks, runner.run_rank, cfg, timeout=3600)
+                              for r in rank_records]
+        except BaseException as exc:  # reported below, in the main thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    with tqdm(total=steps, desc="bench", unit="run", disable=args.quiet, file=sys.stderr) as bar:
+        while thread.is_alive():
+            thread.join(0.5)
+            done = sum(1 for _ in open(progress_file)) if os.path.exists(progress_file) else 0
+            bar.update(done - bar.n)
+    if "error" in out:
+        raise out["error"]
+    return out["records"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.time()
+    doc = run(args)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, f"bench-{stamp}")
+    if not args.no_charts and report.charts(doc["results"], base + ".png"):
+        doc["charts"] = os.path.basename(base + ".png")
+    with open(base + ".json", "w") as f:
+        json.dump(doc, f, indent=2)
+    with open(base + ".md", "w") as f:
+        f.write(report.markdown_report(doc))
+    print(report.table(doc["results"]))
+    requests = report.request_table(doc["results"])
+    if requests:
+        print("\nS3 requests (client side, summed over ranks):\n" + requests)
+    if args.compare:
+        print("\nagainst " + args.compare + ":\n" + report.compare(doc["results"], args.compare))
+    print(f"\nresults: {base}.json, {base}.md" + (f", {base}.png" if "charts" in doc else "")
+          + f"  ({time.time() - started:.0f}s)")
+    bad = [r for r in doc["results"] if not (r["load_bit_exact"] and r["reshard_bit_exact"])]
+    if bad:
+        print("LOAD MISMATCH for: " + ", ".join(f"{r['writer']} on {r['target']}" for r in bad), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

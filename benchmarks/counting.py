@@ -1,0 +1,112 @@
+"""Client-side S3 request counting (botocore event hooks, so it works against real S3 too),
+resident-memory sampling, and per-rank file accounting of a finished checkpoint."""
+
+from __future__ import annotations
+
+import collections
+import re
+import threading
+import time
+
+import fsspec
+
+OPERATION_KINDS = {
+    "PutObject": "PUT", "CreateMultipartUpload": "MPU_CREATE", "UploadPart": "MPU_PART",
+    "CompleteMultipartUpload": "MPU_COMPLETE", "AbortMultipartUpload": "MPU_ABORT", "GetObject": "GET",
+    "HeadObject": "HEAD", "HeadBucket": "HEAD", "ListObjectsV2": "LIST", "ListObjects": "LIST",
+    "CopyObject": "COPY", "UploadPartCopy": "COPY", "DeleteObject": "DELETE", "DeleteObjects": "DELETE",
+}
+REQUEST_KINDS = ("PUT", "MPU_CREATE", "MPU_PART", "MPU_COMPLETE", "MPU_ABORT", "GET", "HEAD", "LIST", "COPY",
+                 "DELETE", "OTHER")
+
+requests: collections.Counter = collections.Counter()
+_lock = threading.Lock()
+_installed = False
+
+
+def _count(event_name: str = "", **_: object) -> None:
+    operation = event_name.rsplit(".", 1)[-1]
+    with _lock:
+        requests[OPERATION_KINDS.get(operation, "OTHER")] += 1
+
+
+def install_s3_counter() -> None:
+    """Count every request any s3fs client in this process sends (retries included)."""
+    global _installed
+    if _installed:
+        return
+    import s3fs
+
+    original = s3fs.S3FileSystem.set_session
+
+    async def set_session(self, *args, **kwargs):
+        client = await original(self, *args, **kwargs)
+        if not getattr(self._s3, "_ckptio_bench_counted", False):
+            self._s3.meta.events.register("before-send.s3", _count)
+            self._s3._ckptio_bench_counted = True
+        return client
+
+    s3fs.S3FileSystem.set_session = set_session
+    s3fs.S3FileSystem._connect = set_session
+    _installed = True
+
+
+def take_counts() -> dict[str, int]:
+    with _lock:
+        counts = {k: requests.get(k, 0) for k in REQUEST_KINDS}
+        requests.clear()
+    return counts
+
+
+class PeakRSS:
+    """Samples this process's resident memory while active; ``peak_delta`` is the growth over the start."""
+
+    def __init__(self, interval_s: float = 0.01):
+        self.interval_s = interval_s
+
+    def __enter__(self) -> "PeakRSS":
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def peak_delta(self) -> int:
+        return self.peak - self.start
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+_RANK_IN_NAME = (re.compile(r"-r(\d+)\.ckio$"), re.compile(r"^__(\d+)_\d+\.distcp$"))
+
+
+def checkpoint_files(url: str, storage_options: dict | None) -> dict[str, int]:
+    """Name -> size of every file or object directly under ``url``."""
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    fs.invalidate_cache()
+    return {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in fs.ls(root, detail=True)}
+
+
+def rank_of(name: str) -> int | None:
+    for pattern in _RANK_IN_NAME:
+        m = pattern.search(name)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def now() -> float:
+    return time.perf_counter()

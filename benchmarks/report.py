@@ -1,0 +1,203 @@
+"""Turn per-rank records into per-writer figures, and figures into a table, Markdown, JSON and charts."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from . import counting
+
+SCHEMA_VERSION = 1
+
+
+def summarize(records: list[dict], files: dict[str, dict[str, int]], world: int, sizes: dict[str, int]) -> list[dict]:
+    """One row per (target, writer). ``files`` maps a repeat-0 URL to its listing."""
+    grouped: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        grouped[(r["target"], r["writer"])].append(r)
+    rows = []
+    for (target, writer), recs in grouped.items():
+        reps = sorted({r["repeat"] for r in recs})
+        save = [max(r["save_s"] for r in recs if r["repeat"] == k) for k in reps]
+        load = [max(r["load_s"] for r in recs if r["repeat"] == k) for k in reps]
+        first = [r for r in recs if r["repeat"] == 0]
+        listing = files[first[0]["url"]]
+        per_rank = [0] * world
+        for name, size in listing.items():
+            rank = counting.rank_of(name)
+            if rank is not None and rank < world:
+                per_rank[rank] += size
+        written = sum(listing.values())
+        row = {
+            "target": target,
+            "writer": writer,
+            "save_s_median": statistics.median(save),
+            "save_s_min": min(save),
+            "save_s_max": max(save),
+            "load_s_median": statistics.median(load),
+            "load_s_min": min(load),
+            "load_s_max": max(load),
+            "reshard_load_s": max(r["reshard_load_s"] for r in first),
+            "save_MBps": sizes["unique_bytes"] / statistics.median(save) / 1e6,
+            "logical_bytes": sizes["logical_bytes"],
+            "unique_bytes": sizes["unique_bytes"],
+            "bytes_written": written,
+            "dedup_ratio": sizes["logical_bytes"] / written,
+            "write_amplification": written / sizes["unique_bytes"],
+            "objects": len(listing),
+            "empty_objects": sum(1 for size in listing.values() if size == 0),
+            "writing_ranks": sum(1 for b in per_rank if b),
+            "largest_rank_bytes": max(per_rank),
+            "mean_rank_bytes": sum(per_rank) / world,
+            "peak_rss_save_bytes": max(r["save_rss_bytes"] for r in recs),
+            "peak_rss_load_bytes": max(r["load_rss_bytes"] for r in recs),
+            "save_requests": _sum_counts(r["save_requests"] for r in first),
+            "load_requests": _sum_counts(r["load_requests"] for r in first),
+            "reshard_load_requests": _sum_counts(r["reshard_load_requests"] for r in first),
+            "load_bit_exact": all(not r["load_mismatches"] for r in recs),
+            "reshard_bit_exact": all(not r["reshard_mismatches"] for r in first),
+        }
+        rows.append(row)
+    return rows
+
+
+def _sum_counts(counts) -> dict[str, int]:
+    total: dict[str, int] = defaultdict(int)
+    for c in counts:
+        for k, v in c.items():
+            total[k] += v
+    return {k: total.get(k, 0) for k in counting.REQUEST_KINDS}
+
+
+def total_requests(counts: dict[str, int]) -> int:
+    return sum(counts.values())
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f}"
+
+
+COLUMNS = [
+    ("target", lambda r: r["target"]),
+    ("writer", lambda r: r["writer"]),
+    ("save s", lambda r: f"{r['save_s_median']:.2f}"),
+    ("load s", lambda r: f"{r['load_s_median']:.2f}"),
+    ("MB/s", lambda r: f"{r['save_MBps']:.0f}"),
+    ("written MiB", lambda r: _mib(r["bytes_written"])),
+    ("dedup", lambda r: f"{r['dedup_ratio']:.2f}"),
+    ("write amp", lambda r: f"{r['write_amplification']:.3f}"),
+    ("objects (empty)", lambda r: f"{r['objects']} ({r['empty_objects']})"),
+    ("max/mean rank MiB", lambda r: f"{_mib(r['largest_rank_bytes'])}/{_mib(r['mean_rank_bytes'])}"),
+    ("save req", lambda r: str(total_requests(r["save_requests"])) if r["target"] != "local" else "-"),
+    ("load req", lambda r: str(total_requests(r["load_requests"])) if r["target"] != "local" else "-"),
+    ("peak RSS MiB", lambda r: _mib(r["peak_rss_save_bytes"])),
+    ("bit-exact", lambda r: "yes" if r["load_bit_exact"] and r["reshard_bit_exact"] else "NO"),
+]
+
+
+def table(rows: list[dict], markdown: bool = False) -> str:
+    cells = [[name for name, _ in COLUMNS]] + [[fn(r) for _, fn in COLUMNS] for r in rows]
+    if markdown:
+        out = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(COLUMNS)]
+        out += ["| " + " | ".join(row) + " |" for row in cells[1:]]
+        return "\n".join(out)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def request_table(rows: list[dict], markdown: bool = False) -> str:
+    kinds = [k for k in counting.REQUEST_KINDS if any(r["save_requests"][k] or r["load_requests"][k] for r in rows)]
+    s3_rows = [r for r in rows if r["target"] != "local"]
+    if not s3_rows or not kinds:
+        return ""
+    head = ["writer", "phase", *kinds, "total"]
+    cells = [head]
+    for r in s3_rows:
+        for phase in ("save", "load"):
+            counts = r[f"{phase}_requests"]
+            cells.append([r["writer"], phase, *[str(counts[k]) for k in kinds], str(total_requests(counts))])
+    if markdown:
+        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                         + ["| " + " | ".join(c) + " |" for c in cells[1:]])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+
+
+def compare(rows: list[dict], old_path: str) -> str:
+    with open(old_path) as f:
+        old = {(r["target"], r["writer"]): r for r in json.load(f)["results"]}
+    lines = ["target  writer  save s (delta)  load s (delta)  written MiB (delta)  save req (delta)"]
+    for r in rows:
+        o = old.get((r["target"], r["writer"]))
+        if o is None:
+            lines.append(f"{r['target']}  {r['writer']}  (new)")
+            continue
+        lines.append(
+            f"{r['target']}  {r['writer']}  {r['save_s_median']:.2f} ({_pct(r['save_s_median'], o['save_s_median'])})"
+            f"  {r['load_s_median']:.2f} ({_pct(r['load_s_median'], o['load_s_median'])})"
+            f"  {_mib(r['bytes_written'])} ({_pct(r['bytes_written'], o['bytes_written'])})"
+            f"  {total_requests(r['save_requests'])} ({_pct(total_requests(r['save_requests']), total_requests(o['save_requests']))})"
+        )
+    return "\n".join(lines)
+
+
+def _pct(new: float, old: float) -> str:
+    return f"{(new - old) / old * 100:+.1f}%" if old else "n/a"
+
+
+def markdown_report(doc: dict[str, Any]) -> str:
+    cfg = doc["config"]
+    parts = [
+        "# ckptio benchmark",
+        f"{cfg['ranks']} ranks, mesh {cfg['mesh'][0]}x{cfg['mesh'][1]} (replicate x shard), "
+        f"{_mib(cfg['size_bytes'])} MiB state{' (compressible)' if cfg['compressible'] else ''}, "
+        f"{cfg['repeats']} repeat(s); torch {doc['versions']['torch']}, ckptio {doc['versions']['ckptio']}, "
+        f"{doc['machine']['cpus']} CPUs.",
+        "", table(doc["results"], markdown=True),
+    ]
+    requests = request_table(doc["results"], markdown=True)
+    if requests:
+        parts += ["", "## S3 requests (client side, all ranks)", "", requests]
+    if doc.get("charts"):
+        parts += ["", f"![charts]({doc['charts']})"]
+    return "\n".join(parts) + "\n"
+
+
+def charts(rows: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = [
+        ("save time (s)", lambda r: r["save_s_median"]),
+        ("load time (s)", lambda r: r["load_s_median"]),
+        ("bytes written (MiB)", lambda r: r["bytes_written"] / (1 << 20)),
+        ("objects / files", lambda r: r["objects"]),
+        ("S3 save requests", lambda r: total_requests(r["save_requests"])),
+        ("S3 load requests", lambda r: total_requests(r["load_requests"])),
+    ]
+    targets = sorted({r["target"] for r in rows})
+    writers = list(dict.fromkeys(r["writer"] for r in rows))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    width = 0.8 / max(len(targets), 1)
+    for ax, (title, value) in zip(axes.flat, panels):
+        for i, target in enumerate(targets):
+            if title.startswith("S3") and target == "local":
+                continue
+            by_writer = {r["writer"]: value(r) for r in rows if r["target"] == target}
+            xs = [k + i * width for k in range(len(writers))]
+            ax.bar(xs, [by_writer.get(w, 0) for w in writers], width, label=target)
+        ax.set_title(title)
+        ax.set_xticks([k + width * (len(targets) - 1) / 2 for k in range(len(writers))])
+        ax.set_xticklabels([w.replace("torch ", "torch\n").replace("ckptio ", "ckptio\n") for w in writers],
+                           fontsize=7, rotation=30, ha="right")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True

@@ -1,0 +1,125 @@
+"""A deterministic HSDP training state of a chosen size: model, Adam-like moments, per-rank objects.
+
+Rows of every tensor are generated in fixed blocks seeded by (name, block), so any rank can
+rebuild any shard of any layout exactly, which is how loads are verified after resharding.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+COLS = 1024
+ROW_BLOCK = 64
+# Relative layer heights: unequal, some not divisible by the shard count, like a real model.
+LAYER_SHAPE = (3, 5, 2, 7, 4, 6, 1, 8)
+TRAIN_CONFIG = {"lr": 3e-4, "betas": [0.9, 0.95], "run": "bench"}
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    rows: int
+    dtype: torch.dtype
+
+
+def tensor_specs(size_bytes: int) -> list[Spec]:
+    """Parameters (fp32) plus exp_avg and exp_avg_sq of each, about ``size_bytes`` in all."""
+    per_tensor_set = size_bytes / 3 / 4 / COLS  # rows across all layers
+    unit = per_tensor_set / sum(LAYER_SHAPE)
+    specs = []
+    for i, weight in enumerate(LAYER_SHAPE):
+        rows = max(1, int(unit * weight)) + (i % 3)  # +0/1/2 keeps some heights uneven
+        specs.append(Spec(f"model.layers.{i}.weight", rows, torch.float32))
+        specs.append(Spec(f"optim.state.layers.{i}.weight.exp_avg", rows, torch.float32))
+        specs.append(Spec(f"optim.state.layers.{i}.weight.exp_avg_sq", rows, torch.float32))
+    return specs
+
+
+def rows_of(spec: Spec, start: int, stop: int, compressible: bool) -> torch.Tensor:
+    """Rows ``start:stop`` of the global tensor ``spec``, identical wherever they are built."""
+    out = torch.empty((max(stop - start, 0), COLS), dtype=spec.dtype)
+    seed = zlib.crc32(spec.name.encode())
+    for block in range(start // ROW_BLOCK, -(-stop // ROW_BLOCK)):
+        b0, b1 = block * ROW_BLOCK, min((block + 1) * ROW_BLOCK, spec.rows)
+        gen = torch.Generator().manual_seed(seed * 100_003 + block)
+        values = torch.randn((b1 - b0, COLS), generator=gen)
+        if compressible:  # bf16 precision stored in fp32: half of every value's bytes are zero
+            values = values.bfloat16().float()
+        lo, hi = max(b0, start), min(b1, stop)
+        out[lo - start : hi - start] = values[lo - b0 : hi - b0]
+    return out
+
+
+def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
+    """DTensor's ``Shard(0)`` split (torch.chunk semantics: ceil-sized, trailing shards may be short or empty)."""
+    chunk = -(-rows // shards)
+    return min(index * chunk, rows), min((index + 1) * chunk, rows)
+
+
+def build_state(mesh, specs: list[Spec], compressible: bool, rank: int, empty: bool = False) -> dict:
+    shard_index = mesh.get_local_rank("shard")
+    shards = mesh.size(mesh.mesh_dim_names.index("shard"))
+    state: dict = {"model": {}, "optim": {"state": {}}}
+    for spec in specs:
+        a, b = shard_rows(spec.rows, shards, shard_index)
+        local = torch.zeros((b - a, COLS), dtype=spec.dtype) if empty else rows_of(spec, a, b, compressible)
+        value = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
+                                   shape=torch.Size((spec.rows, COLS)), stride=(COLS, 1))
+        head, rest = spec.name.split(".", 1)
+        (state["model"] if head == "model" else state["optim"]["state"])[rest.removeprefix("state.")] = value
+    state["optim"]["step"] = torch.tensor(0.0 if empty else 1000.0)
+    config, loader = dict(TRAIN_CONFIG), {"epoch": 3, "position": 17 + 1000 * rank}
+    state["train_config"] = dict.fromkeys(config) if empty else config
+    state[f"dataloader.rank{rank}"] = dict.fromkeys(loader) if empty else loader
+    return state
+
+
+def check_state(state: dict, specs: list[Spec], compressible: bool, rank: int) -> list[str]:
+    """Keys whose loaded local values differ bitwise from what was saved."""
+    bad = []
+    for spec in specs:
+        head, rest = spec.name.split(".", 1)
+        value = (state["model"] if head == "model" else state["optim"]["state"])[rest.removeprefix("state.")]
+        mesh = value.device_mesh
+        a, b = shard_rows(spec.rows, mesh.size(mesh.mesh_dim_names.index("shard")), mesh.get_local_rank("shard"))
+        if not torch.equal(value.to_local().view(torch.int32), rows_of(spec, a, b, compressible).view(torch.int32)):
+            bad.append(spec.name)
+    if state["optim"]["step"].item() != 1000.0:
+        bad.append("optim.step")
+    if state["train_config"] != TRAIN_CONFIG:
+        bad.append("train_config")
+    if state[f"dataloader.rank{rank}"] != {"epoch": 3, "position": 17 + 1000 * rank}:
+        bad.append(f"dataloader.rank{rank}")
+    return bad
+
+
+def byte_counts(specs: list[Spec], mesh_shape: tuple[int, int]) -> dict[str, int]:
+    """Logical bytes (as all ranks hold them, replicas counted) and unique bytes of the state."""
+    replicas, shards = mesh_shape
+    world = replicas * shards
+    unique_tensors = sum(s.rows * COLS * s.dtype.itemsize for s in specs) + 4
+    # torch's planner flattens dicts: each value is pickled on its own
+    shared = sum(len(_pickled(v)) for v in TRAIN_CONFIG.values())
+    per_rank = sum(len(_pickled(3)) + len(_pickled(17 + 1000 * r)) for r in range(world))
+    return {
+        "logical_bytes": unique_tensors * replicas + 4 * (world - replicas) + shared * world + per_rank,
+        "unique_bytes": unique_tensors + shared + per_rank,
+    }
+
+
+def _pickled(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def parse_size(text: str) -> int:
+    units = {"": 1, "B": 1, "KIB": 1 << 10, "KB": 1000, "MIB": 1 << 20, "MB": 10**6, "GIB": 1 << 30, "GB": 10**9}
+    t = text.strip().upper()
+    number = t.rstrip("KMGIB")
+    return int(float(number) * units[t[len(number):]])

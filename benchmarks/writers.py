@@ -1,0 +1,68 @@
+"""The writers compared: ckptio's modes and torch's own, each with the reader that loads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+import ckptio
+
+
+@dataclass(frozen=True)
+class WriterSpec:
+    name: str
+    targets: tuple[str, ...]  # "local", "s3"
+    make_writer: Callable[[str, dict | None], object]
+    make_reader: Callable[[str, dict | None], object]
+    make_planner: Callable[[], object | None] = lambda: None
+
+
+def _ckptio(mode: str, compression: str | None = None) -> WriterSpec:
+    suffix = f"+{compression}" if compression else ""
+    return WriterSpec(
+        f"ckptio {mode}{suffix}", ("local", "s3"),
+        lambda url, opts: ckptio.Writer(url, ckptio.WriterConfig(mode=mode, compression=compression),
+                                        storage_options=opts),
+        lambda url, opts: ckptio.Reader(url, storage_options=opts),
+    )
+
+
+def _torch_writer(url: str, opts: dict | None):
+    if url.startswith("s3://"):
+        return FsspecWriter(url, **(opts or {}))
+    return dcp.FileSystemWriter(url)
+
+
+def _torch_reader(url: str, opts: dict | None):
+    if url.startswith("s3://"):
+        return FsspecReader(url, **(opts or {}))
+    return dcp.FileSystemReader(url)
+
+
+WRITERS = [
+    _ckptio("all_ranks"),
+    _ckptio("replica_group"),
+    _ckptio("all_ranks", "zstd"),
+    _ckptio("replica_group", "zstd"),
+    WriterSpec("torch FileSystemWriter", ("local",), _torch_writer, _torch_reader),
+    WriterSpec("torch FsspecWriter", ("local", "s3"),
+               lambda url, opts: FsspecWriter(url, **(opts or {})),
+               lambda url, opts: FsspecReader(url, **(opts or {}))),
+    WriterSpec("torch dedup_save_to_lowest_rank", ("local", "s3"), _torch_writer, _torch_reader,
+               lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=True)),
+]
+
+
+def select(names: list[str] | None, compressed: bool) -> list[WriterSpec]:
+    chosen = [w for w in WRITERS if compressed or "zstd" not in w.name]
+    if names:
+        wanted = {n.lower() for n in names}
+        chosen = [w for w in WRITERS if w.name.lower() in wanted or w.name.split()[-1].lower() in wanted]
+        unknown = wanted - {w.name.lower() for w in chosen} - {w.name.split()[-1].lower() for w in chosen}
+        if unknown:
+            raise SystemExit(f"unknown writer(s) {sorted(unknown)}; choose from {[w.name for w in WRITERS]}")
+    return chosen
