@@ -15,6 +15,10 @@ def _mesh(shape: tuple[int, int]):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
 
+def _slug(writer_name: str) -> str:
+    return writer_name.replace(" ", "_").replace("+", "_")
+
+
 def _timed(fn) -> float:
     dist.barrier()
     start = counting.now()
@@ -31,7 +35,7 @@ def _warm_up(cfg: dict, writers: dict) -> None:
         for name in cfg["writers"]:
             spec = writers[name]
             if target["kind"] in spec.targets:
-                url = f"{target['base']}/warmup/{name.replace(' ', '_').replace('+', '_')}"
+                url = f"{target['base']}/warmup/{_slug(name)}"
                 dcp.save(tiny, storage_writer=spec.make_writer(url, target.get("storage_options")))
                 dcp.load(tiny, storage_reader=spec.make_reader(url, target.get("storage_options")))
 
@@ -43,44 +47,45 @@ def run_rank(cfg: dict) -> list[dict]:
     specs = workload.tensor_specs(cfg["size_bytes"])
     mesh = _mesh(tuple(cfg["mesh"]))
     reshard_mesh = _mesh((1, world))
-    compressible = cfg["compressible"]
-    state = workload.build_state(mesh, specs, compressible, rank)
+    state = workload.build_state(mesh, specs, cfg["compressible"], rank)
     writers = {w.name: w for w in WRITERS}
     _warm_up(cfg, writers)
     records = []
-    for target in cfg["targets"]:
-        options = target.get("storage_options")
-        for name in cfg["writers"]:
-            spec = writers[name]
-            if target["kind"] not in spec.targets:
-                continue
-            for rep in range(cfg["repeats"]):
-                url = f"{target['base']}/{name.replace(' ', '_').replace('+', '_')}/rep{rep}"
-                record = {"target": target["name"], "writer": name, "repeat": rep, "rank": rank, "url": url}
-                counting.take_counts()
-                with counting.PeakRSS() as rss:
-                    record["save_s"] = _timed(lambda: dcp.save(
-                        state, storage_writer=spec.make_writer(url, options), planner=spec.make_planner()))
-                record["save_requests"] = counting.take_counts()
-                record["save_rss_bytes"] = rss.peak_delta
-
-                loaded = workload.build_state(mesh, specs, compressible, rank, empty=True)
-                with counting.PeakRSS() as rss:
-                    record["load_s"] = _timed(lambda: dcp.load(loaded, storage_reader=spec.make_reader(url, options)))
-                record["load_requests"] = counting.take_counts()
-                record["load_rss_bytes"] = rss.peak_delta
-                record["load_mismatches"] = workload.check_state(loaded, specs, compressible, rank)
-                del loaded
-
-                if rep == 0:
-                    resharded = workload.build_state(reshard_mesh, specs, compressible, rank, empty=True)
-                    record["reshard_load_s"] = _timed(
-                        lambda: dcp.load(resharded, storage_reader=spec.make_reader(url, options)))
-                    record["reshard_load_requests"] = counting.take_counts()
-                    record["reshard_mismatches"] = workload.check_state(resharded, specs, compressible, rank)
-                    del resharded
-                records.append(record)
-                if rank == 0 and cfg.get("progress_file"):
-                    with open(cfg["progress_file"], "a") as f:
-                        f.write(f"{target['name']}\t{name}\t{rep}\n")
+    # Repeats outermost: every writer sees the same page-cache and writeback conditions.
+    for rep in range(cfg["repeats"]):
+        for target in cfg["targets"]:
+            for name in cfg["writers"]:
+                if target["kind"] in writers[name].targets:
+                    records.append(_measure(writers[name], target, rep, state, mesh, reshard_mesh, specs, cfg, rank))
+                    if rank == 0 and cfg.get("progress_file"):
+                        with open(cfg["progress_file"], "a") as f:
+                            f.write(f"{target['name']}\t{name}\t{rep}\n")
     return records
+
+
+def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, specs, cfg: dict, rank: int) -> dict:
+    options = target.get("storage_options")
+    compressible = cfg["compressible"]
+    url = f"{target['base']}/{_slug(spec.name)}/rep{rep}"
+    record = {"target": target["name"], "writer": spec.name, "repeat": rep, "rank": rank, "url": url}
+    counting.take_counts()
+    with counting.PeakRSS() as rss:
+        record["save_s"] = _timed(lambda: dcp.save(
+            state, storage_writer=spec.make_writer(url, options), planner=spec.make_planner()))
+    record["save_requests"] = counting.take_counts()
+    record["save_rss_bytes"] = rss.peak_delta
+
+    loaded = workload.build_state(mesh, specs, compressible, rank, empty=True)
+    with counting.PeakRSS() as rss:
+        record["load_s"] = _timed(lambda: dcp.load(loaded, storage_reader=spec.make_reader(url, options)))
+    record["load_requests"] = counting.take_counts()
+    record["load_rss_bytes"] = rss.peak_delta
+    record["load_mismatches"] = workload.check_state(loaded, specs, compressible, rank)
+    del loaded
+
+    if rep == 0:
+        resharded = workload.build_state(reshard_mesh, specs, compressible, rank, empty=True)
+        record["reshard_load_s"] = _timed(lambda: dcp.load(resharded, storage_reader=spec.make_reader(url, options)))
+        record["reshard_load_requests"] = counting.take_counts()
+        record["reshard_mismatches"] = workload.check_state(resharded, specs, compressible, rank)
+    return record

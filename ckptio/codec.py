@@ -17,8 +17,9 @@ RAW = "raw"
 ZSTD = "zstd"
 
 
-def checksum(data: bytes | memoryview) -> int:
-    return crc32c.crc32c(data)
+def checksum(data: bytes | memoryview, crc: int = 0) -> int:
+    """CRC32C of ``data``; pass the CRC of the preceding bytes as ``crc`` to continue it."""
+    return crc32c.crc32c(data, crc)
 
 
 class BlockEncoder:

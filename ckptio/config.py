@@ -37,12 +37,13 @@ class WriterConfig:
     #: ``None`` or ``"zstd"``; compression is per block, and a block that does not shrink is kept raw.
     compression: str | None = None
     compression_level: int = 3
-    #: Unit of checksumming, compression and ranged reads, in bytes (a multiple of 64).
-    block_size: int = 1 * MiB
+    #: Unit of checksumming, compression and ranged reads, in bytes (a multiple of 64). Smaller
+    #: blocks waste fewer bytes when a load reshards; larger ones mean less metadata.
+    block_size: int = 256 << 10
     #: Replace a committed checkpoint; the old one stays loadable until the new one commits.
     overwrite: bool = False
     #: Object stores: objects larger than this go up as multipart uploads of this part size.
-    part_size: int = 16 * MiB
+    part_size: int = 32 * MiB
     #: Parallel requests per rank (multipart parts on write, ranged GETs on read).
     max_concurrency: int = 8
     #: Attempts per request for retryable storage errors (503 SlowDown, 500, timeouts, resets).

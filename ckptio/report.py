@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 from .errors import CheckpointError, CorruptCheckpointError
 from .layout import Manifest, StoredItem
-from .reader import decode_verified, read_manifest
+from .fetch import decode_verified
+from .reader import read_manifest
 from .storage import FsspecStore, RangeRequest, open_store
 
 

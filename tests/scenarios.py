@@ -111,3 +111,16 @@ def save_each_mode(base: str, mesh_shape, storage_options=None, via_checkpoint_i
 
 def load_each_mode(base: str, mesh_shape, storage_options=None, via_checkpoint_id: bool = False) -> dict:
     return {mode: load(f"{base}/{mode}", mesh_shape, storage_options, via_checkpoint_id) for mode in ckptio.config.MODES}
+
+
+def save_and_load_columns(url: str, compression, block_size: int) -> list[str]:
+    """Save rows-sharded on a 1-D mesh, load columns-sharded: every read is a strided sub-box."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
+    state = {n: distribute_tensor(global_tensor(n), mesh, [Shard(0)]) for n in TENSORS}
+    config = ckptio.WriterConfig(compression=compression, block_size=block_size)
+    dcp.save(state, storage_writer=ckptio.Writer(url, config))
+    loaded = {n: distribute_tensor(torch.zeros_like(global_tensor(n)), mesh, [Shard(len(TENSORS[n][0]) - 1)])
+              for n in TENSORS}
+    dcp.load(loaded, storage_reader=ckptio.Reader(url))
+    return [n for n in TENSORS if not torch.equal(loaded[n].full_tensor().view(torch.uint8),
+                                                 global_tensor(n).view(torch.uint8))]

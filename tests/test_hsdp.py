@@ -79,3 +79,10 @@ def test_memory_single_process():
     assert _data_files(f"{url}/inline", None) == {}
     inline_meta = _metadata(f"{url}/inline", None)
     assert inline_meta["files"] == {} and all(i["file"] == "" and i["inline"] for i in inline_meta["items"])
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_column_resharding_reads_strided_sub_boxes(tmp_path, compression):
+    # 64-byte blocks: every chunk spans many blocks, and column slices cut through them.
+    results = spawn(2, scenarios.save_and_load_columns, str(tmp_path / "c"), compression, 64)
+    assert results == [[], []]

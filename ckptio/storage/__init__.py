@@ -8,10 +8,10 @@ from typing import Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from .base import FsspecStore, RangeRequest, Sink
+from .base import FsspecStore, RangeRequest, ReadInto, Sink
 from .local import LocalStore
 
-__all__ = ["FsspecStore", "LocalStore", "RangeRequest", "Sink", "open_store"]
+__all__ = ["FsspecStore", "LocalStore", "RangeRequest", "ReadInto", "Sink", "open_store"]
 
 
 def open_store(url: str | os.PathLike, storage_options: dict[str, Any] | None = None, config: Any = None) -> FsspecStore:

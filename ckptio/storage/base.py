@@ -7,7 +7,7 @@ inside it. Backends override only what they do differently (``local.py``, ``s3.p
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import fsspec
 
@@ -35,6 +35,17 @@ class RangeRequest(tuple):
 
     def __new__(cls, name: str, start: int, end: int) -> "RangeRequest":
         return super().__new__(cls, (name, start, end))
+
+
+MAX_MERGED_READ = 64 << 20
+
+
+class ReadInto(NamedTuple):
+    """Fill ``buffer`` with the bytes of file ``name`` starting at ``offset``."""
+
+    name: str
+    offset: int
+    buffer: memoryview
 
 
 class FsspecStore:
@@ -104,7 +115,38 @@ class FsspecStore:
         paths = [self.path(n) for n, _, _ in requests]
         starts = [s for _, s, _ in requests]
         ends = [e for _, _, e in requests]
-        return self._guard(requests[0][0], "read", lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"))
+        return self._guard(requests[0][0], "read", lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"),
+                           passthrough=(FileNotFoundError,))
+
+    def read_into(self, reads: Sequence[ReadInto]) -> list[int]:
+        """Fill each buffer; return how many bytes each got (fewer at end of file).
+        Raises ``FileNotFoundError`` for a missing file.
+
+        Reads that touch in the same file are fetched as one ranged request (up to
+        ``MAX_MERGED_READ`` bytes), since on remote stores requests cost more than copies."""
+        order = sorted(range(len(reads)), key=lambda i: (reads[i].name, reads[i].offset))
+        groups: list[list[int]] = []
+        for i in order:
+            last = groups[-1] if groups else None
+            if last:
+                prev, first = reads[last[-1]], reads[last[0]]
+                end = prev.offset + len(prev.buffer)
+                if (prev.name == reads[i].name and end == reads[i].offset
+                        and end + len(reads[i].buffer) - first.offset <= MAX_MERGED_READ):
+                    last.append(i)
+                    continue
+            groups.append([i])
+        requests = [RangeRequest(reads[g[0]].name, reads[g[0]].offset,
+                                 reads[g[-1]].offset + len(reads[g[-1]].buffer)) for g in groups]
+        counts = [0] * len(reads)
+        for group, request, data in zip(groups, requests, self.read_ranges(requests)):
+            data = memoryview(data)
+            for i in group:
+                at = reads[i].offset - request[1]
+                piece = data[at : at + len(reads[i].buffer)]
+                reads[i].buffer[: len(piece)] = piece
+                counts[i] = len(piece)
+        return counts
 
     # --- errors -----------------------------------------------------------------------
     def _guard(self, name: str, action: str, fn, passthrough: tuple = ()):

@@ -6,7 +6,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from .base import FsspecStore, RangeRequest
+from .base import FsspecStore, RangeRequest, ReadInto
 
 
 class LocalStore(FsspecStore):
@@ -34,21 +34,32 @@ class LocalStore(FsspecStore):
                 os.unlink(tmp)
 
     def read_ranges(self, requests: Sequence[RangeRequest]) -> list[bytes]:
-        if not requests:
+        buffers = [bytearray(end - start) for _, start, end in requests]
+        counts = self.read_into([ReadInto(n, s, memoryview(b)) for (n, s, _), b in zip(requests, buffers)])
+        return [bytes(memoryview(b)[:c]) if c < len(b) else b for b, c in zip(buffers, counts)]
+
+    def read_into(self, reads: Sequence[ReadInto]) -> list[int]:
+        if not reads:
             return []
-        workers = max(1, min(len(requests), getattr(self.config, "max_concurrency", 4)))
+        workers = max(1, min(len(reads), getattr(self.config, "max_concurrency", 4)))
         fds: dict[str, int] = {}
         try:
-            for name, _, _ in requests:
-                if name not in fds:
-                    fds[name] = self._guard(name, "open", lambda n=name: os.open(self.path(n), os.O_RDONLY))
+            for read in reads:
+                if read.name not in fds:
+                    fds[read.name] = self._guard(read.name, "open", lambda n=read.name: os.open(self.path(n), os.O_RDONLY),
+                                                 passthrough=(FileNotFoundError,))
 
-            def read_one(req: RangeRequest) -> bytes:
-                name, start, end = req
-                return self._guard(name, "read", lambda: os.pread(fds[name], end - start, start))
+            def fill(read: ReadInto) -> int:
+                done = 0
+                while done < len(read.buffer):
+                    n = os.preadv(fds[read.name], [read.buffer[done:]], read.offset + done)
+                    if n == 0:
+                        break
+                    done += n
+                return done
 
             with ThreadPoolExecutor(workers) as pool:
-                return list(pool.map(read_one, requests))
+                return list(pool.map(lambda r: self._guard(r.name, "read", lambda: fill(r)), reads))
         finally:
             for fd in fds.values():
                 os.close(fd)
