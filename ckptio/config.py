@@ -37,9 +37,10 @@ class WriterConfig:
     #: ``None`` or ``"zstd"``; compression is per block, and a block that does not shrink is kept raw.
     compression: str | None = None
     compression_level: int = 3
-    #: Unit of checksumming, compression and ranged reads, in bytes (a multiple of 64). Smaller
-    #: blocks waste fewer bytes when a load reshards; larger ones mean less metadata.
-    block_size: int = 256 << 10
+    #: Largest unit of checksumming, compression and ranged reads, in bytes (a multiple of 64).
+    #: Items are cut into about 64 blocks (at least 4 KiB each) up to this size, so a resharded
+    #: load reads little beyond what it needs while the metadata stays small.
+    max_block_size: int = 256 << 10
     #: Replace a committed checkpoint; the old one stays loadable until the new one commits.
     overwrite: bool = False
     #: Object stores: objects larger than this go up as multipart uploads of this part size.
@@ -88,8 +89,8 @@ class WriterConfig:
             raise ValueError(
                 f"unknown differing_objects policy {self.differing_objects!r}; valid values are ['error', 'keep_per_rank']"
             )
-        if self.block_size <= 0 or self.block_size % 64:
-            raise ValueError(f"block_size must be a positive multiple of 64 bytes, got {self.block_size}")
+        if self.max_block_size <= 0 or self.max_block_size % 64:
+            raise ValueError(f"max_block_size must be a positive multiple of 64 bytes, got {self.max_block_size}")
         if self.part_size < 5 * MiB:
             raise ValueError(f"part_size must be at least 5 MiB (the S3 minimum), got {self.part_size}")
         if self.inline_limit < 0:

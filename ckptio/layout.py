@@ -14,11 +14,13 @@ before any data file is opened.
 
 from __future__ import annotations
 
+import array
 import base64
 import binascii
 import dataclasses
 import json
 import re
+import sys
 from functools import cached_property
 from typing import Any
 
@@ -89,7 +91,9 @@ class StoredItem:
             "shape": list(self.shape) if self.shape is not None else None,
             "codec": self.codec,
             "block_size": self.block_size,
-            "blocks": [list(b) for b in self.blocks],
+            # Packed little-endian uint32 arrays: 4 bytes per block instead of a JSON list.
+            "crc32c": _pack([crc for _, crc in self.blocks]),
+            **({"stored_lengths": _pack([n for n, _ in self.blocks])} if self.codec != "raw" else {}),
             **({"inline": base64.b64encode(self.inline).decode()} if self.inline is not None else {}),
         }
 
@@ -242,7 +246,7 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
             shape=tuple(_ints(raw["shape"])) if raw["shape"] is not None else None,
             codec=raw["codec"],
             block_size=_require_int(raw["block_size"], "block_size"),
-            blocks=tuple((_require_int(a, "block length"), _require_int(b, "crc")) for a, b in raw["blocks"]),
+            blocks=_decode_blocks(raw, where),
             inline=_decode_inline(raw.get("inline"), where),
         )
         offset = raw["chunk_offset"]
@@ -290,6 +294,39 @@ def _check_item(item: StoredItem, index: MetadataIndex, files: dict[str, int], w
             numel *= dim
         if numel * dtype.itemsize != item.logical_bytes:
             raise CheckpointFormatError(f"{key} has shape {item.shape} of {item.dtype} but {item.logical_bytes} bytes")
+
+
+def _pack(values: list[int]) -> str:
+    return base64.b64encode(array.array("I", values).tobytes() if sys.byteorder == "little"
+                            else _swapped(values)).decode()
+
+
+def _swapped(values: list[int]) -> bytes:
+    packed = array.array("I", values)
+    packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(text: Any, where: str) -> list[int]:
+    try:
+        packed = array.array("I", base64.b64decode(text, validate=True))
+    except (binascii.Error, TypeError, ValueError):
+        raise CheckpointFormatError(f"{where}: a packed checksum or length list is not valid base64 uint32 data") from None
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tolist()
+
+
+def _decode_blocks(raw: dict[str, Any], where: str) -> tuple[tuple[int, int], ...]:
+    crcs = _unpack(raw["crc32c"], where)
+    size, block = _require_int(raw["logical_bytes"], "logical_bytes"), _require_int(raw["block_size"], "block_size")
+    if "stored_lengths" in raw:
+        lengths = _unpack(raw["stored_lengths"], where)
+    else:
+        lengths = [min(block, size - i * block) for i in range(len(crcs))] if block else []
+    if len(lengths) != len(crcs):
+        raise CheckpointFormatError(f"{where}: item {raw.get('fqn')!r} has {len(crcs)} checksums but {len(lengths)} lengths")
+    return tuple(zip(lengths, crcs))
 
 
 def _decode_inline(value: Any, where: str) -> bytes | None:

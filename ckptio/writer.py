@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import __version__
-from .codec import BlockEncoder
+from .codec import BlockEncoder, block_size_for
 from .config import WriterConfig
 from .errors import CheckpointExistsError, CheckpointError, CheckpointFormatError
 from .layout import METADATA_NAME, StoredItem, data_file_name, decode_metadata, dtype_name, encode_metadata
@@ -123,7 +123,7 @@ class Writer(StorageWriter):
             "created_unix": time.time(),
             "save_id": self._save_id,
             "world_size": len(results),
-            "config": {k: v for k, v in self.config.to_dict().items() if k in ("mode", "compression", "block_size")},
+            "config": {k: v for k, v in self.config.to_dict().items() if k in ("mode", "compression", "max_block_size")},
             "files": files,
             "writer_ranks": writers,
         }
@@ -166,7 +166,7 @@ class Writer(StorageWriter):
 
     def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner,
                     inline_limit: int) -> list[WriteResult]:
-        encoder = BlockEncoder(self.config.block_size, self.config.compression, self.config.compression_level)
+        encoder = BlockEncoder(self.config.max_block_size, self.config.compression, self.config.compression_level)
         sink = _InlineOrFileSink(self._open_store(), name, inline_limit)
         results: list[WriteResult] = []
         offset = 0
@@ -174,12 +174,13 @@ class Writer(StorageWriter):
             # Objects first: they are small, and their pickling is the likeliest thing to fail.
             for item in sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO):
                 data, kind, dtype, shape = _item_bytes(item, planner.resolve_data(item))
+                block_size = block_size_for(len(data), encoder.max_block_size)
                 blocks = []
-                for stored, crc in encoder.encode(data):
+                for stored, crc in encoder.encode(data, block_size):
                     sink.write(stored)
                     blocks.append((len(stored), crc))
                 record = StoredItem(name, offset, len(data), kind, dtype, shape, encoder.codec,
-                                    encoder.block_size, tuple(blocks))
+                                    block_size, tuple(blocks))
                 offset += record.stored_bytes
                 results.append(WriteResult(index=item.index, size_in_bytes=record.stored_bytes, storage_data=record))
             sink.close()

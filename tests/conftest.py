@@ -1,3 +1,4 @@
+import hashlib
 import os
 
 import pytest
@@ -6,13 +7,10 @@ import pytest
 @pytest.fixture(scope="session")
 def moto_server():
     """A moto S3 server on 127.0.0.1 (real HTTP), shared by the session; yields its endpoint URL."""
-    from moto.server import ThreadedMotoServer
+    from benchmarks.s3server import local_s3_server
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{server._server.port}"
-    yield endpoint
-    server.stop()
+    with local_s3_server() as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
@@ -23,7 +21,8 @@ def s3(moto_server, monkeypatch, request):
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(key, value)
-    bucket = "ckptio-" + request.node.name.lower().replace("[", "-").replace("]", "").replace("_", "-")[:40]
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]
+    bucket = f"ckptio-{request.node.originalname.lower().replace('_', '-')[:40]}-{digest}"
     boto3.client("s3", endpoint_url=moto_server).create_bucket(Bucket=bucket)
     options = {"client_kwargs": {"endpoint_url": moto_server}, "key": "testing", "secret": "testing"}
     return f"s3://{bucket}", options
@@ -34,3 +33,15 @@ def clean_env(monkeypatch):
     for name in list(os.environ):
         if name.startswith("CKPTIO_"):
             monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def s3_proxy(s3, moto_server):
+    """The fault-injecting proxy in front of moto; yields (proxy, base URL, storage_options via proxy)."""
+    from .faultproxy import FaultProxy
+
+    base, _ = s3
+    proxy = FaultProxy(moto_server)
+    options = {"client_kwargs": {"endpoint_url": proxy.url}, "key": "testing", "secret": "testing"}
+    yield proxy, base, options
+    proxy.close()

@@ -117,10 +117,50 @@ def save_and_load_columns(url: str, compression, block_size: int) -> list[str]:
     """Save rows-sharded on a 1-D mesh, load columns-sharded: every read is a strided sub-box."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
     state = {n: distribute_tensor(global_tensor(n), mesh, [Shard(0)]) for n in TENSORS}
-    config = ckptio.WriterConfig(compression=compression, block_size=block_size)
+    config = ckptio.WriterConfig(compression=compression, max_block_size=block_size)
     dcp.save(state, storage_writer=ckptio.Writer(url, config))
     loaded = {n: distribute_tensor(torch.zeros_like(global_tensor(n)), mesh, [Shard(len(TENSORS[n][0]) - 1)])
               for n in TENSORS}
     dcp.load(loaded, storage_reader=ckptio.Reader(url))
     return [n for n in TENSORS if not torch.equal(loaded[n].full_tensor().view(torch.uint8),
                                                  global_tensor(n).view(torch.uint8))]
+
+
+# --- larger HSDP states, built by the benchmark's workload (multipart-sized objects) -------------
+def _bench_mesh(mesh_shape):
+    return init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=("replicate", "shard"))
+
+
+def bench_save(url: str, size: int, mesh_shape, mode: str, storage_options=None, **config) -> None:
+    from benchmarks import workload
+
+    state = workload.build_state(_bench_mesh(mesh_shape), workload.tensor_specs(size), False, dist.get_rank())
+    ckptio.save(state, url, ckptio.WriterConfig(mode=mode, **config), storage_options=storage_options)
+
+
+def bench_load(url: str, size: int, mesh_shape, storage_options=None, **reader) -> tuple[list[str], int]:
+    """Load on ``mesh_shape``; return (mismatching keys, tensor bytes this rank's plan needs)."""
+    from benchmarks import workload
+
+    specs = workload.tensor_specs(size)
+    state = workload.build_state(_bench_mesh(mesh_shape), specs, False, dist.get_rank(), empty=True)
+    ckptio.load(state, url, storage_options=storage_options, **reader)
+    needed = sum(v.to_local().numel() * v.to_local().element_size() for v in _dtensors(state))
+    return workload.check_state(state, specs, False, dist.get_rank()), needed
+
+
+def _dtensors(state):
+    for value in state.values():
+        if isinstance(value, dict):
+            yield from _dtensors(value)
+        elif isinstance(value, DTensor):
+            yield value
+
+
+def expect_save_failure(url: str, size: int, mesh_shape, storage_options, **config) -> str:
+    """Save must raise a ckptio error on this rank; return its message."""
+    try:
+        bench_save(url, size, mesh_shape, "all_ranks", storage_options, **config)
+    except ckptio.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError("the save succeeded although the store kept failing")

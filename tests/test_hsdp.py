@@ -62,6 +62,7 @@ def test_hsdp_file_url(tmp_path):
     assert spawn(0, scenarios.load, f"file://{tmp_path}/c", None) == [[]]
 
 
+@pytest.mark.slow
 def test_hsdp_s3(s3):
     base, options = s3
     # checkpoint_id given to dcp.save/load, not the constructor: storage_options must survive reset().

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from ckptio import CheckpointFormatError, WriterConfig
-from ckptio.codec import BlockEncoder, checksum, decode_block
-from ckptio.layout import FORMAT_VERSION, data_file_name, decode_metadata, is_data_file_name
+from ckptio.codec import BlockEncoder, block_size_for, checksum, decode_block
+from ckptio.layout import FORMAT_VERSION, _pack, data_file_name, decode_metadata, is_data_file_name
 from ckptio.ranges import blocks_for_runs, box_runs, coalesce
 
 
 # --- codec ----------------------------------------------------------------------------
 def test_blocks_raw_roundtrip_and_checksums():
     data = memoryview(bytes(range(256)) * 10)
-    blocks = list(BlockEncoder(1024).encode(data))
+    blocks = list(BlockEncoder(1024).encode(data, 1024))
     assert [len(b) for b, _ in blocks] == [1024, 1024, 512]
     assert [c for _, c in blocks] == [checksum(data[i:i + 1024]) for i in range(0, 2560, 1024)]
     assert checksum(b"123456789") == 0xE3069283  # the CRC-32C check value
@@ -25,12 +25,18 @@ def test_blocks_raw_roundtrip_and_checksums():
 
 def test_blocks_zstd_shrinks_compressible_and_keeps_random_raw():
     enc = BlockEncoder(4096, "zstd")
-    zeros = list(enc.encode(memoryview(bytes(8192))))
+    zeros = list(enc.encode(memoryview(bytes(8192)), 4096))
     assert all(len(b) < 100 for b, _ in zeros)
     assert decode_block(zeros[0][0], 4096, "zstd") == bytes(4096)
     noise = os.urandom(4096)
-    (stored, _), = enc.encode(memoryview(noise))
+    (stored, _), = enc.encode(memoryview(noise), 4096)
     assert bytes(stored) == noise and decode_block(stored, 4096, "zstd") == noise
+
+
+def test_block_size_adapts_to_item_size():
+    assert block_size_for(100, 1 << 20) == 4096  # small items: one minimum-size block
+    assert block_size_for(64 * 8192, 1 << 20) == 8192  # mid-size: 64 blocks
+    assert block_size_for(1 << 30, 256 << 10) == 256 << 10  # large: capped by the configured maximum
 
 
 # --- ranges ---------------------------------------------------------------------------
@@ -65,7 +71,7 @@ def minimal_doc(**changes) -> dict:
         "planner_data": {"w": ["w"]},
         "items": [{"fqn": "w", "chunk_offset": [0], "index": 0, "file": data_file_name("0123456789abcdef", 0),
                    "offset": 0, "logical_bytes": 16, "kind": "tensor", "dtype": "float32", "shape": [4],
-                   "codec": "raw", "block_size": 1024, "blocks": [[16, 1]]}],
+                   "codec": "raw", "block_size": 1024, "crc32c": _pack([1])}],
     }
     doc.update(changes)
     return doc
@@ -133,6 +139,6 @@ def test_environment_overrides_arguments_and_dicts(clean_env, monkeypatch):
     with pytest.raises(ValueError, match="valid modes"):
         WriterConfig()
     monkeypatch.setenv("CKPTIO_MODE", "all_ranks")
-    monkeypatch.setenv("CKPTIO_BLOCK_SIZE", "lots")
-    with pytest.raises(ValueError, match="CKPTIO_BLOCK_SIZE='lots' is not a valid int"):
+    monkeypatch.setenv("CKPTIO_MAX_BLOCK_SIZE", "lots")
+    with pytest.raises(ValueError, match="CKPTIO_MAX_BLOCK_SIZE='lots' is not a valid int"):
         WriterConfig()

@@ -1,0 +1,185 @@
+"""An HTTP proxy on 127.0.0.1 in front of the S3 server: counts requests by S3 operation and
+bytes, and fails chosen requests (503 SlowDown, 500 InternalError, dropped connection)."""
+
+from __future__ import annotations
+
+import collections
+import http.client
+import socket
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable
+from urllib.parse import parse_qs, urlsplit
+
+ERROR_BODIES = {
+    503: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code><Message>Please reduce your request "
+         b"rate.</Message></Error>",
+    500: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code><Message>We encountered an "
+         b"internal error. Please try again.</Message></Error>",
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str
+    path: str
+    query: dict
+    operation: str
+    key: str
+
+
+def classify(method: str, target: str, headers) -> Request:
+    parts = urlsplit(target)
+    query = parse_qs(parts.query, keep_blank_values=True)
+    path = parts.path.lstrip("/")
+    bucket, _, key = path.partition("/")
+    if method == "PUT":
+        op = "COPY" if "x-amz-copy-source" in headers else ("MPU_PART" if "partNumber" in query else
+                                                            ("CREATE_BUCKET" if not key else "PUT"))
+    elif method == "POST":
+        op = "MPU_CREATE" if "uploads" in query else ("MPU_COMPLETE" if "uploadId" in query else
+                                                     ("DELETE" if "delete" in query else "POST"))
+    elif method == "DELETE":
+        op = "MPU_ABORT" if "uploadId" in query else "DELETE"
+    elif method == "GET":
+        op = "LIST_MPU" if "uploads" in query else ("LIST" if not key or "list-type" in query or "prefix" in query
+                                                   else "GET")
+    elif method == "HEAD":
+        op = "HEAD"
+    else:
+        op = method
+    return Request(method, path, query, op, key)
+
+
+@dataclass
+class Fault:
+    """Fail exactly ``fraction`` of the requests that ``match`` (evenly spread, so runs are
+    reproducible), at most ``times`` times."""
+
+    match: Callable[[Request], bool]
+    action: int | str | list  # 503, 500 or "drop"; a list is cycled through
+    fraction: float = 1.0
+    times: int | None = None
+    hits: int = 0
+    seen: int = 0
+
+    def fires(self, req: Request) -> bool:
+        if (self.times is not None and self.hits >= self.times) or not self.match(req):
+            return False
+        self.seen += 1
+        return int(self.seen * self.fraction) > int((self.seen - 1) * self.fraction)
+
+
+@dataclass
+class Stats:
+    requests: collections.Counter = field(default_factory=collections.Counter)
+    failed: collections.Counter = field(default_factory=collections.Counter)
+    get_bytes: collections.Counter = field(default_factory=collections.Counter)  # key -> response bytes
+    log: list = field(default_factory=list)
+
+
+class FaultProxy:
+    def __init__(self, upstream: str):
+        up = urlsplit(upstream)
+        self.upstream = (up.hostname, up.port)
+        self.faults: list[Fault] = []
+        self.stats = Stats()
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _handle(self):
+                body = self._read_body()
+                req = classify(self.command, self.path, self.headers)
+                action = proxy._decide(req)
+                if action == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if action in (500, 503):
+                    payload = ERROR_BODIES[action]
+                    self.send_response(action)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(payload)
+                    return
+                status, headers, data = proxy._forward(self.command, self.path, self.headers, body)
+                if req.operation == "GET" and status in (200, 206):
+                    with proxy.lock:
+                        proxy.stats.get_bytes[req.key] += len(data)
+                self.send_response(status)
+                for name, value in headers:
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            def _read_body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    chunks = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return b"".join(chunks)
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def _decide(self, req: Request):
+        with self.lock:
+            self.stats.requests[req.operation] += 1
+            self.stats.log.append(req)
+            for fault in self.faults:
+                if fault.fires(req):
+                    action = fault.action[fault.hits % len(fault.action)] if isinstance(fault.action, list) else fault.action
+                    fault.hits += 1
+                    self.stats.failed[req.operation] += 1
+                    return action
+        return None
+
+    def _forward(self, method: str, target: str, headers, body: bytes):
+        conn = http.client.HTTPConnection(*self.upstream, timeout=60)
+        try:
+            conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+            for name, value in headers.items():
+                if name.lower() not in ("transfer-encoding", "content-length", "connection"):
+                    conn.putheader(name, value)
+            conn.putheader("Content-Length", str(len(body)))
+            conn.endheaders()
+            if body:
+                conn.send(body)
+            resp = conn.getresponse()
+            data = resp.read()
+            return resp.status, resp.getheaders(), data
+        finally:
+            conn.close()
+
+    def reset(self) -> Stats:
+        with self.lock:
+            stats, self.stats = self.stats, Stats()
+            self.faults = []
+        return stats
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

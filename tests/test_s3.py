@@ -1,0 +1,111 @@
+"""S3 through a counting, fault-injecting proxy: request budget, retries, clean failure, read amplification."""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import partial
+
+import boto3
+import pytest
+
+from benchmarks.spawn import spawn
+
+from . import scenarios
+from .faultproxy import Fault
+
+SIZE = 24 << 20
+PART = 5 << 20
+MESH = (2, 2)
+
+
+def _objects(moto_server: str, url: str) -> dict[str, int]:
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    client = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
+    listing = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"]: o["Size"] for o in listing}
+
+
+def _open_uploads(moto_server: str, base: str) -> list:
+    bucket = base.removeprefix("s3://").split("/")[0]
+    client = boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
+    return client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+
+def expected_save_requests(data_sizes: list[int]) -> int:
+    per_object = [1 if size <= PART else math.ceil(size / PART) + 2 for size in data_sizes]
+    return sum(per_object) + 2  # + the metadata PUT + the existing-checkpoint GET
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["all_ranks", "replica_group"])
+def test_request_budget_and_read_amplification(s3_proxy, moto_server, mode):
+    proxy, base, options = s3_proxy
+    url = f"{base}/{mode}"
+    spawn(4, partial(scenarios.bench_save, part_size=PART), url, SIZE, MESH, mode, options)
+    stats = proxy.reset()
+    objects = _objects(moto_server, url)
+    data = [size for key, size in objects.items() if key.endswith(".ckio")]
+    assert len(data) == (4 if mode == "all_ranks" else 2)
+    assert any(size > PART for size in data)  # multipart really happened
+    req = stats.requests
+    assert req["COPY"] == req["DELETE"] == req["LIST"] == 0 and req["HEAD"] <= 1, req
+    assert sum(req.values()) == expected_save_requests(data), req
+    assert req["MPU_PART"] == sum(math.ceil(s / PART) for s in data if s > PART)
+
+    for procs, mesh in ((4, MESH), (2, (1, 2)), (4, (1, 4))):
+        results = spawn(procs, scenarios.bench_load, url, SIZE, mesh, options)
+        stats = proxy.reset()
+        assert all(bad == [] for bad, _ in results), results
+        needed = sum(n for _, n in results)
+        fetched = sum(v for key, v in stats.get_bytes.items() if key.endswith(".ckio"))
+        assert needed <= fetched <= 1.05 * needed, (mesh, fetched / needed)
+        assert stats.requests["HEAD"] == stats.requests["LIST"] == 0
+
+
+@pytest.mark.slow
+def test_twenty_percent_failures_still_save_and_load_bit_exact(s3_proxy, moto_server):
+    proxy, base, options = s3_proxy
+    url = f"{base}/flaky"
+    proxy.faults += [
+        Fault(lambda r: r.operation == "MPU_PART", "drop", times=1),  # a part dies mid-upload
+        Fault(lambda r: r.operation == "GET" and r.key.endswith(".ckio"), 503, times=1),
+        Fault(lambda r: True, [503, 500, "drop"], fraction=0.2),
+    ]
+    spawn(4, partial(scenarios.bench_save, part_size=PART), url, SIZE, MESH, "all_ranks", options)
+    results = spawn(4, scenarios.bench_load, url, SIZE, MESH, options)
+    stats = proxy.reset()
+    assert all(bad == [] for bad, _ in results)
+    assert sum(stats.failed.values()) >= 0.2 * sum(stats.requests.values()), stats  # faults really were injected
+    assert stats.failed["MPU_PART"] > 0 and stats.failed["GET"] > 0
+    assert _open_uploads(moto_server, base) == []
+
+
+def test_permanent_failure_is_clean_on_every_rank(s3_proxy, moto_server):
+    proxy, base, options = s3_proxy
+    url = f"{base}/doomed"
+    proxy.faults.append(Fault(lambda r: r.operation == "MPU_PART" and r.key.endswith("-r00001.ckio"), 503))
+    doomed = partial(scenarios.expect_save_failure, part_size=PART, retry_attempts=3, retry_deadline_s=5)
+    messages = spawn(4, doomed, url, SIZE, MESH, options)
+    for message in messages:
+        assert message.startswith("StorageError") and "-r00001.ckio" in message and "SlowDown" in message, message
+    objects = _objects(moto_server, base)
+    assert not any(key.endswith("ckptio.json") for key in objects), objects
+    assert _open_uploads(moto_server, base) == []
+
+
+def test_credentials_from_storage_options_or_environment(s3, moto_server, monkeypatch):
+    base, options = s3
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    scenarios.save(f"{base}/opts", None, "all_ranks", options)
+    assert scenarios.load(f"{base}/opts", None, options) == []
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    scenarios.save(f"{base}/env", None, "all_ranks", None)
+    assert scenarios.load(f"{base}/env", None, None) == []
+    meta = json.loads(boto3.client("s3", endpoint_url=moto_server).get_object(
+        Bucket=base.removeprefix("s3://"), Key="env/ckptio.json")["Body"].read())
+    assert meta["format"] == "ckptio"
