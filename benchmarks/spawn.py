@@ -6,6 +6,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
@@ -41,12 +42,11 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
             dist.destroy_process_group()
 
 
-def spawn(world_size: int, fn: Callable, *args: Any, timeout: float = 240, env: dict | None = None) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` ranks and return each rank's result.
-
-    Raises ``RuntimeError`` with the failing ranks' tracebacks if any rank fails or the run
-    exceeds ``timeout`` seconds. ``world_size=0`` runs one process without a process group.
-    """
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240,
+              env: dict | None = None) -> list[tuple[str, Any]]:
+    """Run ``fn(*args)`` on ``world_size`` ranks; return each rank's ``(status, value)``:
+    ``("ok", result)``, ``("error", traceback)``, ``("died", exit code)`` or ``("hung", None)``.
+    ``world_size=0`` runs one process without a process group."""
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = []
@@ -55,37 +55,31 @@ def spawn(world_size: int, fn: Callable, *args: Any, timeout: float = 240, env: 
             p = ctx.Process(target=_entry, args=(rank, world_size, port, out_dir, fn, args, dict(env or {})))
             p.start()
             procs.append(p)
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.join(timeout)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        outcomes: list[tuple[str, Any]] = []
+        for rank, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
                 p.join()
-        results, errors = [], []
-        for rank in range(len(procs)):
+                outcomes.append(("hung", None))
+                continue
             path = os.path.join(out_dir, f"rank{rank}.pkl")
             if not os.path.exists(path):
-                errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode})")
-                results.append(None)
+                outcomes.append(("died", p.exitcode))
                 continue
             with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                errors.append(f"rank {rank}:\n{value}")
-            results.append(value)
-        if hung:
-            errors.insert(0, f"ranks {hung} still running after {timeout}s")
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return results
+                outcomes.append(pickle.load(f))
+        return outcomes
 
 
-def spawn_expect_failure(world_size: int, fn: Callable, *args: Any, timeout: float = 240,
-                         env: dict | None = None) -> str:
-    """Like ``spawn`` but the run must fail; returns the combined error text."""
-    try:
-        spawn(world_size, fn, *args, timeout=timeout, env=env)
-    except RuntimeError as exc:
-        return str(exc)
-    raise AssertionError("the distributed run was expected to fail but every rank succeeded")
+def spawn(world_size: int, fn: Callable, *args: Any, timeout: float = 240, env: dict | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks and return each rank's result; raise
+    ``RuntimeError`` with every failing rank's traceback if any rank fails or hangs."""
+    outcomes = run_ranks(world_size, fn, *args, timeout=timeout, env=env)
+    errors = [f"rank {rank}: {status}\n{value if value is not None else ''}"
+              for rank, (status, value) in enumerate(outcomes) if status != "ok"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [value for _, value in outcomes]

@@ -7,6 +7,7 @@ import contextlib
 import os
 from typing import Any, Iterator
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -21,7 +22,7 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, config: W
          storage_options: dict[str, Any] | None = None, planner=None, process_group=None):
     """Save ``state_dict`` to ``checkpoint_id``; every rank of ``process_group`` must call it."""
     writer = Writer(checkpoint_id, config, storage_options=storage_options)
-    with raising_checkpoint_errors():
+    with raising_checkpoint_errors(f"save to {os.fspath(checkpoint_id)}"):
         return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
 
 
@@ -29,18 +30,28 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, storag
          planner=None, process_group=None, verify: bool = True) -> None:
     """Load into ``state_dict`` in place. Objects are restored safely unless ``planner`` says otherwise."""
     reader = Reader(checkpoint_id, storage_options=storage_options, verify=verify)
-    with raising_checkpoint_errors():
+    reader.prefetch_metadata()
+    with raising_checkpoint_errors(f"load from {os.fspath(checkpoint_id)}"):
         dcp.load(state_dict, storage_reader=reader, planner=planner if planner is not None else SafeLoadPlanner(),
                  process_group=process_group)
 
 
 @contextlib.contextmanager
-def raising_checkpoint_errors() -> Iterator[None]:
-    """Turn torch's ``CheckpointException`` into the ckptio error one of the ranks raised."""
+def raising_checkpoint_errors(what: str) -> Iterator[None]:
+    """Turn torch's ``CheckpointException`` into the ckptio error one of the ranks raised, and
+    a failed collective (a peer rank died or hung) into a ``CheckpointError`` that says so."""
     try:
         yield
     except CheckpointException as exc:
         raise unwrap(exc) from None
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        raise CheckpointError(
+            f"{what} failed on rank {rank}: {type(exc).__name__}: {exc}. If another rank died or hung, look at its "
+            "logs; a save that fails is never committed, and the previous checkpoint is untouched"
+        ) from exc
 
 
 def unwrap(exc: CheckpointException) -> CheckpointError:

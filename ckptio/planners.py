@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
@@ -26,9 +27,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
+            found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+            needed = f"the global {found.group(1)!r}" if found else f"something unsafe ({str(exc).splitlines()[0]})"
             raise UnsafeObjectError(
-                f"key {fqn!r}: the saved object needs a type the safe loader does not allow ({exc}). If you trust "
-                "this checkpoint, allow the type with torch.serialization.add_safe_globals([...]) or load with "
+                f"key {fqn!r}: the saved object needs {needed}, which the safe loader does not allow. If you "
+                "trust this checkpoint, allow it with torch.serialization.add_safe_globals([...]) or load with "
                 "planner=torch.distributed.checkpoint.DefaultLoadPlanner()"
             ) from None
         if self.flatten_state_dict:

@@ -44,10 +44,19 @@ class Reader(StorageReader):
             self.checkpoint_id = os.fspath(checkpoint_id)
         self._store: FsspecStore | None = None
         self.manifest = None
+        self._prefetched: Manifest | None = None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self.manifest = read_manifest(self._open_store())
+    # No **kwargs: torch would then retry a failed read as "rank-local metadata" and hide our error.
+    def read_metadata(self, *args: Any) -> Metadata:
+        prefetched, self._prefetched = self._prefetched, None
+        self.manifest = prefetched or read_manifest(self._open_store())
         return self.manifest.metadata
+
+    def prefetch_metadata(self) -> Manifest:
+        """Read and validate the metadata now, raising ckptio errors directly (dcp.load would
+        wrap them); the next ``read_metadata`` call uses it instead of reading again."""
+        self._prefetched = read_manifest(self._open_store())
+        return self._prefetched
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._items: dict[MetadataIndex, StoredItem] = metadata.storage_data

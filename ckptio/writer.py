@@ -23,7 +23,7 @@ from torch.futures import Future
 from . import __version__
 from .codec import BlockEncoder, block_size_for
 from .config import WriterConfig
-from .errors import CheckpointExistsError, CheckpointError, CheckpointFormatError
+from .errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, StorageError
 from .layout import METADATA_NAME, StoredItem, data_file_name, decode_metadata, dtype_name, encode_metadata
 from .planning import Holdings, assign_writers
 from .storage import FsspecStore, open_store
@@ -154,6 +154,8 @@ class Writer(StorageWriter):
             old = store.read(METADATA_NAME)
         except FileNotFoundError:
             return
+        except CheckpointNotFoundError as exc:  # e.g. no such bucket: nowhere to save to
+            raise StorageError(f"cannot save to {self.checkpoint_id}: {exc}") from None
         if not self.config.overwrite:
             raise CheckpointExistsError(
                 f"{store.describe(METADATA_NAME)} already holds a committed checkpoint; save to a new path, "

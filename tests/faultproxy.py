@@ -15,6 +15,8 @@ from urllib.parse import parse_qs, urlsplit
 ERROR_BODIES = {
     503: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code><Message>Please reduce your request "
          b"rate.</Message></Error>",
+    403: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code><Message>Access Denied</Message>"
+         b"</Error>",
     500: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code><Message>We encountered an "
          b"internal error. Please try again.</Message></Error>",
 }
@@ -58,7 +60,7 @@ class Fault:
     reproducible), at most ``times`` times."""
 
     match: Callable[[Request], bool]
-    action: int | str | list  # 503, 500 or "drop"; a list is cycled through
+    action: int | str | list  # 503, 500, 403 or "drop"; a list is cycled through
     fraction: float = 1.0
     times: int | None = None
     hits: int = 0
@@ -102,7 +104,7 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                if action in (500, 503):
+                if action in ERROR_BODIES:
                     payload = ERROR_BODIES[action]
                     self.send_response(action)
                     self.send_header("Content-Type", "application/xml")

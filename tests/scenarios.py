@@ -164,3 +164,30 @@ def expect_save_failure(url: str, size: int, mesh_shape, storage_options, **conf
     except ckptio.CheckpointError as exc:
         return f"{type(exc).__name__}: {exc}"
     raise AssertionError("the save succeeded although the store kept failing")
+
+
+class DieWhenPickled:
+    """Kills its process the moment a checkpoint writer serializes it: a rank dying mid-save."""
+
+    def __reduce__(self):
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_then_die_mid_save(previous_url: str, url: str) -> tuple[float, str]:
+    """Both ranks commit ``previous_url``; then rank 1 dies while saving ``url``.
+    Rank 0 returns (seconds until its save failed, the error)."""
+    import time
+
+    save(previous_url, (1, 2), "all_ranks")
+    state = make_state(make_mesh((1, 2)))
+    if dist.get_rank() == 1:
+        state["dies_here"] = DieWhenPickled()
+    start = time.monotonic()
+    try:
+        ckptio.save(state, url)
+    except BaseException as exc:  # noqa: BLE001 - whatever the survivor sees is the result
+        return time.monotonic() - start, f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    return time.monotonic() - start, "no error"

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import fsspec
 from fsspec.asyn import sync
 
-from ..errors import StorageError
+from ..errors import CheckpointNotFoundError, StorageError
 from .base import FsspecStore, RangeRequest
 from .retry import with_retries
 
@@ -68,7 +68,9 @@ class S3Store(FsspecStore):
         if code in ("NoSuchKey", "404", "NotFound"):
             return FileNotFoundError(self.describe(name))
         if code == "NoSuchBucket":
-            return StorageError(f"bucket {self.bucket!r} does not exist ({operation} {self.describe(name)})")
+            kind = CheckpointNotFoundError if operation in ("get_object", "head_object") else StorageError
+            return kind(f"bucket {self.bucket!r} does not exist ({operation} {self.describe(name)}); check the URL "
+                        "and the endpoint, or create the bucket first")
         if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             return StorageError(
                 f"access denied: {operation} {self.describe(name)} ({code}); check the credentials and region in "
