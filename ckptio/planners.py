@@ -14,13 +14,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 from .errors import UnsafeObjectError
 
 
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """Like torch's ``DefaultLoadPlanner``, but non-tensor items are restored with
-    ``torch.load(weights_only=True)``: plain containers, numbers, strings, bytes and tensors
-    only. Anything else raises ``ckptio.UnsafeObjectError`` naming the key and the type.
-
-    To allow a type you trust: ``torch.serialization.add_safe_globals([MyType])``.
-    """
+class SafeObjectsMixin:
+    """Restores non-tensor items with ``torch.load(weights_only=True)`` in any DefaultLoadPlanner subclass."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
@@ -34,7 +29,16 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 "trust this checkpoint, allow it with torch.serialization.add_safe_globals([...]) or load with "
                 "planner=torch.distributed.checkpoint.DefaultLoadPlanner()"
             ) from None
-        if self.flatten_state_dict:
+        if self.flatten_state_dict:  # what DefaultLoadPlanner.load_bytes does after unpickling
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+class SafeLoadPlanner(SafeObjectsMixin, DefaultLoadPlanner):
+    """Like torch's ``DefaultLoadPlanner``, but non-tensor items are restored with
+    ``torch.load(weights_only=True)``: plain containers, numbers, strings, bytes and tensors
+    only. Anything else raises ``ckptio.UnsafeObjectError`` naming the key and the type.
+
+    To allow a type you trust: ``torch.serialization.add_safe_globals([MyType])``.
+    """

@@ -1,0 +1,37 @@
+"""Turn a ckptio checkpoint into one ``torch.save`` file, in a single process, any saved layout."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from .api import raising_checkpoint_errors
+from .planners import SafeObjectsMixin
+from .reader import Reader
+
+
+class _SafeFullLoadPlanner(SafeObjectsMixin, _EmptyStateDictLoadPlanner):
+    """Builds the whole state from the metadata (torch's planner for conversions), objects loaded safely."""
+
+
+def load_full(checkpoint_id: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole checkpoint as plain CPU tensors and objects, nested as it was saved."""
+    state: dict[str, Any] = {}
+    reader = Reader(checkpoint_id, storage_options=storage_options)
+    reader.prefetch_metadata()
+    with raising_checkpoint_errors(f"load from {os.fspath(checkpoint_id)}"):
+        # dcp.load copies the dict it is given; the private loader fills ours, as torch's dcp_to_torch_save does.
+        _load_state_dict(state, storage_reader=reader, planner=_SafeFullLoadPlanner(), no_dist=True)
+    return state
+
+
+def to_torch_save(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *,
+                  storage_options: dict[str, Any] | None = None) -> int:
+    """Write the checkpoint as a single ``torch.save`` file; return the number of top-level keys."""
+    state = load_full(checkpoint_id, storage_options=storage_options)
+    torch.save(state, output)
+    return len(state)
