@@ -16,6 +16,7 @@ from .errors import (  # noqa: E402
     UnsafeObjectError,
 )
 from .api import load, save, unwrap  # noqa: E402
+from .per_rank import PerRank  # noqa: E402
 from .planners import SafeLoadPlanner  # noqa: E402
 from .reader import Reader  # noqa: E402
 from .writer import Writer  # noqa: E402
@@ -28,6 +29,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "NotCkptioCheckpointError",
+    "PerRank",
     "PerRankStateError",
     "Reader",
     "SafeLoadPlanner",

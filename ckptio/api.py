@@ -13,6 +13,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .config import WriterConfig
 from .errors import CheckpointError
+from .keys import canonicalize, copy_back
+from .per_rank import expand_for_save, prepare_for_load
 from .planners import SafeLoadPlanner
 from .reader import Reader
 from .writer import Writer
@@ -20,20 +22,31 @@ from .writer import Writer
 
 def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, config: WriterConfig | None = None, *,
          storage_options: dict[str, Any] | None = None, planner=None, process_group=None):
-    """Save ``state_dict`` to ``checkpoint_id``; every rank of ``process_group`` must call it."""
+    """Save ``state_dict`` to ``checkpoint_id``; every rank of ``process_group`` must call it.
+
+    Keys are stored canonical (no ``_orig_mod`` / ``_checkpoint_wrapped_module`` segments;
+    modules given as values are expanded with ``get_model_state_dict``), ``PerRank`` values get
+    one key per data-parallel rank, and the caller's dict is never modified."""
+    state = expand_for_save(canonicalize(state_dict))
     writer = Writer(checkpoint_id, config, storage_options=storage_options)
     with raising_checkpoint_errors(f"save to {os.fspath(checkpoint_id)}"):
-        return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
+        return dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
 
 
 def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
          planner=None, process_group=None, verify: bool = True) -> None:
-    """Load into ``state_dict`` in place. Objects are restored safely unless ``planner`` says otherwise."""
+    """Load into ``state_dict`` in place (tensors in place, objects replaced under the caller's keys).
+    Objects are restored safely unless ``planner`` says otherwise; keys match canonically."""
     reader = Reader(checkpoint_id, storage_options=storage_options, verify=verify)
-    reader.prefetch_metadata()
+    manifest = reader.prefetch_metadata()
+    state = canonicalize(state_dict)
+    restore_per_rank = prepare_for_load(state, list(manifest.metadata.state_dict_metadata))
     with raising_checkpoint_errors(f"load from {os.fspath(checkpoint_id)}"):
-        dcp.load(state_dict, storage_reader=reader, planner=planner if planner is not None else SafeLoadPlanner(),
+        dcp.load(state, storage_reader=reader, planner=planner if planner is not None else SafeLoadPlanner(),
                  process_group=process_group)
+    for restore in restore_per_rank:
+        restore()
+    copy_back(state_dict, state)
 
 
 @contextlib.contextmanager

@@ -178,6 +178,7 @@ class Manifest:
     header: dict[str, Any]
     metadata: Metadata
     items: dict[MetadataIndex, StoredItem]
+    per_rank: dict[str, dict[int, StoredItem]] = dataclasses.field(default_factory=dict)  # kept per-rank objects
 
     @property
     def files(self) -> dict[str, int]:
@@ -237,22 +238,13 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
 
     items: dict[MetadataIndex, StoredItem] = {}
     for raw in doc["items"]:
-        item = StoredItem(
-            file=raw["file"],
-            offset=_require_int(raw["offset"], "offset"),
-            logical_bytes=_require_int(raw["logical_bytes"], "logical_bytes"),
-            kind=raw["kind"],
-            dtype=raw["dtype"],
-            shape=tuple(_ints(raw["shape"])) if raw["shape"] is not None else None,
-            codec=raw["codec"],
-            block_size=_require_int(raw["block_size"], "block_size"),
-            blocks=_decode_blocks(raw, where),
-            inline=_decode_inline(raw.get("inline"), where),
-        )
         offset = raw["chunk_offset"]
         index = MetadataIndex(raw["fqn"], torch.Size(_ints(offset)) if offset is not None else None, raw["index"])
-        _check_item(item, index, files, where)
-        items[index] = item
+        items[index] = _decode_item(raw, index.fqn, files, where)
+    per_rank = {
+        fqn: {_require_int(int(rank), "rank"): _decode_item(raw, fqn, files, where) for rank, raw in copies.items()}
+        for fqn, copies in (doc.get("per_rank_objects") or {}).items()
+    }
 
     planner_data = doc.get("planner_data")
     if planner_data is not None:
@@ -260,12 +252,29 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
     metadata = Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=items)
     if doc.get("dcp_version") is not None:
         metadata.version = doc["dcp_version"]
-    header = {k: v for k, v in doc.items() if k not in ("state", "items", "planner_data")}
-    return Manifest(header=header, metadata=metadata, items=items)
+    header = {k: v for k, v in doc.items() if k not in ("state", "items", "planner_data", "per_rank_objects")}
+    return Manifest(header=header, metadata=metadata, items=items, per_rank=per_rank)
 
 
-def _check_item(item: StoredItem, index: MetadataIndex, files: dict[str, int], where: str) -> None:
-    key = f"{where}: item {index.fqn!r}"
+def _decode_item(raw: dict[str, Any], fqn: str, files: dict[str, int], where: str) -> StoredItem:
+    item = StoredItem(
+        file=raw["file"],
+        offset=_require_int(raw["offset"], "offset"),
+        logical_bytes=_require_int(raw["logical_bytes"], "logical_bytes"),
+        kind=raw["kind"],
+        dtype=raw["dtype"],
+        shape=tuple(_ints(raw["shape"])) if raw["shape"] is not None else None,
+        codec=raw["codec"],
+        block_size=_require_int(raw["block_size"], "block_size"),
+        blocks=_decode_blocks(raw, where),
+        inline=_decode_inline(raw.get("inline"), where),
+    )
+    _check_item(item, fqn, files, where)
+    return item
+
+
+def _check_item(item: StoredItem, fqn: str, files: dict[str, int], where: str) -> None:
+    key = f"{where}: item {fqn!r}"
     if item.file == "":
         if item.inline is None or item.offset != 0 or len(item.inline) != item.stored_bytes:
             raise CheckpointFormatError(f"{key} is stored inline but its inline bytes do not match its blocks")

@@ -5,13 +5,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .config import WriterConfig
-from .errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, NotCkptioCheckpointError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    NotCkptioCheckpointError,
+    PerRankStateError,
+)
 from .fetch import load_items
 from .layout import METADATA_NAME, TORCH_DCP_METADATA_NAME, Manifest, StoredItem, decode_metadata, is_data_file_name
 from .storage import FsspecStore, open_store
@@ -89,7 +96,23 @@ class Reader(StorageReader):
             self._store = open_store(self.checkpoint_id, self.storage_options, self.config)
         return self._store
 
+    def _own_copy(self, fqn: str, copies: dict[int, StoredItem]) -> StoredItem:
+        """Objects saved with differing_objects='keep_per_rank': each rank gets the value it saved."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        saved_world = self.manifest.header.get("world_size")
+        if world != saved_world or rank not in copies:
+            raise PerRankStateError(
+                f"key {fqn!r} was saved with one value per rank by {saved_world} ranks; this load runs on {world} "
+                f"ranks, so rank {rank} has no value of its own. Load on {saved_world} ranks, or save such state "
+                "with ckptio.PerRank and choose an on_resize policy"
+            )
+        return copies[rank]
+
     def _item_for(self, read_item: ReadItem) -> StoredItem:
+        copies = self.manifest.per_rank.get(read_item.storage_index.fqn) if self.manifest else None
+        if copies:
+            return self._own_copy(read_item.storage_index.fqn, copies)
         try:
             return self._items[read_item.storage_index]
         except KeyError:

@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -24,7 +24,9 @@ from . import __version__
 from .codec import BlockEncoder, block_size_for
 from .config import WriterConfig
 from .errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, StorageError
+from .codec import checksum
 from .layout import METADATA_NAME, StoredItem, data_file_name, decode_metadata, dtype_name, encode_metadata
+from .objects import REPORT_KEY, ObjectReport, per_rank_values
 from .planning import Holdings, assign_writers
 from .storage import FsspecStore, open_store
 
@@ -86,6 +88,7 @@ class Writer(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._open_store().prepare_directory()
+        self._held_objects = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
         return dataclasses.replace(plan, storage_data=Holdings(self.rank, tuple(plan.items)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -94,29 +97,52 @@ class Writer(StorageWriter):
         assigned = assign_writers(plans, self.config.mode)
         return [
             dataclasses.replace(plan, items=a.items, storage_data=RankAssignment(
-                save_id, data_file_name(save_id, rank) if a.items else None, a.private_only))
+                save_id, data_file_name(save_id, rank), a.private_only))
             for rank, (plan, a) in enumerate(zip(plans, assigned))
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assignment: RankAssignment = plan.storage_data
         self._save_id = assignment.save_id
+        # Every object this rank holds is pickled once: to compare it with the other ranks' values
+        # under the same key, and (if this rank writes it) to store it.
+        objects = {it.index: planner.resolve_data(it).getbuffer() for it in self._held_objects}
+        report = ObjectReport(self.rank, {idx.fqn: (checksum(buf), len(buf)) for idx, buf in objects.items()})
+        keep_per_rank = self.config.differing_objects == "keep_per_rank"
+        assigned = {it.index for it in plan.items}
+        # keep_per_rank: every rank also stores its own copy of the objects another rank writes.
+        extras = [it for it in self._held_objects if it.index not in assigned] if keep_per_rank else []
+        results: list[WriteResult] = []
+        if plan.items or extras:
+            inline_limit = self.config.inline_limit if assignment.private_only and not extras else 0
+            results, stored_objects = self._write_file(assignment.file, plan.items + extras, planner, objects,
+                                                       inline_limit)
+            if keep_per_rank:
+                report.copies = stored_objects
+            results = [r for r in results if r.index in assigned]
+        results.append(WriteResult(index=MetadataIndex(REPORT_KEY), size_in_bytes=0, storage_data=report))
         future: Future[list[WriteResult]] = Future()
-        inline_limit = self.config.inline_limit if assignment.private_only else 0
-        results = self._write_file(assignment.file, plan.items, planner, inline_limit) if assignment.file else []
         future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        files: dict[str, int] = {}
-        writers: dict[str, int] = {}
+        reports = [r.storage_data for rank_results in results for r in rank_results if r.index.fqn == REPORT_KEY]
+        per_rank = per_rank_values(reports, self.config.differing_objects)
+        items = {r.index: r.storage_data for rank_results in results for r in rank_results if r.index.fqn != REPORT_KEY}
+        written: dict[tuple[str, int], tuple[StoredItem, int]] = {}  # (file, offset) -> record, rank
         for rank, rank_results in enumerate(results):
             for r in rank_results:
-                item: StoredItem = r.storage_data
-                if item.file:
-                    files[item.file] = files.get(item.file, 0) + item.stored_bytes
-                    writers[item.file] = rank
+                if r.index.fqn != REPORT_KEY:
+                    written[(r.storage_data.file, r.storage_data.offset)] = (r.storage_data, rank)
+        for report in reports:  # keep_per_rank copies; a rank's assigned objects are in both lists
+            for item in report.copies.values():
+                written[(item.file, item.offset)] = (item, report.rank)
+        files: dict[str, int] = {}
+        writers: dict[str, int] = {}
+        for (name, _), (item, rank) in written.items():
+            if name:
+                files[name] = files.get(name, 0) + item.stored_bytes
+                writers[name] = rank
         header = {
             "written_by": f"ckptio {__version__}",
             "torch_version": torch.__version__,
@@ -126,6 +152,8 @@ class Writer(StorageWriter):
             "config": {k: v for k, v in self.config.to_dict().items() if k in ("mode", "compression", "max_block_size")},
             "files": files,
             "writer_ranks": writers,
+            "per_rank_objects": {key: {str(rank): item.to_json() for rank, item in copies.items()}
+                                 for key, copies in per_rank.items()},
         }
         store = self._open_store()
         store.put_atomic(METADATA_NAME, encode_metadata(metadata, items, header))
@@ -166,8 +194,9 @@ class Writer(StorageWriter):
         except CheckpointFormatError as exc:
             log.warning("ckptio: overwriting an unreadable checkpoint; its data files are left in place: %s", exc)
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner,
-                    inline_limit: int) -> list[WriteResult]:
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, objects: dict,
+                    inline_limit: int) -> tuple[list[WriteResult], dict[str, StoredItem]]:
+        """Write ``items`` to ``name`` (or inline); return their results and the object records by key."""
         encoder = BlockEncoder(self.config.max_block_size, self.config.compression, self.config.compression_level)
         sink = _InlineOrFileSink(self._open_store(), name, inline_limit)
         results: list[WriteResult] = []
@@ -175,7 +204,10 @@ class Writer(StorageWriter):
         try:
             # Objects first: they are small, and their pickling is the likeliest thing to fail.
             for item in sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO):
-                data, kind, dtype, shape = _item_bytes(item, planner.resolve_data(item))
+                if item.index in objects:
+                    data, kind, dtype, shape = objects[item.index], "bytes", None, None
+                else:
+                    data, kind, dtype, shape = _item_bytes(item, planner.resolve_data(item))
                 block_size = block_size_for(len(data), encoder.max_block_size)
                 blocks = []
                 for stored, crc in encoder.encode(data, block_size):
@@ -194,7 +226,7 @@ class Writer(StorageWriter):
                 r.storage_data, file="", offset=0,
                 inline=sink.inline[r.storage_data.offset : r.storage_data.offset + r.storage_data.stored_bytes]))
                 for r in results]
-        return results
+        return results, {r.index.fqn: r.storage_data for r in results if r.storage_data.kind == "bytes"}
 
 
 class _InlineOrFileSink:
