@@ -1,0 +1,109 @@
+"""The benchmark's counting, its CLI on the embedded default, and its JSON schema."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+import ckptio
+from benchmarks import counting, report, workload
+from benchmarks.__main__ import main as bench_main
+
+
+def test_summary_figures_from_a_hand_computed_run():
+    # 2 ranks, repeat 0 and 1; 1000 unique bytes held twice (logical 2000) written as 600 + 400 + 20 metadata
+    listing = {"data-0123456789abcdef-r00000.ckio": 600, "data-0123456789abcdef-r00001.ckio": 400,
+               "ckptio.json": 20, "__1_0.distcp": 0}
+    base = {"target": "local", "writer": "w", "url": "u", "load_mismatches": [], "reshard_mismatches": [],
+            "save_requests": {"PUT": 1}, "load_requests": {"GET": 2}, "reshard_load_requests": {},
+            "save_rss_bytes": 10, "load_rss_bytes": 5, "reshard_load_s": 0.5}
+    records = [dict(base, rank=r, repeat=k, save_s=1.0 + k + r, load_s=2.0 + k) for r in (0, 1) for k in (0, 1)]
+    (row,) = report.summarize(records, {"u": listing}, world=2, sizes={"logical_bytes": 2000, "unique_bytes": 1000})
+    assert row["save_s_median"] == 2.5 and row["save_s_min"] == 2.0 and row["save_s_max"] == 3.0  # max over ranks
+    assert row["bytes_written"] == 1020 and row["dedup_ratio"] == 2000 / 1020
+    assert row["write_amplification"] == 1.02
+    assert row["objects"] == 4 and row["empty_objects"] == 1
+    assert row["largest_rank_bytes"] == 600 and row["mean_rank_bytes"] == 500 and row["writing_ranks"] == 2
+    assert row["save_requests"]["PUT"] == 2 and row["load_requests"]["GET"] == 4  # summed over ranks, repeat 0
+    assert row["load_bit_exact"] and row["reshard_bit_exact"]
+
+
+def _held_bytes_and_save(url: str, size: int) -> int:
+    """Save the workload on a 2x2 mesh; return the bytes this rank holds (tensors + pickled objects)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    state = workload.build_state(mesh, workload.tensor_specs(size), False, dist.get_rank())
+    ckptio.save(state, url)
+
+    def held(value) -> int:
+        if isinstance(value, dict):
+            return sum(held(v) for v in value.values())
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        return len(workload._pickled(value))
+
+    return held(state)
+
+
+def test_workload_byte_counts_match_what_ranks_hold_and_ckptio_stores(tmp_path):
+    from benchmarks.spawn import spawn
+
+    url = str(tmp_path / "w")
+    held = spawn(4, _held_bytes_and_save, url, 1 << 20)
+    sizes = workload.byte_counts(workload.tensor_specs(1 << 20), (2, 2))
+    assert sum(held) == sizes["logical_bytes"]
+    meta = json.load(open(os.path.join(url, "ckptio.json")))
+    stored = sum(i["logical_bytes"] for i in meta["items"])
+    assert stored == sizes["unique_bytes"]
+
+
+def test_s3_requests_are_counted_on_the_client(s3):
+    base, options = s3
+    counting.install_s3_counter()
+    counting.take_counts()
+    ckptio.save({"w": torch.ones(1000)}, f"{base}/counted", ckptio.WriterConfig(inline_limit=0),
+                storage_options=options)
+    counts = counting.take_counts()
+    assert counts["PUT"] == 2 and counts["GET"] == 1  # data object, metadata; the existence check
+    assert sum(counts.values()) == 3
+    ckptio.load({"w": torch.zeros(1000)}, f"{base}/counted", storage_options=options)
+    assert counting.take_counts()["GET"] == 2  # metadata, one ranged read
+
+
+@pytest.mark.slow
+def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
+    out = str(tmp_path / "results")
+    args = ["--ranks", "2", "--mesh", "1x2", "--size", "2MiB", "--out", out, "--quiet",
+            "--writers", "ckptio all_ranks", "ckptio replica_group", "FileSystemWriter", "FsspecWriter"]
+    assert bench_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "ckptio all_ranks" in printed and "S3 requests" in printed
+    (path,) = glob.glob(os.path.join(out, "*.json"))
+    doc = json.load(open(path))
+    assert doc["schema_version"] == report.SCHEMA_VERSION
+    assert set(doc) >= {"created", "versions", "machine", "config", "results"}
+    assert doc["config"]["mesh"] == [1, 2] and doc["config"]["ranks"] == 2
+    rows = {(r["target"], r["writer"]) for r in doc["results"]}
+    assert rows == {("local", "ckptio all_ranks"), ("local", "ckptio replica_group"), ("local", "torch FileSystemWriter"),
+                    ("local", "torch FsspecWriter"), ("s3 (moto)", "ckptio all_ranks"),
+                    ("s3 (moto)", "ckptio replica_group"), ("s3 (moto)", "torch FsspecWriter")}
+    numeric = ("save_s_median", "load_s_median", "bytes_written", "dedup_ratio", "write_amplification", "objects",
+               "largest_rank_bytes", "mean_rank_bytes", "peak_rss_save_bytes")
+    for row in doc["results"]:
+        assert all(isinstance(row[k], (int, float)) for k in numeric)
+        assert row["load_bit_exact"] and row["reshard_bit_exact"]
+        assert set(row["save_requests"]) == set(counting.REQUEST_KINDS)
+        if row["writer"].startswith("ckptio") and row["target"] != "local":
+            assert row["save_requests"]["COPY"] == row["save_requests"]["LIST"] == 0
+    assert os.path.exists(path.replace(".json", ".md")) and os.path.exists(path.replace(".json", ".png"))
+    assert bench_main(args + ["--compare", path, "--no-charts"]) == 0
+    assert "against" in capsys.readouterr().out
