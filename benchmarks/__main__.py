@@ -23,9 +23,15 @@ from .writers import WRITERS, select
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ckptio bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="ckptio bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ranks", type=int, default=4, help="processes to spawn (default 4)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="where the state lives (default: cuda when available); NCCL when there is a GPU per rank, else gloo",
+    )
     p.add_argument("--mesh", default="2x2", help="replicate x shard mesh, e.g. 2x2 (default), 1x4, 4x1")
     p.add_argument("--size", default="256MiB", help="total state size: model + 2 Adam moments (default 256MiB)")
     p.add_argument("--repeats", type=int, default=1, help="saves/loads per writer and target (median reported)")
@@ -38,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="bench-results", help="directory for JSON, Markdown and charts")
     p.add_argument("--compare", help="a previous results.json: show deltas")
     p.add_argument("--no-charts", action="store_true")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoints written (default: delete each after use)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -52,59 +59,92 @@ def targets_for(args: argparse.Namespace):
         targets = []
         if args.path or not args.s3:
             base = args.path or stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptio-bench-"))
-            targets.append({"name": "local", "kind": "local", "base": os.path.join(base, run_id), "embedded": not args.path})
+            targets.append(
+                {"name": "local", "kind": "local", "base": os.path.join(base, run_id), "embedded": not args.path}
+            )
         if args.s3:
             options = {"client_kwargs": {"endpoint_url": args.endpoint_url}} if args.endpoint_url else {}
-            targets.append({"name": "s3", "kind": "s3", "base": f"{args.s3.rstrip('/')}/{run_id}",
-                            "storage_options": options, "embedded": False})
+            targets.append(
+                {
+                    "name": "s3",
+                    "kind": "s3",
+                    "base": f"{args.s3.rstrip('/')}/{run_id}",
+                    "storage_options": options,
+                    "embedded": False,
+                }
+            )
         elif not args.path:
             endpoint = stack.enter_context(local_s3_server())
             use_test_credentials()
             create_bucket(endpoint, "ckptio-bench")
-            targets.append({"name": "s3 (moto)", "kind": "s3", "base": f"s3://ckptio-bench/{run_id}",
-                            "storage_options": {"client_kwargs": {"endpoint_url": endpoint}}, "embedded": True})
+            targets.append(
+                {
+                    "name": "s3 (moto)",
+                    "kind": "s3",
+                    "base": f"s3://ckptio-bench/{run_id}",
+                    "storage_options": {"client_kwargs": {"endpoint_url": endpoint}},
+                    "embedded": True,
+                }
+            )
         yield targets
 
 
 def run(args: argparse.Namespace) -> dict:
-    from benchmarks import runner
 
     replicas, shards = (int(x) for x in args.mesh.lower().split("x"))
     if replicas * shards != args.ranks:
         raise SystemExit(f"--mesh {args.mesh} has {replicas * shards} ranks but --ranks is {args.ranks}")
     writers = [w.name for w in select(args.writers, args.compressed)]
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if device == "cuda" and torch.cuda.device_count() >= args.ranks else "gloo"
     size_bytes = workload.parse_size(args.size)
     with targets_for(args) as targets, tempfile.TemporaryDirectory() as scratch:
         progress_file = os.path.join(scratch, "progress")
-        cfg = {"size_bytes": size_bytes, "mesh": [replicas, shards], "compressible": args.compressible,
-               "writers": writers, "repeats": args.repeats, "targets": targets, "progress_file": progress_file}
-        steps = sum(args.repeats for t in targets for w in select(args.writers, args.compressed) if t["kind"] in w.targets)
-        records = _spawn_with_progress(args, cfg, progress_file, steps)
-        listings = {}
-        from .counting import checkpoint_files
-
-        for r in records:
-            if r["repeat"] == 0 and r["url"] not in listings:
-                target = next(t for t in targets if t["name"] == r["target"])
-                listings[r["url"]] = checkpoint_files(r["url"], target.get("storage_options"))
+        cfg = {
+            "device": device,
+            "keep": args.keep,
+            "size_bytes": size_bytes,
+            "mesh": [replicas, shards],
+            "compressible": args.compressible,
+            "writers": writers,
+            "repeats": args.repeats,
+            "targets": targets,
+            "progress_file": progress_file,
+        }
+        steps = sum(
+            args.repeats for t in targets for w in select(args.writers, args.compressed) if t["kind"] in w.targets
+        )
+        records = _spawn_with_progress(args, cfg, progress_file, steps, backend)
+        listings = {r["url"]: r["listing"] for r in records if "listing" in r}
         sizes = workload.byte_counts(workload.tensor_specs(size_bytes), (replicas, shards))
         results = report.summarize(records, listings, args.ranks, sizes)
-    import ckptio
     import torch
+
+    import ckptio
 
     return {
         "schema_version": report.SCHEMA_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "versions": {"ckptio": ckptio.__version__, "torch": torch.__version__, "python": platform.python_version()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "processor": platform.machine()},
-        "config": {"ranks": args.ranks, "mesh": [replicas, shards], "size_bytes": size_bytes,
-                   "compressible": args.compressible, "repeats": args.repeats, "writers": writers,
-                   "targets": [{k: v for k, v in t.items() if k != "storage_options"} for t in targets]},
+        "config": {
+            "ranks": args.ranks,
+            "device": device,
+            "backend": backend,
+            "mesh": [replicas, shards],
+            "size_bytes": size_bytes,
+            "compressible": args.compressible,
+            "repeats": args.repeats,
+            "writers": writers,
+            "targets": [{k: v for k, v in t.items() if k != "storage_options"} for t in targets],
+        },
         "results": results,
     }
 
 
-def _spawn_with_progress(args, cfg, progress_file: str, steps: int) -> list[dict]:
+def _spawn_with_progress(args, cfg, progress_file: str, steps: int, backend: str) -> list[dict]:
     from tqdm import tqdm
 
     from benchmarks import runner
@@ -113,8 +153,11 @@ def _spawn_with_progress(args, cfg, progress_file: str, steps: int) -> list[dict
 
     def work() -> None:
         try:
-            out["records"] = [r for rank_records in spawn(args.ranks, runner.run_rank, cfg, timeout=3600)
-                              for r in rank_records]
+            out["records"] = [
+                r
+                for rank_records in spawn(args.ranks, runner.run_rank, cfg, timeout=3600, backend=backend)
+                for r in rank_records
+            ]
         except BaseException as exc:  # reported below, in the main thread
             out["error"] = exc
 
@@ -149,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\nS3 requests (client side, summed over ranks):\n" + requests)
     if args.compare:
         print("\nagainst " + args.compare + ":\n" + report.compare(doc["results"], args.compare))
-    print(f"\nresults: {base}.json, {base}.md" + (f", {base}.png" if "charts" in doc else "")
-          + f"  ({time.time() - started:.0f}s)")
+    print(
+        f"\nresults: {base}.json, {base}.md"
+        + (f", {base}.png" if "charts" in doc else "")
+        + f"  ({time.time() - started:.0f}s)"
+    )
     bad = [r for r in doc["results"] if not (r["load_bit_exact"] and r["reshard_bit_exact"])]
     if bad:
         print("LOAD MISMATCH for: " + ", ".join(f"{r['writer']} on {r['target']}" for r in bad), file=sys.stderr)

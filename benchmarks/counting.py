@@ -11,13 +11,34 @@ import time
 import fsspec
 
 OPERATION_KINDS = {
-    "PutObject": "PUT", "CreateMultipartUpload": "MPU_CREATE", "UploadPart": "MPU_PART",
-    "CompleteMultipartUpload": "MPU_COMPLETE", "AbortMultipartUpload": "MPU_ABORT", "GetObject": "GET",
-    "HeadObject": "HEAD", "HeadBucket": "HEAD", "ListObjectsV2": "LIST", "ListObjects": "LIST",
-    "CopyObject": "COPY", "UploadPartCopy": "COPY", "DeleteObject": "DELETE", "DeleteObjects": "DELETE",
+    "PutObject": "PUT",
+    "CreateMultipartUpload": "MPU_CREATE",
+    "UploadPart": "MPU_PART",
+    "CompleteMultipartUpload": "MPU_COMPLETE",
+    "AbortMultipartUpload": "MPU_ABORT",
+    "GetObject": "GET",
+    "HeadObject": "HEAD",
+    "HeadBucket": "HEAD",
+    "ListObjectsV2": "LIST",
+    "ListObjects": "LIST",
+    "CopyObject": "COPY",
+    "UploadPartCopy": "COPY",
+    "DeleteObject": "DELETE",
+    "DeleteObjects": "DELETE",
 }
-REQUEST_KINDS = ("PUT", "MPU_CREATE", "MPU_PART", "MPU_COMPLETE", "MPU_ABORT", "GET", "HEAD", "LIST", "COPY",
-                 "DELETE", "OTHER")
+REQUEST_KINDS = (
+    "PUT",
+    "MPU_CREATE",
+    "MPU_PART",
+    "MPU_COMPLETE",
+    "MPU_ABORT",
+    "GET",
+    "HEAD",
+    "LIST",
+    "COPY",
+    "DELETE",
+    "OTHER",
+)
 
 requests: collections.Counter = collections.Counter()
 _lock = threading.Lock()
@@ -98,6 +119,12 @@ def checkpoint_files(url: str, storage_options: dict | None) -> dict[str, int]:
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     fs.invalidate_cache()
     return {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in fs.ls(root, detail=True)}
+
+
+def remove(url: str, storage_options: dict | None) -> None:
+    """Delete a benchmark checkpoint, so a long run does not fill the disk or the S3 server's memory."""
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    fs.rm(root, recursive=True)
 
 
 def rank_of(name: str) -> int | None:

@@ -119,8 +119,10 @@ def request_table(rows: list[dict], markdown: bool = False) -> str:
             counts = r[f"{phase}_requests"]
             cells.append([r["writer"], phase, *[str(counts[k]) for k in kinds], str(total_requests(counts))])
     if markdown:
-        return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                         + ["| " + " | ".join(c) + " |" for c in cells[1:]])
+        return "\n".join(
+            ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["| " + " | ".join(c) + " |" for c in cells[1:]]
+        )
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
@@ -138,7 +140,8 @@ def compare(rows: list[dict], old_path: str) -> str:
             f"{r['target']}  {r['writer']}  {r['save_s_median']:.2f} ({_pct(r['save_s_median'], o['save_s_median'])})"
             f"  {r['load_s_median']:.2f} ({_pct(r['load_s_median'], o['load_s_median'])})"
             f"  {_mib(r['bytes_written'])} ({_pct(r['bytes_written'], o['bytes_written'])})"
-            f"  {total_requests(r['save_requests'])} ({_pct(total_requests(r['save_requests']), total_requests(o['save_requests']))})"
+            f"  {total_requests(r['save_requests'])}"
+            f" ({_pct(total_requests(r['save_requests']), total_requests(o['save_requests']))})"
         )
     return "\n".join(lines)
 
@@ -155,7 +158,8 @@ def markdown_report(doc: dict[str, Any]) -> str:
         f"{_mib(cfg['size_bytes'])} MiB state{' (compressible)' if cfg['compressible'] else ''}, "
         f"{cfg['repeats']} repeat(s); torch {doc['versions']['torch']}, ckptio {doc['versions']['ckptio']}, "
         f"{doc['machine']['cpus']} CPUs.",
-        "", table(doc["results"], markdown=True),
+        "",
+        table(doc["results"], markdown=True),
     ]
     requests = request_table(doc["results"], markdown=True)
     if requests:
@@ -194,8 +198,12 @@ def charts(rows: list[dict], path: str) -> bool:
             ax.bar(xs, [by_writer.get(w, 0) for w in writers], width, label=target)
         ax.set_title(title)
         ax.set_xticks([k + width * (len(targets) - 1) / 2 for k in range(len(writers))])
-        ax.set_xticklabels([w.replace("torch ", "torch\n").replace("ckptio ", "ckptio\n") for w in writers],
-                           fontsize=7, rotation=30, ha="right")
+        ax.set_xticklabels(
+            [w.replace("torch ", "torch\n").replace("ckptio ", "ckptio\n") for w in writers],
+            fontsize=7,
+            rotation=30,
+            ha="right",
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

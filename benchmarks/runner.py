@@ -11,8 +11,8 @@ from . import counting, workload
 from .writers import WRITERS
 
 
-def _mesh(shape: tuple[int, int]):
-    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+def _mesh(shape: tuple[int, int], device: str):
+    return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def _slug(writer_name: str) -> str:
@@ -45,8 +45,10 @@ def run_rank(cfg: dict) -> list[dict]:
     rank, world = dist.get_rank(), dist.get_world_size()
     counting.install_s3_counter()
     specs = workload.tensor_specs(cfg["size_bytes"])
-    mesh = _mesh(tuple(cfg["mesh"]))
-    reshard_mesh = _mesh((1, world))
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = _mesh(tuple(cfg["mesh"]), cfg["device"])
+    reshard_mesh = _mesh((1, world), cfg["device"])
     state = workload.build_state(mesh, specs, cfg["compressible"], rank)
     writers = {w.name: w for w in WRITERS}
     _warm_up(cfg, writers)
@@ -70,8 +72,9 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
     record = {"target": target["name"], "writer": spec.name, "repeat": rep, "rank": rank, "url": url}
     counting.take_counts()
     with counting.PeakRSS() as rss:
-        record["save_s"] = _timed(lambda: dcp.save(
-            state, storage_writer=spec.make_writer(url, options), planner=spec.make_planner()))
+        record["save_s"] = _timed(
+            lambda: dcp.save(state, storage_writer=spec.make_writer(url, options), planner=spec.make_planner())
+        )
     record["save_requests"] = counting.take_counts()
     record["save_rss_bytes"] = rss.peak_delta
 
@@ -81,11 +84,16 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
     record["load_requests"] = counting.take_counts()
     record["load_rss_bytes"] = rss.peak_delta
     record["load_mismatches"] = workload.check_state(loaded, specs, compressible, rank)
-    del loaded
 
     if rep == 0:
         resharded = workload.build_state(reshard_mesh, specs, compressible, rank, empty=True)
         record["reshard_load_s"] = _timed(lambda: dcp.load(resharded, storage_reader=spec.make_reader(url, options)))
         record["reshard_load_requests"] = counting.take_counts()
         record["reshard_mismatches"] = workload.check_state(resharded, specs, compressible, rank)
+    dist.barrier()
+    if rank == 0:  # after the counts were taken: listing and cleanup are not part of the measurement
+        record["listing"] = counting.checkpoint_files(url, options)
+        if not cfg["keep"]:
+            counting.remove(url, options)
+    dist.barrier()
     return record

@@ -28,9 +28,13 @@ def local_s3_server() -> Iterator[str]:
 def create_bucket(endpoint: str, bucket: str) -> None:
     import boto3
 
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                 aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
-                 aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket=bucket)
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+    ).create_bucket(Bucket=bucket)
 
 
 def use_test_credentials() -> None:

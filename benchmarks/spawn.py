@@ -19,15 +19,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, env: dict, backend: str = "gloo"
+) -> None:
     import torch.distributed as dist
 
     os.environ.update(env)
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
         if world_size > 0:
+            if backend == "nccl":
+                import torch
+
+                torch.cuda.set_device(rank % torch.cuda.device_count())
             dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
                 timeout=__import__("datetime").timedelta(seconds=float(env.get("CKPTIO_TEST_PG_TIMEOUT", 120))),
             )
         value = fn(*args)
@@ -42,8 +51,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, ar
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240,
-              env: dict | None = None) -> list[tuple[str, Any]]:
+def run_ranks(
+    world_size: int, fn: Callable, *args: Any, timeout: float = 240, env: dict | None = None, backend: str = "gloo"
+) -> list[tuple[str, Any]]:
     """Run ``fn(*args)`` on ``world_size`` ranks; return each rank's ``(status, value)``:
     ``("ok", result)``, ``("error", traceback)``, ``("died", exit code)`` or ``("hung", None)``.
     ``world_size=0`` runs one process without a process group."""
@@ -52,7 +62,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240,
     procs = []
     with tempfile.TemporaryDirectory() as out_dir:
         for rank in range(max(world_size, 1)):
-            p = ctx.Process(target=_entry, args=(rank, world_size, port, out_dir, fn, args, dict(env or {})))
+            p = ctx.Process(target=_entry, args=(rank, world_size, port, out_dir, fn, args, dict(env or {}), backend))
             p.start()
             procs.append(p)
         deadline = time.monotonic() + timeout
@@ -74,12 +84,17 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240,
         return outcomes
 
 
-def spawn(world_size: int, fn: Callable, *args: Any, timeout: float = 240, env: dict | None = None) -> list[Any]:
+def spawn(
+    world_size: int, fn: Callable, *args: Any, timeout: float = 240, env: dict | None = None, backend: str = "gloo"
+) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks and return each rank's result; raise
     ``RuntimeError`` with every failing rank's traceback if any rank fails or hangs."""
-    outcomes = run_ranks(world_size, fn, *args, timeout=timeout, env=env)
-    errors = [f"rank {rank}: {status}\n{value if value is not None else ''}"
-              for rank, (status, value) in enumerate(outcomes) if status != "ok"]
+    outcomes = run_ranks(world_size, fn, *args, timeout=timeout, env=env, backend=backend)
+    errors = [
+        f"rank {rank}: {status}\n{value if value is not None else ''}"
+        for rank, (status, value) in enumerate(outcomes)
+        if status != "ok"
+    ]
     if errors:
         raise RuntimeError("\n".join(errors))
     return [value for _, value in outcomes]

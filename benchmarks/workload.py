@@ -62,14 +62,18 @@ def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
 
 
 def build_state(mesh, specs: list[Spec], compressible: bool, rank: int, empty: bool = False) -> dict:
+    """The rank's share of the state, on the mesh's device type (CUDA tensors go to the current device)."""
+    device = "cuda" if mesh.device_type == "cuda" else "cpu"
     shard_index = mesh.get_local_rank("shard")
     shards = mesh.size(mesh.mesh_dim_names.index("shard"))
     state: dict = {"model": {}, "optim": {"state": {}}}
     for spec in specs:
         a, b = shard_rows(spec.rows, shards, shard_index)
         local = torch.zeros((b - a, COLS), dtype=spec.dtype) if empty else rows_of(spec, a, b, compressible)
-        value = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
-                                   shape=torch.Size((spec.rows, COLS)), stride=(COLS, 1))
+        local = local.to(device)
+        value = DTensor.from_local(
+            local, mesh, [Replicate(), Shard(0)], run_check=False, shape=torch.Size((spec.rows, COLS)), stride=(COLS, 1)
+        )
         head, rest = spec.name.split(".", 1)
         (state["model"] if head == "model" else state["optim"]["state"])[rest.removeprefix("state.")] = value
     state["optim"]["step"] = torch.tensor(0.0 if empty else 1000.0)
@@ -87,7 +91,9 @@ def check_state(state: dict, specs: list[Spec], compressible: bool, rank: int) -
         value = (state["model"] if head == "model" else state["optim"]["state"])[rest.removeprefix("state.")]
         mesh = value.device_mesh
         a, b = shard_rows(spec.rows, mesh.size(mesh.mesh_dim_names.index("shard")), mesh.get_local_rank("shard"))
-        if not torch.equal(value.to_local().view(torch.int32), rows_of(spec, a, b, compressible).view(torch.int32)):
+        if not torch.equal(
+            value.to_local().cpu().view(torch.int32), rows_of(spec, a, b, compressible).view(torch.int32)
+        ):
             bad.append(spec.name)
     if state["optim"]["step"].item() != 1000.0:
         bad.append("optim.step")
@@ -122,4 +128,4 @@ def parse_size(text: str) -> int:
     units = {"": 1, "B": 1, "KIB": 1 << 10, "KB": 1000, "MIB": 1 << 20, "MB": 10**6, "GIB": 1 << 30, "GB": 10**9}
     t = text.strip().upper()
     number = t.rstrip("KMGIB")
-    return int(float(number) * units[t[len(number):]])
+    return int(float(number) * units[t[len(number) :]])

@@ -24,9 +24,11 @@ class WriterSpec:
 def _ckptio(mode: str, compression: str | None = None) -> WriterSpec:
     suffix = f"+{compression}" if compression else ""
     return WriterSpec(
-        f"ckptio {mode}{suffix}", ("local", "s3"),
-        lambda url, opts: ckptio.Writer(url, ckptio.WriterConfig(mode=mode, compression=compression),
-                                        storage_options=opts),
+        f"ckptio {mode}{suffix}",
+        ("local", "s3"),
+        lambda url, opts: ckptio.Writer(
+            url, ckptio.WriterConfig(mode=mode, compression=compression), storage_options=opts
+        ),
         lambda url, opts: ckptio.Reader(url, storage_options=opts),
     )
 
@@ -49,11 +51,19 @@ WRITERS = [
     _ckptio("all_ranks", "zstd"),
     _ckptio("replica_group", "zstd"),
     WriterSpec("torch FileSystemWriter", ("local",), _torch_writer, _torch_reader),
-    WriterSpec("torch FsspecWriter", ("local", "s3"),
-               lambda url, opts: FsspecWriter(url, **(opts or {})),
-               lambda url, opts: FsspecReader(url, **(opts or {}))),
-    WriterSpec("torch dedup_save_to_lowest_rank", ("local", "s3"), _torch_writer, _torch_reader,
-               lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=True)),
+    WriterSpec(
+        "torch FsspecWriter",
+        ("local", "s3"),
+        lambda url, opts: FsspecWriter(url, **(opts or {})),
+        lambda url, opts: FsspecReader(url, **(opts or {})),
+    ),
+    WriterSpec(
+        "torch dedup_save_to_lowest_rank",
+        ("local", "s3"),
+        _torch_writer,
+        _torch_reader,
+        lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+    ),
 ]
 
 

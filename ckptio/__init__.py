@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from .api import load, save, unwrap  # noqa: E402
 from .config import WriterConfig  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
@@ -15,7 +16,6 @@ from .errors import (  # noqa: E402
     StorageError,
     UnsafeObjectError,
 )
-from .api import load, save, unwrap  # noqa: E402
 from .per_rank import PerRank  # noqa: E402
 from .planners import SafeLoadPlanner  # noqa: E402
 from .reader import Reader  # noqa: E402

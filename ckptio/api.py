@@ -20,8 +20,15 @@ from .reader import Reader
 from .writer import Writer
 
 
-def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, config: WriterConfig | None = None, *,
-         storage_options: dict[str, Any] | None = None, planner=None, process_group=None):
+def save(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | os.PathLike,
+    config: WriterConfig | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    planner=None,
+    process_group=None,
+):
     """Save ``state_dict`` to ``checkpoint_id``; every rank of ``process_group`` must call it.
 
     Keys are stored canonical (no ``_orig_mod`` / ``_checkpoint_wrapped_module`` segments;
@@ -33,8 +40,15 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, config: W
         return dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
 
 
-def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, storage_options: dict[str, Any] | None = None,
-         planner=None, process_group=None, verify: bool = True) -> None:
+def load(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | os.PathLike,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    planner=None,
+    process_group=None,
+    verify: bool = True,
+) -> None:
     """Load into ``state_dict`` in place (tensors in place, objects replaced under the caller's keys).
     Objects are restored safely unless ``planner`` says otherwise; keys match canonically."""
     reader = Reader(checkpoint_id, storage_options=storage_options, verify=verify)
@@ -42,8 +56,12 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, storag
     state = canonicalize(state_dict)
     restore_per_rank = prepare_for_load(state, list(manifest.metadata.state_dict_metadata))
     with raising_checkpoint_errors(f"load from {os.fspath(checkpoint_id)}"):
-        dcp.load(state, storage_reader=reader, planner=planner if planner is not None else SafeLoadPlanner(),
-                 process_group=process_group)
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=planner if planner is not None else SafeLoadPlanner(),
+            process_group=process_group,
+        )
     for restore in restore_per_rank:
         restore()
     copy_back(state_dict, state)

@@ -57,7 +57,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ckptio", description="PyTorch distributed checkpoints on S3 and shared filesystems")
+    parser = argparse.ArgumentParser(
+        prog="ckptio", description="PyTorch distributed checkpoints on S3 and shared filesystems"
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -76,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_url(sub.add_parser("convert", help="write a single-file torch.save checkpoint"))
     p.add_argument("output", help="path of the .pt file to write")
     p.set_defaults(func=cmd_convert)
-    p = sub.add_parser("bench", help="benchmark ckptio against torch's writers (see ckptio bench --help)",
-                       add_help=False)
+    p = sub.add_parser(
+        "bench", help="benchmark ckptio against torch's writers (see ckptio bench --help)", add_help=False
+    )
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
     return parser

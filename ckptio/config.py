@@ -63,7 +63,9 @@ class WriterConfig:
             env_name = "CKPTIO_" + field.name.upper()
             if env_name in os.environ:
                 value = _parse_env(field, os.environ[env_name])
-                log.info("ckptio: %s=%r from the environment overrides %r", field.name, value, getattr(self, field.name))
+                log.info(
+                    "ckptio: %s=%r from the environment overrides %r", field.name, value, getattr(self, field.name)
+                )
                 setattr(self, field.name, value)
         self.validate()
 
@@ -87,7 +89,8 @@ class WriterConfig:
             raise ValueError(f"unknown compression {self.compression!r}; valid values are {list(COMPRESSIONS)}")
         if self.differing_objects not in ("error", "keep_per_rank"):
             raise ValueError(
-                f"unknown differing_objects policy {self.differing_objects!r}; valid values are ['error', 'keep_per_rank']"
+                f"unknown differing_objects policy {self.differing_objects!r}; "
+                "valid values are ['error', 'keep_per_rank']"
             )
         if self.max_block_size <= 0 or self.max_block_size % 64:
             raise ValueError(f"max_block_size must be a positive multiple of 64 bytes, got {self.max_block_size}")

@@ -29,8 +29,9 @@ def load_full(checkpoint_id: str | os.PathLike, *, storage_options: dict[str, An
     return state
 
 
-def to_torch_save(checkpoint_id: str | os.PathLike, output: str | os.PathLike, *,
-                  storage_options: dict[str, Any] | None = None) -> int:
+def to_torch_save(
+    checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, storage_options: dict[str, Any] | None = None
+) -> int:
     """Write the checkpoint as a single ``torch.save`` file; return the number of top-level keys."""
     state = load_full(checkpoint_id, storage_options=storage_options)
     torch.save(state, output)

@@ -28,8 +28,13 @@ BATCH_BYTES = 512 << 20
 MAX_REQUEST_BYTES = 32 << 20
 
 
-def load_items(store: FsspecStore, pairs: list[tuple[ReadItem, StoredItem]], planner: LoadPlanner,
-               verify: bool, recorded_sizes: dict[str, int]) -> None:
+def load_items(
+    store: FsspecStore,
+    pairs: list[tuple[ReadItem, StoredItem]],
+    planner: LoadPlanner,
+    verify: bool,
+    recorded_sizes: dict[str, int],
+) -> None:
     """Deliver every ``(ReadItem, StoredItem)`` to ``planner``, in batches of bounded size."""
     jobs = [_Job.build(read_item, item) for read_item, item in pairs]
     batch: list[_Job] = []
@@ -53,7 +58,8 @@ def verify_block(item: StoredItem, block: int, pieces: list, where: str) -> None
     if crc != expected:
         raise CorruptCheckpointError(
             f"checksum mismatch for {where}, block {block} at byte offset {item.block_offsets[block]}: crc32c "
-            f"recorded {expected:08x}, read {crc:08x}. The data file is damaged; restore it or load an earlier checkpoint"
+            f"recorded {expected:08x}, read {crc:08x}. The data file is damaged; "
+            "restore it or load an earlier checkpoint"
         )
 
 
@@ -99,8 +105,15 @@ class _Job:
             return
         self.target = planner.resolve_tensor(self.read_item).detach()
         t, item = self.target, self.item
-        if (self.run and item.codec == "raw" and item.inline is None and t.device.type == "cpu" and t.is_contiguous()
-                and t.dtype == dtype_from_name(item.dtype) and t.numel() * t.element_size() == self.run[1] - self.run[0]):
+        if (
+            self.run
+            and item.codec == "raw"
+            and item.inline is None
+            and t.device.type == "cpu"
+            and t.is_contiguous()
+            and t.dtype == dtype_from_name(item.dtype)
+            and t.numel() * t.element_size() == self.run[1] - self.run[0]
+        ):
             self.dest = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
     # --- direct reads into the destination tensor ---------------------------------------
@@ -157,14 +170,19 @@ class _Job:
         return flat.as_strided(tuple(self.read_item.lengths), strides, start)
 
 
-def _run_batch(store: FsspecStore, jobs: list[_Job], planner: LoadPlanner, verify: bool,
-               recorded_sizes: dict[str, int]) -> None:
+def _run_batch(
+    store: FsspecStore, jobs: list[_Job], planner: LoadPlanner, verify: bool, recorded_sizes: dict[str, int]
+) -> None:
     for job in jobs:
         job.prepare(planner)
     direct = [j for j in jobs if j.dest is not None]
     staged = [j for j in jobs if j.dest is None]
-    wanted = {(j.item.file, j.item.block_offsets[b], j.item.block_offsets[b + 1])
-              for j in staged if j.item.inline is None for b in j.blocks}
+    wanted = {
+        (j.item.file, j.item.block_offsets[b], j.item.block_offsets[b + 1])
+        for j in staged
+        if j.item.inline is None
+        for b in j.blocks
+    }
     spans = [(name, start, bytearray(end - start)) for name, start, end in coalesce(wanted, MAX_REQUEST_BYTES)]
     reads = [ReadInto(name, start, memoryview(buf)) for name, start, buf in spans]
     for job in direct:
@@ -175,8 +193,9 @@ def _run_batch(store: FsspecStore, jobs: list[_Job], planner: LoadPlanner, verif
     for name, start, buf in spans:  # coalesce() emits them sorted by (name, start)
         by_file.setdefault(name, []).append((start, buf))
     for job in staged:
-        blocks = {b: decode_verified(job.item, b, _stored_block(by_file, job.item, b), job.where, verify)
-                  for b in job.blocks}
+        blocks = {
+            b: decode_verified(job.item, b, _stored_block(by_file, job.item, b), job.where, verify) for b in job.blocks
+        }
         job.deliver(blocks, planner)
     for job in direct:
         job.finish_direct(planner, verify)
@@ -195,7 +214,8 @@ def _read_all(store: FsspecStore, reads: list[ReadInto], recorded_sizes: dict[st
         if count != len(read.buffer):
             raise CorruptCheckpointError(
                 f"{store.describe(read.name)} is truncated: bytes {read.offset}..{read.offset + len(read.buffer)} "
-                f"were needed but only {count} could be read (the metadata records a {recorded_sizes.get(read.name, '?')}-"
+                f"were needed but only {count} could be read "
+                f"(the metadata records a {recorded_sizes.get(read.name, '?')}-"
                 "byte file). Restore the file or load an earlier checkpoint"
             )
 

@@ -143,8 +143,12 @@ def encode_metadata(metadata: Metadata, items: dict[MetadataIndex, StoredItem], 
         "state": state,
         "planner_data": _encode_planner_data(metadata.planner_data),
         "items": [
-            {"fqn": idx.fqn, "chunk_offset": list(idx.offset) if idx.offset is not None else None,
-             "index": idx.index, **item.to_json()}
+            {
+                "fqn": idx.fqn,
+                "chunk_offset": list(idx.offset) if idx.offset is not None else None,
+                "index": idx.index,
+                **item.to_json(),
+            }
             for idx, item in items.items()
         ],
     }
@@ -306,8 +310,9 @@ def _check_item(item: StoredItem, fqn: str, files: dict[str, int], where: str) -
 
 
 def _pack(values: list[int]) -> str:
-    return base64.b64encode(array.array("I", values).tobytes() if sys.byteorder == "little"
-                            else _swapped(values)).decode()
+    return base64.b64encode(
+        array.array("I", values).tobytes() if sys.byteorder == "little" else _swapped(values)
+    ).decode()
 
 
 def _swapped(values: list[int]) -> bytes:
@@ -320,7 +325,9 @@ def _unpack(text: Any, where: str) -> list[int]:
     try:
         packed = array.array("I", base64.b64decode(text, validate=True))
     except (binascii.Error, TypeError, ValueError):
-        raise CheckpointFormatError(f"{where}: a packed checksum or length list is not valid base64 uint32 data") from None
+        raise CheckpointFormatError(
+            f"{where}: a packed checksum or length list is not valid base64 uint32 data"
+        ) from None
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tolist()
@@ -334,7 +341,9 @@ def _decode_blocks(raw: dict[str, Any], where: str) -> tuple[tuple[int, int], ..
     else:
         lengths = [min(block, size - i * block) for i in range(len(crcs))] if block else []
     if len(lengths) != len(crcs):
-        raise CheckpointFormatError(f"{where}: item {raw.get('fqn')!r} has {len(crcs)} checksums but {len(lengths)} lengths")
+        raise CheckpointFormatError(
+            f"{where}: item {raw.get('fqn')!r} has {len(crcs)} checksums but {len(lengths)} lengths"
+        )
     return tuple(zip(lengths, crcs))
 
 

@@ -19,6 +19,22 @@ class ObjectReport:
     rank: int
     digests: dict[str, tuple[int, int]]  # key -> (crc32c, length) of the pickled value
     copies: dict[str, StoredItem] = dataclasses.field(default_factory=dict)  # keep_per_rank: where this rank's value is
+    mesh: dict | None = None  # {"shape": [...], "dims": [...]} of the first DTensor this rank saves
+
+
+def mesh_of(state_dict) -> dict | None:
+    """The device mesh of the first DTensor in a (nested) state dict, for ``ckptio inspect``."""
+    from torch.distributed.tensor import DTensor
+
+    stack = [state_dict] if isinstance(state_dict, dict) else []
+    while stack:
+        for value in stack.pop().values():
+            if isinstance(value, DTensor):
+                mesh = value.device_mesh
+                return {"shape": list(mesh.shape), "dims": list(mesh.mesh_dim_names or [])}
+            if isinstance(value, dict):
+                stack.append(value)
+    return None
 
 
 def differing_keys(reports: list[ObjectReport]) -> dict[str, list[list[int]]]:

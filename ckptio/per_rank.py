@@ -79,7 +79,7 @@ def saved_sizes(state_keys: list[str], path: str) -> dict[int, set[int]]:
     sizes: dict[int, set[int]] = {}
     for key in state_keys:
         if key.startswith(prefix):
-            m = _SLOT.match(key[len(prefix):])
+            m = _SLOT.match(key[len(prefix) :])
             if m:
                 sizes.setdefault(int(m.group(2)), set()).add(int(m.group(1)))
     return sizes
@@ -97,8 +97,10 @@ def prepare_for_load(state: dict[str, Any], checkpoint_keys: list[str], path: st
             continue
         sizes = saved_sizes(checkpoint_keys, where)
         if not sizes:
-            raise PerRankStateError(f"per-rank state {where!r} is not in the checkpoint (it was not saved with ckptio.PerRank)")
-        (saved_size, ranks), = sizes.items()
+            raise PerRankStateError(
+                f"per-rank state {where!r} is not in the checkpoint (it was not saved with ckptio.PerRank)"
+            )
+        ((saved_size, ranks),) = sizes.items()
         if ranks != set(range(saved_size)):
             raise PerRankStateError(f"per-rank state {where!r} lacks ranks {sorted(set(range(saved_size)) - ranks)}")
         if saved_size == value.dp_size:

@@ -21,14 +21,17 @@ from .errors import (
 )
 from .fetch import load_items
 from .layout import METADATA_NAME, TORCH_DCP_METADATA_NAME, Manifest, StoredItem, decode_metadata, is_data_file_name
-from .storage import FsspecStore, open_store
+from .location import CheckpointLocation
+from .storage import FsspecStore
 
 
-class Reader(StorageReader):
+class Reader(CheckpointLocation, StorageReader):
     """Load a checkpoint written by ``ckptio.Writer`` on any world size and mesh.
 
     Every block read is checked against its CRC32C unless ``verify=False``.
     """
+
+    _role = ("Reader", "dcp.load")
 
     def __init__(
         self,
@@ -82,20 +85,6 @@ class Reader(StorageReader):
         future.set_result(None)
         return future
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
-    # --- helpers ----------------------------------------------------------------------
-    def _open_store(self) -> FsspecStore:
-        if self._store is None:
-            if self.checkpoint_id is None:
-                raise CheckpointError(
-                    "ckptio.Reader has no checkpoint location: pass it to Reader(...) or to dcp.load(checkpoint_id=...)"
-                )
-            self._store = open_store(self.checkpoint_id, self.storage_options, self.config)
-        return self._store
-
     def _own_copy(self, fqn: str, copies: dict[int, StoredItem]) -> StoredItem:
         """Objects saved with differing_objects='keep_per_rank': each rank gets the value it saved."""
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -134,7 +123,9 @@ def read_manifest(store: FsspecStore) -> Manifest:
 def _missing_metadata_error(store: FsspecStore) -> CheckpointError:
     names = store.list_names()
     if names is None:
-        return CheckpointNotFoundError(f"no checkpoint at {store.url}: the path does not exist (check the URL and bucket)")
+        return CheckpointNotFoundError(
+            f"no checkpoint at {store.url}: the path does not exist (check the URL and bucket)"
+        )
     if TORCH_DCP_METADATA_NAME in names:
         return NotCkptioCheckpointError(
             f"{store.url} holds a torch DCP checkpoint (it has '.metadata', not '{METADATA_NAME}'); load it with "
@@ -149,4 +140,6 @@ def _missing_metadata_error(store: FsspecStore) -> CheckpointError:
             "checkpoint. Saving again to this path succeeds; the orphaned files are never read and may be deleted"
         )
     shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "") if names else "nothing"
-    return CheckpointNotFoundError(f"no ckptio checkpoint at {store.url}: '{METADATA_NAME}' is missing (it holds {shown})")
+    return CheckpointNotFoundError(
+        f"no ckptio checkpoint at {store.url}: '{METADATA_NAME}' is missing (it holds {shown})"
+    )

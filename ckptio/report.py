@@ -7,8 +7,8 @@ from collections import defaultdict
 from typing import Any, Callable
 
 from .errors import CheckpointError, CorruptCheckpointError
-from .layout import Manifest, StoredItem
 from .fetch import decode_verified
+from .layout import Manifest, StoredItem
 from .reader import read_manifest
 from .storage import FsspecStore, RangeRequest, open_store
 
@@ -26,17 +26,19 @@ def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[st
         stored = sum(i.stored_bytes for i in items)
         logical = sum(i.logical_bytes for i in items)
         is_tensor = hasattr(md, "chunks")
-        keys.append({
-            "key": fqn,
-            "type": "tensor" if is_tensor else "object",
-            "dtype": str(md.properties.dtype).removeprefix("torch.") if is_tensor else None,
-            "shape": list(md.size) if is_tensor else None,
-            "chunks": len(md.chunks) if is_tensor else 1,
-            "stored_bytes": stored,
-            "logical_bytes": logical,
-            "files": sorted({i.file for i in items}),
-            "compression_ratio": round(logical / stored, 3) if stored else 1.0,
-        })
+        keys.append(
+            {
+                "key": fqn,
+                "type": "tensor" if is_tensor else "object",
+                "dtype": str(md.properties.dtype).removeprefix("torch.") if is_tensor else None,
+                "shape": list(md.size) if is_tensor else None,
+                "chunks": len(md.chunks) if is_tensor else 1,
+                "stored_bytes": stored,
+                "logical_bytes": logical,
+                "files": sorted({i.file for i in items}),
+                "compression_ratio": round(logical / stored, 3) if stored else 1.0,
+            }
+        )
     stored_total = sum(k["stored_bytes"] for k in keys)
     logical_total = sum(k["logical_bytes"] for k in keys)
     return {
@@ -62,7 +64,8 @@ def format_description(desc: dict[str, Any]) -> str:
     lines = [
         f"checkpoint   {desc['url']}",
         f"written by   {desc['written_by']} (format {desc['format_version']}) at {desc['created']}",
-        f"saved on     {desc['world_size']} ranks" + (f", mesh {desc['mesh']}" if desc.get("mesh") else "")
+        f"saved on     {desc['world_size']} ranks"
+        + (f", mesh {_mesh(desc['mesh'])}" if desc.get("mesh") else "")
         + f", mode {desc['mode']}, compression {desc['compression'] or 'none'}",
         f"files        {len(desc['files'])} data files, {_size(desc['stored_bytes'])} stored, "
         f"{_size(desc['logical_bytes'])} logical (ratio {desc['compression_ratio']})",
@@ -70,10 +73,19 @@ def format_description(desc: dict[str, Any]) -> str:
     for name, size in sorted(desc["files"].items()):
         lines.append(f"  {name}  {_size(size)}  written by rank {desc['writer_ranks'].get(name, '?')}")
     header = ("key", "dtype", "shape", "chunks", "stored", "logical", "ratio", "files")
-    rows = [(k["key"], k["dtype"] or "object", "x".join(map(str, k["shape"])) if k["shape"] is not None else "-",
-             str(k["chunks"]), _size(k["stored_bytes"]), _size(k["logical_bytes"]), str(k["compression_ratio"]),
-             ",".join(f.split("-r")[-1].removesuffix(".ckio") if f else "inline" for f in k["files"]))
-            for k in desc["keys"]]
+    rows = [
+        (
+            k["key"],
+            k["dtype"] or "object",
+            "x".join(map(str, k["shape"])) if k["shape"] is not None else "-",
+            str(k["chunks"]),
+            _size(k["stored_bytes"]),
+            _size(k["logical_bytes"]),
+            str(k["compression_ratio"]),
+            ",".join(f.split("-r")[-1].removesuffix(".ckio") if f else "inline" for f in k["files"]),
+        )
+        for k in desc["keys"]
+    ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines.append("")
     for row in [header, *rows]:
@@ -84,8 +96,9 @@ def format_description(desc: dict[str, Any]) -> str:
 _BLOCKS_PER_READ = 32
 
 
-def verify(url: str, storage_options: dict[str, Any] | None = None,
-           progress: Callable[[int], None] | None = None) -> tuple[Manifest, list[str]]:
+def verify(
+    url: str, storage_options: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None
+) -> tuple[Manifest, list[str]]:
     """Read every stored block, check sizes and checksums; return the problems found (empty = intact)."""
     store = open_store(url, storage_options)
     manifest = read_manifest(store)
@@ -95,7 +108,9 @@ def verify(url: str, storage_options: dict[str, Any] | None = None,
         if actual is None:
             problems.append(f"{store.describe(name)}: data file is missing")
         elif actual != size:
-            problems.append(f"{store.describe(name)}: holds {actual} bytes, the metadata records {size} (truncated or rewritten)")
+            problems.append(
+                f"{store.describe(name)}: holds {actual} bytes, the metadata records {size} (truncated or rewritten)"
+            )
     missing = {p.split(": ")[0].rsplit("/", 1)[-1] for p in problems}
     for index, item in sorted(manifest.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
         where = f"key {index.fqn!r}" + (f" chunk {tuple(index.offset)}" if index.offset is not None else "")
@@ -130,10 +145,14 @@ def _object_size(store: FsspecStore, name: str) -> int | None:
         return None
 
 
+def _mesh(mesh: dict) -> str:
+    shape = "x".join(str(n) for n in mesh["shape"])
+    return f"{shape} ({', '.join(mesh['dims'])})" if mesh.get("dims") else shape
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
-

@@ -21,14 +21,14 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import __version__
-from .codec import BlockEncoder, block_size_for
+from .codec import BlockEncoder, block_size_for, checksum
 from .config import WriterConfig
 from .errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, StorageError
-from .codec import checksum
 from .layout import METADATA_NAME, StoredItem, data_file_name, decode_metadata, dtype_name, encode_metadata
-from .objects import REPORT_KEY, ObjectReport, per_rank_values
+from .location import CheckpointLocation
+from .objects import REPORT_KEY, ObjectReport, mesh_of, per_rank_values
 from .planning import Holdings, assign_writers
-from .storage import FsspecStore, open_store
+from .storage import FsspecStore
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class RankAssignment:
     private_only: bool = False
 
 
-class Writer(StorageWriter):
+class Writer(CheckpointLocation, StorageWriter):
     """Save a DCP checkpoint to any fsspec URL.
 
     Example::
@@ -50,6 +50,8 @@ class Writer(StorageWriter):
         dcp.save(state, storage_writer=ckptio.Writer("s3://bucket/run/step-100",
                                                      ckptio.WriterConfig(mode="replica_group")))
     """
+
+    _role = ("Writer", "dcp.save")
 
     def __init__(
         self,
@@ -96,8 +98,9 @@ class Writer(StorageWriter):
         save_id = uuid.uuid4().hex[:16]
         assigned = assign_writers(plans, self.config.mode)
         return [
-            dataclasses.replace(plan, items=a.items, storage_data=RankAssignment(
-                save_id, data_file_name(save_id, rank), a.private_only))
+            dataclasses.replace(
+                plan, items=a.items, storage_data=RankAssignment(save_id, data_file_name(save_id, rank), a.private_only)
+            )
             for rank, (plan, a) in enumerate(zip(plans, assigned))
         ]
 
@@ -107,7 +110,11 @@ class Writer(StorageWriter):
         # Every object this rank holds is pickled once: to compare it with the other ranks' values
         # under the same key, and (if this rank writes it) to store it.
         objects = {it.index: planner.resolve_data(it).getbuffer() for it in self._held_objects}
-        report = ObjectReport(self.rank, {idx.fqn: (checksum(buf), len(buf)) for idx, buf in objects.items()})
+        report = ObjectReport(
+            self.rank,
+            {idx.fqn: (checksum(buf), len(buf)) for idx, buf in objects.items()},
+            mesh=mesh_of(getattr(planner, "state_dict", None)),
+        )
         keep_per_rank = self.config.differing_objects == "keep_per_rank"
         assigned = {it.index for it in plan.items}
         # keep_per_rank: every rank also stores its own copy of the objects another rank writes.
@@ -115,8 +122,9 @@ class Writer(StorageWriter):
         results: list[WriteResult] = []
         if plan.items or extras:
             inline_limit = self.config.inline_limit if assignment.private_only and not extras else 0
-            results, stored_objects = self._write_file(assignment.file, plan.items + extras, planner, objects,
-                                                       inline_limit)
+            results, stored_objects = self._write_file(
+                assignment.file, plan.items + extras, planner, objects, inline_limit
+            )
             if keep_per_rank:
                 report.copies = stored_objects
             results = [r for r in results if r.index in assigned]
@@ -127,53 +135,29 @@ class Writer(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         reports = [r.storage_data for rank_results in results for r in rank_results if r.index.fqn == REPORT_KEY]
+        results = [[r for r in rank_results if r.index.fqn != REPORT_KEY] for rank_results in results]
         per_rank = per_rank_values(reports, self.config.differing_objects)
-        items = {r.index: r.storage_data for rank_results in results for r in rank_results if r.index.fqn != REPORT_KEY}
-        written: dict[tuple[str, int], tuple[StoredItem, int]] = {}  # (file, offset) -> record, rank
-        for rank, rank_results in enumerate(results):
-            for r in rank_results:
-                if r.index.fqn != REPORT_KEY:
-                    written[(r.storage_data.file, r.storage_data.offset)] = (r.storage_data, rank)
-        for report in reports:  # keep_per_rank copies; a rank's assigned objects are in both lists
-            for item in report.copies.values():
-                written[(item.file, item.offset)] = (item, report.rank)
-        files: dict[str, int] = {}
-        writers: dict[str, int] = {}
-        for (name, _), (item, rank) in written.items():
-            if name:
-                files[name] = files.get(name, 0) + item.stored_bytes
-                writers[name] = rank
+        files, writers = _data_files(results, reports)
         header = {
             "written_by": f"ckptio {__version__}",
             "torch_version": torch.__version__,
             "created_unix": time.time(),
             "save_id": self._save_id,
             "world_size": len(results),
-            "config": {k: v for k, v in self.config.to_dict().items() if k in ("mode", "compression", "max_block_size")},
+            "mesh": next((r.mesh for r in reports if r.mesh), None),
+            "config": {k: getattr(self.config, k) for k in ("mode", "compression", "max_block_size")},
             "files": files,
             "writer_ranks": writers,
-            "per_rank_objects": {key: {str(rank): item.to_json() for rank, item in copies.items()}
-                                 for key, copies in per_rank.items()},
+            "per_rank_objects": {
+                key: {str(rank): item.to_json() for rank, item in copies.items()} for key, copies in per_rank.items()
+            },
         }
+        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
         store = self._open_store()
         store.put_atomic(METADATA_NAME, encode_metadata(metadata, items, header))
         stale = [name for name in self._superseded if name not in files]
         if stale:
             store.delete(stale)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
-    # --- helpers ----------------------------------------------------------------------
-    def _open_store(self) -> FsspecStore:
-        if self._store is None:
-            if self.checkpoint_id is None:
-                raise CheckpointError(
-                    "ckptio.Writer has no checkpoint location: pass it to Writer(...) or to dcp.save(checkpoint_id=...)"
-                )
-            self._store = open_store(self.checkpoint_id, self.storage_options, self.config)
-        return self._store
 
     def _check_target(self) -> None:
         """Refuse to replace a committed checkpoint unless asked; remember what an overwrite supersedes."""
@@ -187,15 +171,17 @@ class Writer(StorageWriter):
         if not self.config.overwrite:
             raise CheckpointExistsError(
                 f"{store.describe(METADATA_NAME)} already holds a committed checkpoint; save to a new path, "
-                "or pass WriterConfig(overwrite=True) to replace it (the old one stays loadable until the new one commits)"
+                "or pass WriterConfig(overwrite=True) to replace it "
+                "(the old one stays loadable until the new one commits)"
             )
         try:
             self._superseded = sorted(decode_metadata(old, store.describe(METADATA_NAME)).files)
         except CheckpointFormatError as exc:
             log.warning("ckptio: overwriting an unreadable checkpoint; its data files are left in place: %s", exc)
 
-    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner, objects: dict,
-                    inline_limit: int) -> tuple[list[WriteResult], dict[str, StoredItem]]:
+    def _write_file(
+        self, name: str, items: list[WriteItem], planner: SavePlanner, objects: dict, inline_limit: int
+    ) -> tuple[list[WriteResult], dict[str, StoredItem]]:
         """Write ``items`` to ``name`` (or inline); return their results and the object records by key."""
         encoder = BlockEncoder(self.config.max_block_size, self.config.compression, self.config.compression_level)
         sink = _InlineOrFileSink(self._open_store(), name, inline_limit)
@@ -213,8 +199,9 @@ class Writer(StorageWriter):
                 for stored, crc in encoder.encode(data, block_size):
                     sink.write(stored)
                     blocks.append((len(stored), crc))
-                record = StoredItem(name, offset, len(data), kind, dtype, shape, encoder.codec,
-                                    block_size, tuple(blocks))
+                record = StoredItem(
+                    name, offset, len(data), kind, dtype, shape, encoder.codec, block_size, tuple(blocks)
+                )
                 offset += record.stored_bytes
                 results.append(WriteResult(index=item.index, size_in_bytes=record.stored_bytes, storage_data=record))
             sink.close()
@@ -222,11 +209,37 @@ class Writer(StorageWriter):
             sink.abort()
             raise
         if sink.inline is not None:
-            results = [dataclasses.replace(r, storage_data=dataclasses.replace(
-                r.storage_data, file="", offset=0,
-                inline=sink.inline[r.storage_data.offset : r.storage_data.offset + r.storage_data.stored_bytes]))
-                for r in results]
+            results = [
+                dataclasses.replace(
+                    r,
+                    storage_data=dataclasses.replace(
+                        r.storage_data,
+                        file="",
+                        offset=0,
+                        inline=sink.inline[r.storage_data.offset : r.storage_data.offset + r.storage_data.stored_bytes],
+                    ),
+                )
+                for r in results
+            ]
         return results, {r.index.fqn: r.storage_data for r in results if r.storage_data.kind == "bytes"}
+
+
+def _data_files(results: list[list[WriteResult]], reports: list[ObjectReport]) -> tuple[dict, dict]:
+    """Size and writing rank of every data file, from the records of everything written."""
+    written: dict[tuple[str, int], tuple[StoredItem, int]] = {}  # (file, offset) -> record, rank
+    for rank, rank_results in enumerate(results):
+        for r in rank_results:
+            written[(r.storage_data.file, r.storage_data.offset)] = (r.storage_data, rank)
+    for report in reports:  # keep_per_rank copies; a rank's assigned objects are in both lists
+        for item in report.copies.values():
+            written[(item.file, item.offset)] = (item, report.rank)
+    files: dict[str, int] = {}
+    writers: dict[str, int] = {}
+    for (name, _), (item, rank) in written.items():
+        if name:  # "" = inline in ckptio.json
+            files[name] = files.get(name, 0) + item.stored_bytes
+            writers[name] = rank
+    return files, writers
 
 
 class _InlineOrFileSink:

@@ -18,8 +18,11 @@ def s3(moto_server, monkeypatch, request):
     """A fresh bucket on the moto server; yields (base URL, storage_options)."""
     import boto3
 
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(key, value)
     digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]
     bucket = f"ckptio-{request.node.originalname.lower().replace('_', '-')[:40]}-{digest}"

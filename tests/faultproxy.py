@@ -14,11 +14,11 @@ from urllib.parse import parse_qs, urlsplit
 
 ERROR_BODIES = {
     503: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code><Message>Please reduce your request "
-         b"rate.</Message></Error>",
+    b"rate.</Message></Error>",
     403: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>AccessDenied</Code><Message>Access Denied</Message>"
-         b"</Error>",
+    b"</Error>",
     500: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code><Message>We encountered an "
-         b"internal error. Please try again.</Message></Error>",
+    b"internal error. Please try again.</Message></Error>",
 }
 
 
@@ -37,16 +37,25 @@ def classify(method: str, target: str, headers) -> Request:
     path = parts.path.lstrip("/")
     bucket, _, key = path.partition("/")
     if method == "PUT":
-        op = "COPY" if "x-amz-copy-source" in headers else ("MPU_PART" if "partNumber" in query else
-                                                            ("CREATE_BUCKET" if not key else "PUT"))
+        op = (
+            "COPY"
+            if "x-amz-copy-source" in headers
+            else ("MPU_PART" if "partNumber" in query else ("CREATE_BUCKET" if not key else "PUT"))
+        )
     elif method == "POST":
-        op = "MPU_CREATE" if "uploads" in query else ("MPU_COMPLETE" if "uploadId" in query else
-                                                     ("DELETE" if "delete" in query else "POST"))
+        op = (
+            "MPU_CREATE"
+            if "uploads" in query
+            else ("MPU_COMPLETE" if "uploadId" in query else ("DELETE" if "delete" in query else "POST"))
+        )
     elif method == "DELETE":
         op = "MPU_ABORT" if "uploadId" in query else "DELETE"
     elif method == "GET":
-        op = "LIST_MPU" if "uploads" in query else ("LIST" if not key or "list-type" in query or "prefix" in query
-                                                   else "GET")
+        op = (
+            "LIST_MPU"
+            if "uploads" in query
+            else ("LIST" if not key or "list-type" in query or "prefix" in query else "GET")
+        )
     elif method == "HEAD":
         op = "HEAD"
     else:
@@ -153,7 +162,9 @@ class FaultProxy:
             self.stats.log.append(req)
             for fault in self.faults:
                 if fault.fires(req):
-                    action = fault.action[fault.hits % len(fault.action)] if isinstance(fault.action, list) else fault.action
+                    action = (
+                        fault.action[fault.hits % len(fault.action)] if isinstance(fault.action, list) else fault.action
+                    )
                     fault.hits += 1
                     self.stats.failed[req.operation] += 1
                     return action

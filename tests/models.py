@@ -115,8 +115,13 @@ def differences(expected, got, path: str = "") -> list[str]:
             return [f"{path}: keys {sorted(map(str, expected))} != {sorted(map(str, got or {}))}"]
         return [d for k in expected for d in differences(expected[k], got[k], f"{path}.{k}")]
     if isinstance(expected, torch.Tensor):
-        ok = (isinstance(got, torch.Tensor) and got.dtype == expected.dtype and got.shape == expected.shape
-              and torch.equal(got.contiguous().reshape(-1).view(torch.uint8),
-                             expected.contiguous().reshape(-1).view(torch.uint8)))
+        ok = (
+            isinstance(got, torch.Tensor)
+            and got.dtype == expected.dtype
+            and got.shape == expected.shape
+            and torch.equal(
+                got.contiguous().reshape(-1).view(torch.uint8), expected.contiguous().reshape(-1).view(torch.uint8)
+            )
+        )
         return [] if ok else [path]
     return [] if expected == got else [f"{path}: {expected!r} != {got!r}"]

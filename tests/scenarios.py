@@ -102,15 +102,16 @@ def save_each_mode(base: str, mesh_shape, storage_options=None, via_checkpoint_i
     """Save the same state once per mode under ``base/<mode>``."""
     for mode in ckptio.config.MODES:
         if via_checkpoint_id:
-            state = make_state(make_mesh(mesh_shape)) if mode == "all_ranks" else state
             writer = ckptio.Writer(config=ckptio.WriterConfig(mode=mode), storage_options=storage_options)
-            dcp.save(state, storage_writer=writer, checkpoint_id=f"{base}/{mode}")
+            dcp.save(make_state(make_mesh(mesh_shape)), storage_writer=writer, checkpoint_id=f"{base}/{mode}")
         else:
             save(f"{base}/{mode}", mesh_shape, mode, storage_options)
 
 
 def load_each_mode(base: str, mesh_shape, storage_options=None, via_checkpoint_id: bool = False) -> dict:
-    return {mode: load(f"{base}/{mode}", mesh_shape, storage_options, via_checkpoint_id) for mode in ckptio.config.MODES}
+    return {
+        mode: load(f"{base}/{mode}", mesh_shape, storage_options, via_checkpoint_id) for mode in ckptio.config.MODES
+    }
 
 
 def save_and_load_columns(url: str, compression, block_size: int) -> list[str]:
@@ -119,11 +120,15 @@ def save_and_load_columns(url: str, compression, block_size: int) -> list[str]:
     state = {n: distribute_tensor(global_tensor(n), mesh, [Shard(0)]) for n in TENSORS}
     config = ckptio.WriterConfig(compression=compression, max_block_size=block_size)
     dcp.save(state, storage_writer=ckptio.Writer(url, config))
-    loaded = {n: distribute_tensor(torch.zeros_like(global_tensor(n)), mesh, [Shard(len(TENSORS[n][0]) - 1)])
-              for n in TENSORS}
+    loaded = {
+        n: distribute_tensor(torch.zeros_like(global_tensor(n)), mesh, [Shard(len(TENSORS[n][0]) - 1)]) for n in TENSORS
+    }
     dcp.load(loaded, storage_reader=ckptio.Reader(url))
-    return [n for n in TENSORS if not torch.equal(loaded[n].full_tensor().view(torch.uint8),
-                                                 global_tensor(n).view(torch.uint8))]
+    return [
+        n
+        for n in TENSORS
+        if not torch.equal(loaded[n].full_tensor().view(torch.uint8), global_tensor(n).view(torch.uint8))
+    ]
 
 
 # --- larger HSDP states, built by the benchmark's workload (multipart-sized objects) -------------

@@ -16,11 +16,25 @@ from benchmarks.__main__ import main as bench_main
 
 def test_summary_figures_from_a_hand_computed_run():
     # 2 ranks, repeat 0 and 1; 1000 unique bytes held twice (logical 2000) written as 600 + 400 + 20 metadata
-    listing = {"data-0123456789abcdef-r00000.ckio": 600, "data-0123456789abcdef-r00001.ckio": 400,
-               "ckptio.json": 20, "__1_0.distcp": 0}
-    base = {"target": "local", "writer": "w", "url": "u", "load_mismatches": [], "reshard_mismatches": [],
-            "save_requests": {"PUT": 1}, "load_requests": {"GET": 2}, "reshard_load_requests": {},
-            "save_rss_bytes": 10, "load_rss_bytes": 5, "reshard_load_s": 0.5}
+    listing = {
+        "data-0123456789abcdef-r00000.ckio": 600,
+        "data-0123456789abcdef-r00001.ckio": 400,
+        "ckptio.json": 20,
+        "__1_0.distcp": 0,
+    }
+    base = {
+        "target": "local",
+        "writer": "w",
+        "url": "u",
+        "load_mismatches": [],
+        "reshard_mismatches": [],
+        "save_requests": {"PUT": 1},
+        "load_requests": {"GET": 2},
+        "reshard_load_requests": {},
+        "save_rss_bytes": 10,
+        "load_rss_bytes": 5,
+        "reshard_load_s": 0.5,
+    }
     records = [dict(base, rank=r, repeat=k, save_s=1.0 + k + r, load_s=2.0 + k) for r in (0, 1) for k in (0, 1)]
     (row,) = report.summarize(records, {"u": listing}, world=2, sizes={"logical_bytes": 2000, "unique_bytes": 1000})
     assert row["save_s_median"] == 2.5 and row["save_s_min"] == 2.0 and row["save_s_max"] == 3.0  # max over ranks
@@ -70,8 +84,9 @@ def test_s3_requests_are_counted_on_the_client(s3):
     base, options = s3
     counting.install_s3_counter()
     counting.take_counts()
-    ckptio.save({"w": torch.ones(1000)}, f"{base}/counted", ckptio.WriterConfig(inline_limit=0),
-                storage_options=options)
+    ckptio.save(
+        {"w": torch.ones(1000)}, f"{base}/counted", ckptio.WriterConfig(inline_limit=0), storage_options=options
+    )
     counts = counting.take_counts()
     assert counts["PUT"] == 2 and counts["GET"] == 1  # data object, metadata; the existence check
     assert sum(counts.values()) == 3
@@ -82,8 +97,22 @@ def test_s3_requests_are_counted_on_the_client(s3):
 @pytest.mark.slow
 def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
     out = str(tmp_path / "results")
-    args = ["--ranks", "2", "--mesh", "1x2", "--size", "2MiB", "--out", out, "--quiet",
-            "--writers", "ckptio all_ranks", "ckptio replica_group", "FileSystemWriter", "FsspecWriter"]
+    args = [
+        "--ranks",
+        "2",
+        "--mesh",
+        "1x2",
+        "--size",
+        "2MiB",
+        "--out",
+        out,
+        "--quiet",
+        "--writers",
+        "ckptio all_ranks",
+        "ckptio replica_group",
+        "FileSystemWriter",
+        "FsspecWriter",
+    ]
     assert bench_main(args) == 0
     printed = capsys.readouterr().out
     assert "ckptio all_ranks" in printed and "S3 requests" in printed
@@ -93,11 +122,26 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
     assert set(doc) >= {"created", "versions", "machine", "config", "results"}
     assert doc["config"]["mesh"] == [1, 2] and doc["config"]["ranks"] == 2
     rows = {(r["target"], r["writer"]) for r in doc["results"]}
-    assert rows == {("local", "ckptio all_ranks"), ("local", "ckptio replica_group"), ("local", "torch FileSystemWriter"),
-                    ("local", "torch FsspecWriter"), ("s3 (moto)", "ckptio all_ranks"),
-                    ("s3 (moto)", "ckptio replica_group"), ("s3 (moto)", "torch FsspecWriter")}
-    numeric = ("save_s_median", "load_s_median", "bytes_written", "dedup_ratio", "write_amplification", "objects",
-               "largest_rank_bytes", "mean_rank_bytes", "peak_rss_save_bytes")
+    assert rows == {
+        ("local", "ckptio all_ranks"),
+        ("local", "ckptio replica_group"),
+        ("local", "torch FileSystemWriter"),
+        ("local", "torch FsspecWriter"),
+        ("s3 (moto)", "ckptio all_ranks"),
+        ("s3 (moto)", "ckptio replica_group"),
+        ("s3 (moto)", "torch FsspecWriter"),
+    }
+    numeric = (
+        "save_s_median",
+        "load_s_median",
+        "bytes_written",
+        "dedup_ratio",
+        "write_amplification",
+        "objects",
+        "largest_rank_bytes",
+        "mean_rank_bytes",
+        "peak_rss_save_bytes",
+    )
     for row in doc["results"]:
         assert all(isinstance(row[k], (int, float)) for k in numeric)
         assert row["load_bit_exact"] and row["reshard_bit_exact"]

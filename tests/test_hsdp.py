@@ -7,10 +7,11 @@ import json
 import fsspec
 import pytest
 
+from benchmarks.spawn import spawn
+from ckptio.cli import main as cli_main
 from ckptio.layout import METADATA_NAME, is_data_file_name
 
 from . import scenarios
-from benchmarks.spawn import spawn
 
 LOAD_MESHES = [(4, (2, 2)), (2, (1, 2)), (4, (4, 1)), (0, None)]  # (processes, mesh); 0 = one process, no PG
 
@@ -18,8 +19,11 @@ LOAD_MESHES = [(4, (2, 2)), (2, (1, 2)), (4, (4, 1)), (0, None)]  # (processes, 
 def _data_files(url: str, options: dict | None) -> dict[str, int]:
     fs, root = fsspec.core.url_to_fs(url, **(options or {}))
     fs.invalidate_cache()
-    return {e["name"].rsplit("/", 1)[-1]: e["size"] for e in fs.ls(root, detail=True)
-            if is_data_file_name(e["name"].rsplit("/", 1)[-1])}
+    return {
+        e["name"].rsplit("/", 1)[-1]: e["size"]
+        for e in fs.ls(root, detail=True)
+        if is_data_file_name(e["name"].rsplit("/", 1)[-1])
+    }
 
 
 def _metadata(url: str, options: dict | None) -> dict:
@@ -42,6 +46,7 @@ def check_layout(base: str, options: dict | None) -> None:
         object_bytes = sum(i["logical_bytes"] for i in meta["items"] if i["kind"] == "bytes")
         assert sum(files.values()) == tensor_bytes + object_bytes  # raw bytes, no framing
         assert meta["world_size"] == 4 and meta["config"]["mode"] == mode
+        assert meta["mesh"] == {"shape": [2, 2], "dims": ["replicate", "shard"]}
 
 
 def roundtrip(base: str, options: dict | None, via_checkpoint_id: bool = False) -> None:
@@ -53,8 +58,12 @@ def roundtrip(base: str, options: dict | None, via_checkpoint_id: bool = False) 
             assert per_mode == {"all_ranks": [], "replica_group": []}, (mesh, rank, per_mode)
 
 
-def test_hsdp_local(tmp_path):
+def test_hsdp_local(tmp_path, capsys):
     roundtrip(str(tmp_path / "ckpt"), None)
+    assert cli_main(["inspect", str(tmp_path / "ckpt" / "replica_group")]) == 0
+    out = capsys.readouterr().out
+    assert "saved on     4 ranks, mesh 2x2 (replicate, shard), mode replica_group" in out
+    assert "2 data files" in out
 
 
 def test_hsdp_file_url(tmp_path):
@@ -75,7 +84,7 @@ def test_memory_single_process():
     scenarios.save(f"{url}/inline", None, "replica_group")  # one process: all private, small enough to inline
     for name in ("file", "inline"):
         assert scenarios.load(f"{url}/{name}", None) == []
-    (name, size), = _data_files(f"{url}/file", None).items()
+    ((name, size),) = _data_files(f"{url}/file", None).items()
     assert name.endswith("-r00000.ckio") and size == _metadata(f"{url}/file", None)["files"][name]
     assert _data_files(f"{url}/inline", None) == {}
     inline_meta = _metadata(f"{url}/inline", None)

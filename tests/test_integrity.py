@@ -13,9 +13,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
+from benchmarks.spawn import run_ranks
 from ckptio.cli import main as cli_main
 from ckptio.layout import METADATA_NAME
-from benchmarks.spawn import run_ranks
 
 from . import scenarios
 from .faultproxy import Fault
@@ -191,8 +191,9 @@ def test_safe_loading_refuses_code_in_objects(tmp_path):
         ckptio.load({"w": torch.zeros(4), "payload": None}, url)
     assert not os.path.exists(marker)
     with pytest.raises(CheckpointException) as raw:  # plain dcp.load wraps it in torch's BaseException
-        dcp.load({"w": torch.zeros(4), "payload": None}, storage_reader=ckptio.Reader(url),
-                 planner=ckptio.SafeLoadPlanner())
+        dcp.load(
+            {"w": torch.zeros(4), "payload": None}, storage_reader=ckptio.Reader(url), planner=ckptio.SafeLoadPlanner()
+        )
     assert isinstance(ckptio.unwrap(raw.value), ckptio.UnsafeObjectError)
     assert not os.path.exists(marker)
     # torch's default planner would run it: the danger the safe planner removes

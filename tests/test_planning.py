@@ -9,7 +9,8 @@ from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from ckptio.planning import Holdings, assign_writers as assign_with_flags, item_size
+from ckptio.planning import Holdings, item_size
+from ckptio.planning import assign_writers as assign_with_flags
 
 
 def assign_writers(plans, mode):
@@ -21,8 +22,9 @@ def tensor_item(fqn: str, rows: int, row_offset: int = 0) -> WriteItem:
     return WriteItem(
         index=MetadataIndex(fqn, torch.Size([row_offset, 0])),
         type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32),
-                                    size=torch.Size([2 * rows, 256])),
+        tensor_data=TensorWriteData(
+            chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=torch.Size([2 * rows, 256])
+        ),
     )
 
 

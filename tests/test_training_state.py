@@ -31,7 +31,7 @@ def test_per_rank_objects_are_detected_kept_or_resized_explicitly(tmp_path):
         assert got["kept"] == 100 + rank and got["error"] == {"position": 100 + rank} and got["ddp_into_plain"]
 
     more = spawn(4, training_state.load_all, base)
-    for rank, got in enumerate(more):
+    for got in more:
         assert "saved with one value per rank by 2 ranks; this load runs on 4" in got["kept"], got
         assert "saved by 2 data-parallel ranks, but this job has 4" in got["error"], got
         assert got["skip"] == {"position": -1}
@@ -72,8 +72,14 @@ VARIANTS = {
     "compiled(checkpointed)": lambda m: torch.compile(_ac(m)),
     "checkpointed(compiled)": lambda m: _ac(torch.compile(m)),
 }
-NAMES = {"module.weight", "module.bias", "blocks.0.lin.weight", "blocks.0.lin.bias", "blocks.1.lin.weight",
-         "blocks.1.lin.bias"}
+NAMES = {
+    "module.weight",
+    "module.bias",
+    "blocks.0.lin.weight",
+    "blocks.0.lin.bias",
+    "blocks.1.lin.weight",
+    "blocks.1.lin.bias",
+}
 CANONICAL = {f"model.{n}" for n in NAMES} | {f"params.{n}" for n in NAMES} | {"step"}
 
 

@@ -19,7 +19,7 @@ def test_blocks_raw_roundtrip_and_checksums():
     data = memoryview(bytes(range(256)) * 10)
     blocks = list(BlockEncoder(1024).encode(data, 1024))
     assert [len(b) for b, _ in blocks] == [1024, 1024, 512]
-    assert [c for _, c in blocks] == [checksum(data[i:i + 1024]) for i in range(0, 2560, 1024)]
+    assert [c for _, c in blocks] == [checksum(data[i : i + 1024]) for i in range(0, 2560, 1024)]
     assert checksum(b"123456789") == 0xE3069283  # the CRC-32C check value
 
 
@@ -29,7 +29,7 @@ def test_blocks_zstd_shrinks_compressible_and_keeps_random_raw():
     assert all(len(b) < 100 for b, _ in zeros)
     assert decode_block(zeros[0][0], 4096, "zstd") == bytes(4096)
     noise = os.urandom(4096)
-    (stored, _), = enc.encode(memoryview(noise), 4096)
+    ((stored, _),) = enc.encode(memoryview(noise), 4096)
     assert bytes(stored) == noise and decode_block(stored, 4096, "zstd") == noise
 
 
@@ -57,21 +57,46 @@ def test_box_runs_column_slices_match_a_reference():
 def test_blocks_for_runs_and_coalesce():
     assert blocks_for_runs([(0, 256), (250, 300), (1024, 1025)], itemsize=4, block_size=1024) == [0, 1, 4]
     assert coalesce([("f", 10, 20), ("f", 0, 10), ("g", 0, 5), ("f", 30, 40)], max_len=100) == [
-        ("f", 0, 20), ("f", 30, 40), ("g", 0, 5)]
+        ("f", 0, 20),
+        ("f", 30, 40),
+        ("g", 0, 5),
+    ]
     assert coalesce([("f", 0, 10), ("f", 10, 20)], max_len=15) == [("f", 0, 10), ("f", 10, 20)]
 
 
 # --- layout ---------------------------------------------------------------------------
 def minimal_doc(**changes) -> dict:
     doc = {
-        "format": "ckptio", "format_version": FORMAT_VERSION, "written_by": "ckptio test",
+        "format": "ckptio",
+        "format_version": FORMAT_VERSION,
+        "written_by": "ckptio test",
         "files": {data_file_name("0123456789abcdef", 0): 16},
-        "state": {"w": {"type": "tensor", "dtype": "float32", "size": [4], "requires_grad": False,
-                        "chunks": [{"offsets": [0], "sizes": [4]}]}},
+        "state": {
+            "w": {
+                "type": "tensor",
+                "dtype": "float32",
+                "size": [4],
+                "requires_grad": False,
+                "chunks": [{"offsets": [0], "sizes": [4]}],
+            }
+        },
         "planner_data": {"w": ["w"]},
-        "items": [{"fqn": "w", "chunk_offset": [0], "index": 0, "file": data_file_name("0123456789abcdef", 0),
-                   "offset": 0, "logical_bytes": 16, "kind": "tensor", "dtype": "float32", "shape": [4],
-                   "codec": "raw", "block_size": 1024, "crc32c": _pack([1])}],
+        "items": [
+            {
+                "fqn": "w",
+                "chunk_offset": [0],
+                "index": 0,
+                "file": data_file_name("0123456789abcdef", 0),
+                "offset": 0,
+                "logical_bytes": 16,
+                "kind": "tensor",
+                "dtype": "float32",
+                "shape": [4],
+                "codec": "raw",
+                "block_size": 1024,
+                "crc32c": _pack([1]),
+            }
+        ],
     }
     doc.update(changes)
     return doc
@@ -83,12 +108,14 @@ def decode(doc) -> object:
 
 def test_decode_accepts_a_valid_document():
     manifest = decode(minimal_doc())
-    (index, item), = manifest.items.items()
+    ((index, item),) = manifest.items.items()
     assert index.fqn == "w" and item.stored_bytes == 16 and manifest.metadata.planner_data == {"w": ("w",)}
 
 
-@pytest.mark.parametrize("name", ["../data-0123456789abcdef-r00000.ckio", "/etc/passwd", "s3://b/k",
-                                  "sub/data-0123456789abcdef-r00000.ckio", ".."])
+@pytest.mark.parametrize(
+    "name",
+    ["../data-0123456789abcdef-r00000.ckio", "/etc/passwd", "s3://b/k", "sub/data-0123456789abcdef-r00000.ckio", ".."],
+)
 def test_decode_rejects_unsafe_file_names(name):
     doc = minimal_doc(files={name: 16})
     doc["items"][0]["file"] = name

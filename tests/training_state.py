@@ -54,8 +54,10 @@ def load_all(base: str) -> dict:
         out["kept"] = str(exc)
 
     def loader(on_resize="error"):
-        return {"w": torch.zeros(4), "loader": ckptio.PerRank({"position": -1}, dp_rank=rank, dp_size=world,
-                                                             on_resize=on_resize)}
+        return {
+            "w": torch.zeros(4),
+            "loader": ckptio.PerRank({"position": -1}, dp_rank=rank, dp_size=world, on_resize=on_resize),
+        }
 
     for policy in ("error", "skip", "spread"):
         state = loader(on_resize=_spread if policy == "spread" else policy)
@@ -70,8 +72,9 @@ def load_all(base: str) -> dict:
     ckptio.load({"model": plain}, f"{base}/ddp")
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    out["ddp_into_plain"] = all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(),
-                                                                  reference.state_dict().values()))
+    out["ddp_into_plain"] = all(
+        torch.equal(a, b) for a, b in zip(plain.state_dict().values(), reference.state_dict().values())
+    )
     return out
 
 

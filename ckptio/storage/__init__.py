@@ -14,7 +14,9 @@ from .local import LocalStore
 __all__ = ["FsspecStore", "LocalStore", "RangeRequest", "ReadInto", "Sink", "open_store"]
 
 
-def open_store(url: str | os.PathLike, storage_options: dict[str, Any] | None = None, config: Any = None) -> FsspecStore:
+def open_store(
+    url: str | os.PathLike, storage_options: dict[str, Any] | None = None, config: Any = None
+) -> FsspecStore:
     url = os.fspath(url)
     if url.startswith(("s3://", "s3a://")):
         from .s3 import S3Store, s3_storage_options

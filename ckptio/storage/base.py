@@ -115,8 +115,12 @@ class FsspecStore:
         paths = [self.path(n) for n, _, _ in requests]
         starts = [s for _, s, _ in requests]
         ends = [e for _, _, e in requests]
-        return self._guard(requests[0][0], "read", lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"),
-                           passthrough=(FileNotFoundError,))
+        return self._guard(
+            requests[0][0],
+            "read",
+            lambda: self.fs.cat_ranges(paths, starts, ends, on_error="raise"),
+            passthrough=(FileNotFoundError,),
+        )
 
     def read_into(self, reads: Sequence[ReadInto]) -> list[int]:
         """Fill each buffer; return how many bytes each got (fewer at end of file).
@@ -131,13 +135,18 @@ class FsspecStore:
             if last:
                 prev, first = reads[last[-1]], reads[last[0]]
                 end = prev.offset + len(prev.buffer)
-                if (prev.name == reads[i].name and end == reads[i].offset
-                        and end + len(reads[i].buffer) - first.offset <= MAX_MERGED_READ):
+                if (
+                    prev.name == reads[i].name
+                    and end == reads[i].offset
+                    and end + len(reads[i].buffer) - first.offset <= MAX_MERGED_READ
+                ):
                     last.append(i)
                     continue
             groups.append([i])
-        requests = [RangeRequest(reads[g[0]].name, reads[g[0]].offset,
-                                 reads[g[-1]].offset + len(reads[g[-1]].buffer)) for g in groups]
+        requests = [
+            RangeRequest(reads[g[0]].name, reads[g[0]].offset, reads[g[-1]].offset + len(reads[g[-1]].buffer))
+            for g in groups
+        ]
         counts = [0] * len(reads)
         for group, request, data in zip(groups, requests, self.read_ranges(requests)):
             data = memoryview(data)
@@ -160,7 +169,9 @@ class FsspecStore:
                 "or the credentials in storage_options / the AWS environment."
             ) from exc
         except FileNotFoundError as exc:
-            raise StorageError(f"cannot {action} {self.describe(name)}: {exc} (does the bucket or directory exist?)") from exc
+            raise StorageError(
+                f"cannot {action} {self.describe(name)}: {exc} (does the bucket or directory exist?)"
+            ) from exc
         except StorageError:
             raise
         except Exception as exc:

@@ -46,8 +46,12 @@ class LocalStore(FsspecStore):
         try:
             for read in reads:
                 if read.name not in fds:
-                    fds[read.name] = self._guard(read.name, "open", lambda n=read.name: os.open(self.path(n), os.O_RDONLY),
-                                                 passthrough=(FileNotFoundError,))
+                    fds[read.name] = self._guard(
+                        read.name,
+                        "open",
+                        lambda n=read.name: os.open(self.path(n), os.O_RDONLY),
+                        passthrough=(FileNotFoundError,),
+                    )
 
             def fill(read: ReadInto) -> int:
                 done = 0
@@ -72,7 +76,7 @@ class _LocalSink:
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view:
-            written = self.store._guard(self.name, "write", lambda: self.handle.write(view))
+            written = self.store._guard(self.name, "write", lambda v=view: self.handle.write(v))
             view = view[written:]
 
     def close(self) -> None:

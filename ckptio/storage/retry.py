@@ -13,9 +13,22 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRYABLE_CODES = {
-    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "RequestTimeoutException",
-    "Throttling", "ThrottlingException", "TooManyRequestsException", "RequestLimitExceeded",
-    "BadDigest", "IncompleteBody", "XAmzContentSHA256Mismatch", "500", "502", "503", "504",
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequestsException",
+    "RequestLimitExceeded",
+    "BadDigest",
+    "IncompleteBody",
+    "XAmzContentSHA256Mismatch",
+    "500",
+    "502",
+    "503",
+    "504",
 }
 BASE_DELAY_S = 0.05
 MAX_DELAY_S = 5.0
@@ -47,7 +60,14 @@ async def with_retries(fn: Callable[[], Awaitable[T]], *, attempts: int, deadlin
             if attempt == attempts or not is_retryable(exc) or remaining <= 0:
                 raise
             delay = min(remaining, random.uniform(0, min(MAX_DELAY_S, BASE_DELAY_S * 2**attempt)))
-            log.info("ckptio: %s failed (%s: %s); retry %d/%d in %.2fs", what, type(exc).__name__, exc,
-                     attempt, attempts - 1, delay)
+            log.info(
+                "ckptio: %s failed (%s: %s); retry %d/%d in %.2fs",
+                what,
+                type(exc).__name__,
+                exc,
+                attempt,
+                attempts - 1,
+                delay,
+            )
             await asyncio.sleep(delay)
     raise AssertionError("unreachable")

@@ -30,7 +30,7 @@ class S3Store(FsspecStore):
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: Any = None):
         super().__init__(fs, root, url, config)
         self.bucket, _, self.prefix = root.partition("/")
-        self.part_size = getattr(config, "part_size", 16 << 20)
+        self.part_size = getattr(config, "part_size", 32 << 20)
         self.concurrency = getattr(config, "max_concurrency", 8)
         self.attempts = getattr(config, "retry_attempts", 8)
         self.deadline_s = getattr(config, "retry_deadline_s", 120.0)
@@ -51,8 +51,9 @@ class S3Store(FsspecStore):
                     return await body.read()
             return response
 
-        return await with_retries(attempt, attempts=self.attempts, deadline_s=self.deadline_s,
-                                  what=f"{operation} {self.describe(name)}")
+        return await with_retries(
+            attempt, attempts=self.attempts, deadline_s=self.deadline_s, what=f"{operation} {self.describe(name)}"
+        )
 
     def _run(self, operation: str, name: str, **params: Any) -> Any:
         try:
@@ -69,8 +70,10 @@ class S3Store(FsspecStore):
             return FileNotFoundError(self.describe(name))
         if code == "NoSuchBucket":
             kind = CheckpointNotFoundError if operation in ("get_object", "head_object") else StorageError
-            return kind(f"bucket {self.bucket!r} does not exist ({operation} {self.describe(name)}); check the URL "
-                        "and the endpoint, or create the bucket first")
+            return kind(
+                f"bucket {self.bucket!r} does not exist ({operation} {self.describe(name)}); check the URL "
+                "and the endpoint, or create the bucket first"
+            )
         if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             return StorageError(
                 f"access denied: {operation} {self.describe(name)} ({code}); check the credentials and region in "
@@ -129,8 +132,10 @@ class S3Store(FsspecStore):
 
 
 class MultipartSink:
-    """Streams one object: a single PUT if it stays under ``part_size``, otherwise a multipart
-    upload whose parts go up in parallel (at most ``max_concurrency`` in flight, bounding memory)."""
+    """Streams one object: a single PUT if it stays under 1.25 x ``part_size``, otherwise a
+    multipart upload whose parts go up in parallel (at most ``max_concurrency`` in flight,
+    bounding memory). A part leaves only once a quarter part more is buffered, so the tail
+    joins the last part instead of costing a request of its own (S3's last part may be any size)."""
 
     def __init__(self, store: S3Store, name: str):
         self.store, self.name = store, name
@@ -141,7 +146,7 @@ class MultipartSink:
 
     def write(self, data: bytes | memoryview) -> None:
         self.buffer += data
-        while len(self.buffer) >= self.store.part_size:
+        while len(self.buffer) >= self.store.part_size + self.store.part_size // 4:
             part = bytes(self.buffer[: self.store.part_size])
             del self.buffer[: self.store.part_size]
             self._send_part(part)
@@ -156,8 +161,9 @@ class MultipartSink:
         for done in (f for f in self.parts if f.done()):
             done.result()  # surface a failed part now, not at the end
         number = len(self.parts) + 1
-        coro = self.store._request("upload_part", self.name, Key=self.key, UploadId=self.upload_id,
-                                   PartNumber=number, Body=body)
+        coro = self.store._request(
+            "upload_part", self.name, Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=body
+        )
         self.parts.append(asyncio.run_coroutine_threadsafe(coro, self.store.fs.loop))
 
     def close(self) -> None:
@@ -171,8 +177,13 @@ class MultipartSink:
         except Exception as exc:
             raise self.store._translate(exc, "upload_part", self.name) from exc
         parts = [{"ETag": etag, "PartNumber": i + 1} for i, etag in enumerate(etags)]
-        self.store._run("complete_multipart_upload", self.name, Key=self.key, UploadId=self.upload_id,
-                        MultipartUpload={"Parts": parts})
+        self.store._run(
+            "complete_multipart_upload",
+            self.name,
+            Key=self.key,
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts},
+        )
 
     def abort(self) -> None:
         for f in self.parts:
