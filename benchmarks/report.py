@@ -195,7 +195,7 @@ def charts(rows: list[dict], path: str) -> bool:
                 continue
             by_writer = {r["writer"]: value(r) for r in rows if r["target"] == target}
             xs = [k + i * width for k in range(len(writers))]
-            ax.bar(xs, [by_writer.get(w, 0) for w in writers], width, label=target)
+            ax.bar(xs, [by_writer.get(w, 0) for w in writers], width, label=target, color=f"C{i}")
         ax.set_title(title)
         ax.set_xticks([k + width * (len(targets) - 1) / 2 for k in range(len(writers))])
         ax.set_xticklabels(
