@@ -310,15 +310,10 @@ def _check_item(item: StoredItem, fqn: str, files: dict[str, int], where: str) -
 
 
 def _pack(values: list[int]) -> str:
-    return base64.b64encode(
-        array.array("I", values).tobytes() if sys.byteorder == "little" else _swapped(values)
-    ).decode()
-
-
-def _swapped(values: list[int]) -> bytes:
     packed = array.array("I", values)
-    packed.byteswap()
-    return packed.tobytes()
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode()
 
 
 def _unpack(text: Any, where: str) -> list[int]:

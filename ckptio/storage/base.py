@@ -86,12 +86,6 @@ class FsspecStore:
             return None
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
-    def root_exists(self) -> bool:
-        try:
-            return bool(self.fs.exists(self.root))
-        except Exception:  # noqa: BLE001
-            return False
-
     def delete(self, names: Sequence[str]) -> None:
         for name in names:
             try:
