@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -18,6 +18,8 @@ from .per_rank import expand_for_save, prepare_for_load
 from .planners import SafeLoadPlanner
 from .reader import Reader
 from .writer import Writer
+
+T = TypeVar("T")
 
 
 def save(
@@ -52,7 +54,7 @@ def load(
     """Load into ``state_dict`` in place (tensors in place, objects replaced under the caller's keys).
     Objects are restored safely unless ``planner`` says otherwise; keys match canonically."""
     reader = Reader(checkpoint_id, storage_options=storage_options, verify=verify)
-    manifest = reader.prefetch_metadata()
+    manifest = _agreed(reader.prefetch_metadata, process_group)
     state = canonicalize(state_dict)
     restore_per_rank = prepare_for_load(state, list(manifest.metadata.state_dict_metadata))
     with raising_checkpoint_errors(f"load from {os.fspath(checkpoint_id)}"):
@@ -65,6 +67,25 @@ def load(
     for restore in restore_per_rank:
         restore()
     copy_back(state_dict, state)
+
+
+def _agreed(read: Callable[[], T], process_group) -> T:
+    """Run ``read`` on every rank; if it fails anywhere, raise on every rank (a rank that raised
+    alone would leave the others waiting in dcp.load's first collective until the timeout)."""
+    try:
+        value, error = read(), None
+    except CheckpointError as exc:
+        value, error = None, exc
+    if dist.is_initialized():
+        errors: list = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(errors, error, group=process_group)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if failed and error is None:
+            rank, first = failed[0]
+            raise type(first)(f"rank {rank}: {first}")
+    if error is not None:
+        raise error
+    return value
 
 
 @contextlib.contextmanager

@@ -196,3 +196,16 @@ def save_then_die_mid_save(previous_url: str, url: str) -> tuple[float, str]:
     except BaseException as exc:  # noqa: BLE001 - whatever the survivor sees is the result
         return time.monotonic() - start, f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
     return time.monotonic() - start, "no error"
+
+
+def load_where_only_rank_1_is_wrong(url: str) -> tuple[float, str]:
+    """Rank 1 points at a path that does not exist; every rank must fail promptly."""
+    import time
+
+    start = time.monotonic()
+    target = url if dist.get_rank() == 0 else url + "-typo"
+    try:
+        ckptio.load(make_state(make_mesh((1, 2)), empty=True), target)
+    except ckptio.CheckpointError as exc:
+        return time.monotonic() - start, f"{type(exc).__name__}: {exc}"
+    return time.monotonic() - start, "no error"

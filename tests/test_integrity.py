@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
-from benchmarks.spawn import run_ranks
+from benchmarks.spawn import run_ranks, spawn
 from ckptio.cli import main as cli_main
 from ckptio.layout import METADATA_NAME
 
@@ -223,3 +223,11 @@ def test_inspect_and_verify_cli(tmp_path, capsys):
     assert "every checksum matches" in capsys.readouterr().out
     assert cli_main(["verify", "-q", str(tmp_path / "none")]) == 2
     assert "no checkpoint at" in capsys.readouterr().err
+
+
+def test_a_metadata_failure_on_one_rank_fails_every_rank_promptly(tmp_path):
+    url = str(tmp_path / "ok")
+    spawn(2, scenarios.save, url, (1, 2), "all_ranks")
+    outcomes = spawn(2, scenarios.load_where_only_rank_1_is_wrong, url, env={"CKPTIO_TEST_PG_TIMEOUT": "60"})
+    for elapsed, message in outcomes:
+        assert elapsed < 20 and message.startswith("CheckpointNotFoundError") and "-typo" in message, message
