@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import io
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,19 +35,21 @@ def load_items(
     planner: LoadPlanner,
     verify: bool,
     recorded_sizes: dict[str, int],
+    workers: int = 4,
 ) -> None:
-    """Deliver every ``(ReadItem, StoredItem)`` to ``planner``, in batches of bounded size."""
+    """Deliver every ``(ReadItem, StoredItem)`` to ``planner``, in batches of bounded size;
+    ``workers`` threads check and decompress blocks."""
     jobs = [_Job.build(read_item, item) for read_item, item in pairs]
     batch: list[_Job] = []
     size = 0
     for job in jobs:
         if batch and size + job.fetch_bytes > BATCH_BYTES:
-            _run_batch(store, batch, planner, verify, recorded_sizes)
+            _run_batch(store, batch, planner, verify, recorded_sizes, workers)
             batch, size = [], 0
         batch.append(job)
         size += job.fetch_bytes
     if batch:
-        _run_batch(store, batch, planner, verify, recorded_sizes)
+        _run_batch(store, batch, planner, verify, recorded_sizes, workers)
 
 
 def verify_block(item: StoredItem, block: int, pieces: list, where: str) -> None:
@@ -171,7 +174,12 @@ class _Job:
 
 
 def _run_batch(
-    store: FsspecStore, jobs: list[_Job], planner: LoadPlanner, verify: bool, recorded_sizes: dict[str, int]
+    store: FsspecStore,
+    jobs: list[_Job],
+    planner: LoadPlanner,
+    verify: bool,
+    recorded_sizes: dict[str, int],
+    workers: int,
 ) -> None:
     for job in jobs:
         job.prepare(planner)
@@ -192,11 +200,17 @@ def _run_batch(
     by_file: dict[str, list[tuple[int, bytearray]]] = {}
     for name, start, buf in spans:  # coalesce() emits them sorted by (name, start)
         by_file.setdefault(name, []).append((start, buf))
+    # Checksums and zstd release the GIL: decode all staged blocks on a few threads.
+    tasks = [(job, b) for job in staged for b in job.blocks]
+
+    def decode(task: tuple[_Job, int]) -> Any:
+        job, b = task
+        return decode_verified(job.item, b, _stored_block(by_file, job.item, b), job.where, verify)
+
+    with ThreadPoolExecutor(max(1, min(workers, len(tasks)))) as pool:
+        decoded = dict(zip(((id(job), b) for job, b in tasks), pool.map(decode, tasks)))
     for job in staged:
-        blocks = {
-            b: decode_verified(job.item, b, _stored_block(by_file, job.item, b), job.where, verify) for b in job.blocks
-        }
-        job.deliver(blocks, planner)
+        job.deliver({b: decoded[(id(job), b)] for b in job.blocks}, planner)
     for job in direct:
         job.finish_direct(planner, verify)
 

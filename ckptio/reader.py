@@ -80,7 +80,7 @@ class Reader(CheckpointLocation, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         pairs = [(read_item, self._item_for(read_item)) for read_item in plan.items]
         files = self.manifest.files if self.manifest else {}
-        load_items(self._open_store(), pairs, planner, self.verify, files)
+        load_items(self._open_store(), pairs, planner, self.verify, files, self.config.max_concurrency)
         future: Future[None] = Future()
         future.set_result(None)
         return future
