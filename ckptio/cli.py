@@ -28,11 +28,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .report import describe, verify
+    from .report import open_checkpoint, orphaned_files, verify
 
-    total = describe(args.url, _storage_options(args))["stored_bytes"]
+    store, manifest = open_checkpoint(args.url, _storage_options(args))
+    total = sum(item.stored_bytes for item in manifest.items.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
-        manifest, problems = verify(args.url, _storage_options(args), progress=bar.update)
+        problems = verify(store, manifest, progress=bar.update)
+    orphans = orphaned_files(store, manifest)
+    if orphans:
+        print(
+            f"note: {len(orphans)} data file(s) here belong to saves that never committed and are never read; "
+            f"safe to delete: {', '.join(orphans)}"
+        )
     if problems:
         print(f"{args.url}: {len(problems)} problem(s)", file=sys.stderr)
         for problem in problems:

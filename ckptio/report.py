@@ -8,14 +8,14 @@ from typing import Any, Callable
 
 from .errors import CheckpointError, CorruptCheckpointError
 from .fetch import decode_verified
-from .layout import Manifest, StoredItem
+from .layout import Manifest, StoredItem, is_data_file_name
 from .reader import read_manifest
 from .storage import FsspecStore, RangeRequest, open_store
 
 
 def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything ``ckptio inspect`` prints, as one JSON-ready dict."""
-    manifest = read_manifest(open_store(url, storage_options))
+    _, manifest = open_checkpoint(url, storage_options)
     header = manifest.header
     by_key: dict[str, list[StoredItem]] = defaultdict(list)
     for index, item in manifest.items.items():
@@ -96,12 +96,18 @@ def format_description(desc: dict[str, Any]) -> str:
 _BLOCKS_PER_READ = 32
 
 
-def verify(
-    url: str, storage_options: dict[str, Any] | None = None, progress: Callable[[int], None] | None = None
-) -> tuple[Manifest, list[str]]:
-    """Read every stored block, check sizes and checksums; return the problems found (empty = intact)."""
+def open_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> tuple[FsspecStore, Manifest]:
     store = open_store(url, storage_options)
-    manifest = read_manifest(store)
+    return store, read_manifest(store)
+
+
+def orphaned_files(store: FsspecStore, manifest: Manifest) -> list[str]:
+    """Data files beside the checkpoint that it does not use (left by saves that never committed)."""
+    return [n for n in store.list_names() or [] if is_data_file_name(n) and n not in manifest.files]
+
+
+def verify(store: FsspecStore, manifest: Manifest, progress: Callable[[int], None] | None = None) -> list[str]:
+    """Read every stored block, check sizes and checksums; return the problems found (empty = intact)."""
     problems: list[str] = []
     for name, size in sorted(manifest.files.items()):
         actual = _object_size(store, name)
@@ -135,7 +141,7 @@ def verify(
             problems.append(f"{where}: {exc}")
         if progress:
             progress(item.stored_bytes)
-    return manifest, problems
+    return problems
 
 
 def _object_size(store: FsspecStore, name: str) -> int | None:

@@ -157,7 +157,7 @@ def test_existing_checkpoint_is_never_overwritten_by_accident(tmp_path):
     assert len(new_files) == 2 and not (new_files - {METADATA_NAME}) & old_files  # superseded files removed
 
 
-def test_rank_killed_mid_save_leaves_an_incomplete_checkpoint_and_the_previous_one_intact(tmp_path):
+def test_rank_killed_mid_save_leaves_an_incomplete_checkpoint_and_the_previous_one_intact(tmp_path, capsys):
     previous, url = str(tmp_path / "step-1"), str(tmp_path / "step-2")
     outcomes = run_ranks(2, scenarios.save_then_die_mid_save, previous, url, env={"CKPTIO_TEST_PG_TIMEOUT": "30"})
     assert outcomes[1][0] == "died"
@@ -169,8 +169,14 @@ def test_rank_killed_mid_save_leaves_an_incomplete_checkpoint_and_the_previous_o
         ckptio.load(scenarios.make_state(None, empty=True), url)
     assert scenarios.load(previous, None) == []
     assert cli_main(["verify", "-q", previous]) == 0
+    orphans = sorted(os.listdir(url))
     scenarios.save(url, None, "all_ranks")  # saving again to the same path succeeds
     assert scenarios.load(url, None) == []
+    capsys.readouterr()
+    assert cli_main(["verify", "-q", url]) == 0
+    assert f"belong to saves that never committed and are never read; safe to delete: {', '.join(orphans)}" in (
+        capsys.readouterr().out
+    )
 
 
 class RunsCode:
