@@ -229,6 +229,13 @@ def test_inspect_and_verify_cli(tmp_path, capsys):
     assert "every checksum matches" in capsys.readouterr().out
     assert cli_main(["verify", "-q", str(tmp_path / "none")]) == 2
     assert "no checkpoint at" in capsys.readouterr().err
+    plain = str(tmp_path / "plain.pt")
+    assert cli_main(["convert", url, plain]) == 0
+    converted = torch.load(plain, weights_only=True)
+    assert torch.equal(converted["w"], STATE["w"]) and converted["meta"] == {"x": 1}
+    with pytest.raises(SystemExit) as help_exit:
+        cli_main(["bench", "--help"])
+    assert help_exit.value.code == 0 and "--mesh" in capsys.readouterr().out
 
 
 def test_a_metadata_failure_on_one_rank_fails_every_rank_promptly(tmp_path):
