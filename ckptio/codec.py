@@ -8,6 +8,9 @@ ARMv8), runs at >10 GiB/s here, and is the checksum S3 itself offers.
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import crc32c
@@ -37,22 +40,46 @@ def block_size_for(item_bytes: int, max_block_size: int) -> int:
 
 
 class BlockEncoder:
-    """Turns an item's logical bytes into stored blocks with their checksums."""
+    """Turns an item's logical bytes into stored blocks with their checksums.
 
-    def __init__(self, max_block_size: int, compression: str | None = None, level: int = 3):
+    With compression, blocks are compressed on ``threads`` threads (zstd releases the GIL),
+    at most ``2 * threads`` ahead of the writer, so memory stays bounded; ``close()`` ends them."""
+
+    def __init__(self, max_block_size: int, compression: str | None = None, level: int = 3, threads: int = 1):
         self.max_block_size = max_block_size
         self.codec = ZSTD if compression == ZSTD else RAW
-        self._compressor = zstandard.ZstdCompressor(level=level) if self.codec == ZSTD else None
+        self._level = level
+        self._local = threading.local()  # a ZstdCompressor must not be shared between threads
+        self._threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self._threads) if self.codec == ZSTD and self._threads > 1 else None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
 
     def encode(self, data: memoryview, block_size: int) -> Iterator[tuple[bytes | memoryview, int]]:
-        """Yield ``(stored_bytes, crc32c)`` for each ``block_size`` block of ``data``."""
-        for start in range(0, len(data), block_size):
-            block = data[start : start + block_size]
-            if self._compressor is not None:
-                packed = self._compressor.compress(block)
-                if len(packed) < len(block):
-                    block = packed
-            yield block, checksum(block)
+        """Yield ``(stored_bytes, crc32c)`` for each ``block_size`` block of ``data``, in order."""
+        blocks = (data[start : start + block_size] for start in range(0, len(data), block_size))
+        if self._pool is None:
+            yield from map(self._pack, blocks)
+            return
+        ahead: deque = deque()
+        for block in blocks:
+            ahead.append(self._pool.submit(self._pack, block))
+            if len(ahead) >= 2 * self._threads:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+    def _pack(self, block: memoryview) -> tuple[bytes | memoryview, int]:
+        if self.codec == ZSTD:
+            compressor = getattr(self._local, "compressor", None)
+            if compressor is None:
+                compressor = self._local.compressor = zstandard.ZstdCompressor(level=self._level)
+            packed = compressor.compress(block)
+            if len(packed) < len(block):
+                block = packed
+        return block, checksum(block)
 
 
 def decode_block(stored: bytes | memoryview, logical_len: int, codec: str) -> bytes | memoryview:

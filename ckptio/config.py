@@ -36,7 +36,9 @@ class WriterConfig:
     mode: str = "all_ranks"
     #: ``None`` or ``"zstd"``; compression is per block, and a block that does not shrink is kept raw.
     compression: str | None = None
-    compression_level: int = 3
+    #: zstd level. 1, not zstd's usual 3: on fp32 weights it was 1.8x faster here for a 2.14x
+    #: instead of 2.17x ratio.
+    compression_level: int = 1
     #: Largest unit of checksumming, compression and ranged reads, in bytes (a multiple of 64).
     #: Items are cut into about 64 blocks (at least 4 KiB each) up to this size, so a resharded
     #: load reads little beyond what it needs while the metadata stays small.
@@ -45,7 +47,8 @@ class WriterConfig:
     overwrite: bool = False
     #: Object stores: objects larger than this go up as multipart uploads of this part size.
     part_size: int = 32 * MiB
-    #: Parallel requests per rank (multipart parts on write, ranged GETs on read).
+    #: Parallel requests per rank (multipart parts on write, ranged GETs on read), and threads per
+    #: rank that compress, decompress and checksum blocks.
     max_concurrency: int = 8
     #: Attempts per request for retryable storage errors (503 SlowDown, 500, timeouts, resets).
     retry_attempts: int = 8

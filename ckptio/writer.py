@@ -183,7 +183,10 @@ class Writer(CheckpointLocation, StorageWriter):
         self, name: str, items: list[WriteItem], planner: SavePlanner, objects: dict, inline_limit: int
     ) -> tuple[list[WriteResult], dict[str, StoredItem]]:
         """Write ``items`` to ``name`` (or inline); return their results and the object records by key."""
-        encoder = BlockEncoder(self.config.max_block_size, self.config.compression, self.config.compression_level)
+        config = self.config
+        encoder = BlockEncoder(
+            config.max_block_size, config.compression, config.compression_level, config.max_concurrency
+        )
         sink = _InlineOrFileSink(self._open_store(), name, inline_limit)
         results: list[WriteResult] = []
         offset = 0
@@ -208,6 +211,8 @@ class Writer(CheckpointLocation, StorageWriter):
         except BaseException:
             sink.abort()
             raise
+        finally:
+            encoder.close()
         if sink.inline is not None:
             results = [
                 dataclasses.replace(
