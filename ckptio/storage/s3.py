@@ -147,7 +147,8 @@ class MultipartSink:
     def write(self, data: bytes | memoryview) -> None:
         self.buffer += data
         while len(self.buffer) >= self.store.part_size + self.store.part_size // 4:
-            part = bytes(self.buffer[: self.store.part_size])
+            with memoryview(self.buffer) as view:  # one copy of the part, not a slice and then a copy
+                part = bytes(view[: self.store.part_size])
             del self.buffer[: self.store.part_size]
             self._send_part(part)
 
