@@ -18,7 +18,7 @@ import threading
 import time
 
 from . import report, workload
-from .spawn import spawn
+from .launch import launch
 from .writers import WRITERS, select
 
 
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
 def _spawn_with_progress(args, cfg, progress_file: str, steps: int, backend: str) -> list[dict]:
     from tqdm import tqdm
 
-    from benchmarks import runner
+    from . import runner
 
     out: dict = {}
 
@@ -155,7 +155,7 @@ def _spawn_with_progress(args, cfg, progress_file: str, steps: int, backend: str
         try:
             out["records"] = [
                 r
-                for rank_records in spawn(args.ranks, runner.run_rank, cfg, timeout=3600, backend=backend)
+                for rank_records in launch(args.ranks, runner.run_rank, cfg, backend=backend)
                 for r in rank_records
             ]
         except BaseException as exc:  # reported below, in the main thread

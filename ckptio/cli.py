@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from benchmarks.__main__ import main as bench_main
+        from .bench.__main__ import main as bench_main
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -7,7 +7,7 @@ import pytest
 @pytest.fixture(scope="session")
 def moto_server():
     """A moto S3 server on 127.0.0.1 (real HTTP), shared by the session; yields its endpoint URL."""
-    from benchmarks.s3server import local_s3_server
+    from ckptio.bench.s3server import local_s3_server
 
     with local_s3_server() as endpoint:
         yield endpoint

@@ -137,7 +137,7 @@ def _bench_mesh(mesh_shape):
 
 
 def bench_save(url: str, size: int, mesh_shape, mode: str, storage_options=None, **config) -> None:
-    from benchmarks import workload
+    from ckptio.bench import workload
 
     state = workload.build_state(_bench_mesh(mesh_shape), workload.tensor_specs(size), False, dist.get_rank())
     ckptio.save(state, url, ckptio.WriterConfig(mode=mode, **config), storage_options=storage_options)
@@ -145,7 +145,7 @@ def bench_save(url: str, size: int, mesh_shape, mode: str, storage_options=None,
 
 def bench_load(url: str, size: int, mesh_shape, storage_options=None, **reader) -> tuple[list[str], int]:
     """Load on ``mesh_shape``; return (mismatching keys, tensor bytes this rank's plan needs)."""
-    from benchmarks import workload
+    from ckptio.bench import workload
 
     specs = workload.tensor_specs(size)
     state = workload.build_state(_bench_mesh(mesh_shape), specs, False, dist.get_rank(), empty=True)

@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
+from ckptio.bench import counting, report, workload
+from ckptio.bench.__main__ import main as bench_main
 
 import ckptio
-from benchmarks import counting, report, workload
-from benchmarks.__main__ import main as bench_main
 
 
 def test_summary_figures_from_a_hand_computed_run():
@@ -69,7 +69,7 @@ def _held_bytes_and_save(url: str, size: int) -> int:
 
 
 def test_workload_byte_counts_match_what_ranks_hold_and_ckptio_stores(tmp_path):
-    from benchmarks.spawn import spawn
+    from .harness import spawn
 
     url = str(tmp_path / "w")
     held = spawn(4, _held_bytes_and_save, url, 1 << 20)

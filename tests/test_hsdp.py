@@ -7,11 +7,11 @@ import json
 import fsspec
 import pytest
 
-from benchmarks.spawn import spawn
 from ckptio.cli import main as cli_main
 from ckptio.layout import METADATA_NAME, is_data_file_name
 
 from . import scenarios
+from .harness import spawn
 
 LOAD_MESHES = [(4, (2, 2)), (2, (1, 2)), (4, (4, 1)), (0, None)]  # (processes, mesh); 0 = one process, no PG
 

@@ -13,12 +13,12 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
-from benchmarks.spawn import run_ranks, spawn
 from ckptio.cli import main as cli_main
 from ckptio.layout import METADATA_NAME
 
 from . import scenarios
 from .faultproxy import Fault
+from .harness import run_ranks, spawn
 
 STATE = {"w": torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024), "b": torch.ones(8), "meta": {"x": 1}}
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.spawn import spawn
 from ckptio.convert import to_torch_save
 
 from . import models
+from .harness import spawn
 
 
 @pytest.mark.slow

@@ -8,10 +8,9 @@ from functools import partial
 import boto3
 import pytest
 
-from benchmarks.spawn import spawn
-
 from . import scenarios
 from .faultproxy import Fault
+from .harness import spawn
 
 SIZE = 32 << 20
 PART = 5 << 20

@@ -11,9 +11,9 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 import ckptio
-from benchmarks.spawn import spawn
 
 from . import training_state
+from .harness import spawn
 
 
 def test_per_rank_objects_are_detected_kept_or_resized_explicitly(tmp_path):

@@ -1,4 +1,4 @@
-"""Run a function on N spawned processes joined by a gloo process group on loopback."""
+"""Run a function on N spawned processes joined by a gloo process group on loopback (the tests' harness)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,51 @@
+"""Start the benchmark's ranks: W spawned processes joined by a process group on loopback."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, world_size: int, port: int, backend: str, results: Any, fn: Callable, args: tuple) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(minutes=30),
+    )
+    try:
+        results.put((rank, fn(*args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(world_size: int, fn: Callable, *args: Any, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks; return each rank's result in rank order.
+    A rank that fails raises here with its traceback (torch.multiprocessing reports it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    ranks = mp.start_processes(
+        _rank_main,
+        args=(world_size, port, backend, results, fn, args),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    by_rank: dict[int, Any] = {}
+    finished = False
+    while not finished:  # drain while waiting: a rank blocks on a full pipe until its result is read
+        finished = ranks.join(timeout=0.5)
+        while not results.empty():
+            rank, value = results.get()
+            by_rank[rank] = value
+    return [by_rank[r] for r in range(world_size)]
