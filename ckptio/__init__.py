@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from . import convert  # noqa: E402, F401 - ckptio.convert.load_full / to_torch_save
 from .api import load, save, unwrap  # noqa: E402
 from .config import WriterConfig  # noqa: E402
 from .errors import (  # noqa: E402
@@ -17,8 +18,8 @@ from .errors import (  # noqa: E402
     UnsafeObjectError,
 )
 from .per_rank import PerRank  # noqa: E402
-from .planners import SafeLoadPlanner  # noqa: E402
 from .reader import Reader  # noqa: E402
+from .safe_load import SafeLoadPlanner  # noqa: E402
 from .writer import Writer  # noqa: E402
 
 __all__ = [

@@ -15,8 +15,8 @@ from .config import WriterConfig
 from .errors import CheckpointError
 from .keys import canonicalize, copy_back
 from .per_rank import expand_for_save, prepare_for_load
-from .planners import SafeLoadPlanner
 from .reader import Reader
+from .safe_load import SafeLoadPlanner
 from .writer import Writer
 
 T = TypeVar("T")

@@ -16,20 +16,13 @@ from typing import Iterator
 import crc32c
 import zstandard
 
-RAW = "raw"
-ZSTD = "zstd"
+from .config import BLOCKS_PER_ITEM, MIN_BLOCK_SIZE
+from .layout import Codec
 
 
 def checksum(data: bytes | memoryview, crc: int = 0) -> int:
     """CRC32C of ``data``; pass the CRC of the preceding bytes as ``crc`` to continue it."""
     return crc32c.crc32c(data, crc)
-
-
-# A resharded load reads whole blocks, so a block is at most 1/BLOCKS_PER_ITEM of its item
-# (bounding the bytes read beyond the plan), but never smaller than MIN_BLOCK_SIZE (bounding
-# the metadata: one 4-byte checksum per block).
-BLOCKS_PER_ITEM = 64
-MIN_BLOCK_SIZE = 4 << 10
 
 
 def block_size_for(item_bytes: int, max_block_size: int) -> int:
@@ -47,11 +40,11 @@ class BlockEncoder:
 
     def __init__(self, max_block_size: int, compression: str | None = None, level: int = 3, threads: int = 1):
         self.max_block_size = max_block_size
-        self.codec = ZSTD if compression == ZSTD else RAW
+        self.codec = Codec.ZSTD if compression == Codec.ZSTD.value else Codec.RAW
         self._level = level
         self._local = threading.local()  # a ZstdCompressor must not be shared between threads
         self._threads = max(1, threads)
-        self._pool = ThreadPoolExecutor(self._threads) if self.codec == ZSTD and self._threads > 1 else None
+        self._pool = ThreadPoolExecutor(self._threads) if self.codec == Codec.ZSTD and self._threads > 1 else None
 
     def close(self) -> None:
         if self._pool is not None:
@@ -72,7 +65,7 @@ class BlockEncoder:
             yield ahead.popleft().result()
 
     def _pack(self, block: memoryview) -> tuple[bytes | memoryview, int]:
-        if self.codec == ZSTD:
+        if self.codec == Codec.ZSTD:
             compressor = getattr(self._local, "compressor", None)
             if compressor is None:
                 compressor = self._local.compressor = zstandard.ZstdCompressor(level=self._level)
@@ -82,8 +75,27 @@ class BlockEncoder:
         return block, checksum(block)
 
 
-def decode_block(stored: bytes | memoryview, logical_len: int, codec: str) -> bytes | memoryview:
-    """Return the logical bytes of one block (its checksum must already be verified)."""
-    if codec == RAW or len(stored) == logical_len:
+_local = threading.local()
+
+
+class BlockSizeError(ValueError):
+    """A compressed block does not decode to exactly the length its record declares."""
+
+
+def decode_block(stored: bytes | memoryview, logical_len: int, codec: Codec) -> bytes | memoryview:
+    """Return the logical bytes of one block (its checksum must already be verified).
+
+    A compressed block must decode to exactly ``logical_len`` bytes; the size a zstd frame
+    declares is checked before anything is allocated for it."""
+    if codec == Codec.RAW or len(stored) == logical_len:
         return stored
-    return zstandard.ZstdDecompressor().decompress(stored, max_output_size=logical_len)
+    declared = zstandard.frame_content_size(stored)
+    if declared >= 0 and declared != logical_len:
+        raise BlockSizeError(f"the zstd frame declares {declared} bytes where the metadata records {logical_len}")
+    decompressor = getattr(_local, "decompressor", None)
+    if decompressor is None:  # a ZstdDecompressor is reusable but not thread-safe
+        decompressor = _local.decompressor = zstandard.ZstdDecompressor()
+    out = decompressor.decompress(stored, max_output_size=logical_len)
+    if len(out) != logical_len:
+        raise BlockSizeError(f"the block decodes to {len(out)} bytes where the metadata records {logical_len}")
+    return out

@@ -1,9 +1,13 @@
 """Every tunable of ckptio, with its default, in one place.
 
-Precedence, lowest to highest: the defaults below, then the values given to
-``WriterConfig(...)`` or ``WriterConfig.from_dict(...)``, then ``CKPTIO_<FIELD>``
-environment variables (e.g. ``CKPTIO_MODE=replica_group``), so an operator can change a
-job's behaviour without touching its code. Every override is logged at INFO level.
+User settings are the fields of ``WriterConfig``. Precedence, lowest to highest: the defaults
+below, then the values given to ``WriterConfig(...)`` or ``WriterConfig.from_dict(...)``, then
+``CKPTIO_<FIELD>`` environment variables (e.g. ``CKPTIO_MODE=replica_group``), so an operator
+can change a job's behaviour without touching its code. Every override is logged at INFO level.
+The storage layer gets only its part, as a ``StorageConfig``.
+
+Internal constants (module-level, below) are not overridable; they are listed here so that
+every bound ckptio works within is in one place.
 """
 
 from __future__ import annotations
@@ -18,6 +22,27 @@ log = logging.getLogger(__name__)
 MODES = ("all_ranks", "replica_group")
 COMPRESSIONS = (None, "zstd")
 MiB = 1 << 20
+
+#: A resharded load reads whole blocks, so a block is at most 1/BLOCKS_PER_ITEM of its item
+#: (bounding the bytes read beyond the plan), but never smaller than MIN_BLOCK_SIZE (bounding
+#: the metadata: one 4-byte checksum per block).
+BLOCKS_PER_ITEM = 64
+MIN_BLOCK_SIZE = 4 << 10
+#: Stored bytes fetched per round of parallel reads on load, bounding the reader's extra memory.
+READ_BATCH_BYTES = 512 * MiB
+#: Longest single ranged read: touching reads are merged up to it, longer ones are split, so one
+#: large item still reads in parallel. The only request-merging policy (ranges.plan_requests).
+MAX_REQUEST_BYTES = 32 * MiB
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageConfig:
+    """What the storage layer needs to know (see ``WriterConfig`` for each field)."""
+
+    part_size: int = 32 * MiB
+    max_concurrency: int = 8
+    retry_attempts: int = 8
+    retry_deadline_s: float = 120.0
 
 
 @dataclasses.dataclass
@@ -84,6 +109,9 @@ class WriterConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def storage(self) -> StorageConfig:
+        return StorageConfig(self.part_size, self.max_concurrency, self.retry_attempts, self.retry_deadline_s)
 
     def validate(self) -> None:
         if self.mode not in MODES:

@@ -10,8 +10,8 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .api import raising_checkpoint_errors
-from .planners import SafeObjectsMixin
 from .reader import Reader
+from .safe_load import SafeObjectsMixin
 
 
 class _SafeFullLoadPlanner(SafeObjectsMixin, _EmptyStateDictLoadPlanner):

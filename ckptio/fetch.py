@@ -2,31 +2,28 @@
 
 Uncompressed tensor chunks whose requested part is one contiguous run are read straight into
 the destination tensor (only the edges of the first and last block go to small side buffers,
-so whole blocks can still be checksummed). Everything else is staged: coalesced block spans
-are fetched, verified, decompressed, and the requested sub-box copied out.
+so whole blocks can still be checksummed). Compressed ones with such a run are fetched in
+windows of blocks, each block checked and decoded straight into the destination, so memory
+stays bounded whatever the item's size. Everything else (sub-boxes, objects) is staged: its
+blocks are fetched, verified, decoded, and the requested part copied out.
 """
 
 from __future__ import annotations
 
-import bisect
 import io
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from .codec import checksum, decode_block
+from .codec import BlockSizeError, checksum, decode_block
+from .config import MAX_REQUEST_BYTES, READ_BATCH_BYTES
 from .errors import CorruptCheckpointError
-from .layout import METADATA_NAME, StoredItem, dtype_from_name
-from .ranges import blocks_for_runs, box_runs, coalesce, row_major_strides
-from .storage import FsspecStore, ReadInto
-
-# Bytes fetched per round of parallel reads, bounding the reader's extra memory.
-BATCH_BYTES = 512 << 20
-# Longest single ranged request after coalescing, so one large item still reads in parallel.
-MAX_REQUEST_BYTES = 32 << 20
+from .layout import METADATA_NAME, Codec, ItemKind, StoredItem, dtype_from_name
+from .ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests, row_major_strides
+from .storage import FsspecStore
 
 
 def load_items(
@@ -37,19 +34,39 @@ def load_items(
     recorded_sizes: dict[str, int],
     workers: int = 4,
 ) -> None:
-    """Deliver every ``(ReadItem, StoredItem)`` to ``planner``, in batches of bounded size;
-    ``workers`` threads check and decompress blocks."""
-    jobs = [_Job.build(read_item, item) for read_item, item in pairs]
-    batch: list[_Job] = []
+    """Deliver every ``(ReadItem, StoredItem)`` to ``planner``, in batches of at most
+    ``READ_BATCH_BYTES`` fetched (one window of a larger item at most); ``workers`` threads
+    check and decode blocks."""
+    batch: list[_Window] = []
     size = 0
-    for job in jobs:
-        if batch and size + job.fetch_bytes > BATCH_BYTES:
-            _run_batch(store, batch, planner, verify, recorded_sizes, workers)
-            batch, size = [], 0
-        batch.append(job)
-        size += job.fetch_bytes
+    for read_item, item in pairs:
+        job = _Job.build(read_item, item)
+        job.prepare(planner)
+        for window in job.windows(READ_BATCH_BYTES):
+            if batch and size + window.fetch_bytes > READ_BATCH_BYTES:
+                _run_batch(store, batch, planner, verify, recorded_sizes, workers)
+                batch, size = [], 0
+            batch.append(window)
+            size += window.fetch_bytes
     if batch:
         _run_batch(store, batch, planner, verify, recorded_sizes, workers)
+
+
+def read_item_blocks(
+    store: FsspecStore, item: StoredItem, where: str, window_bytes: int = MAX_REQUEST_BYTES
+) -> Iterator[tuple[int, Any]]:
+    """Every block of ``item``, checked and decoded, in order, fetched ``window_bytes`` at a time
+    (what ``ckptio verify`` reads with)."""
+    first = 0
+    while first < len(item.blocks):
+        last, size = first, 0
+        while last < len(item.blocks) and (last == first or size + item.blocks[last][0] <= window_bytes):
+            size += item.blocks[last][0]
+            last += 1
+        stored = _fetch_blocks(store, item, range(first, last), {})
+        for b in range(first, last):
+            yield b, decode_verified(item, b, stored[b], where)
+        first = last
 
 
 def verify_block(item: StoredItem, block: int, pieces: list, where: str) -> None:
@@ -72,23 +89,26 @@ def decode_verified(item: StoredItem, block: int, stored: memoryview, where: str
         verify_block(item, block, [stored], where)
     try:
         return decode_block(stored, item.block_logical_len(block), item.codec)
+    except BlockSizeError as exc:
+        raise CorruptCheckpointError(f"{where}, block {block}: {exc}; the checkpoint is damaged") from None
     except Exception as exc:  # zstd raises its own error type
         raise CorruptCheckpointError(f"cannot decompress {where}, block {block}: {exc}") from None
 
 
 @dataclass
 class _Job:
+    """One read item: where its bytes are stored and where they go."""
+
     read_item: ReadItem
     item: StoredItem
     blocks: list[int]
     run: tuple[int, int] | None = None  # logical byte range, when the request is one contiguous run
     target: torch.Tensor | None = None
-    dest: memoryview | None = None
-    edges: dict[int, bytearray] = field(default_factory=dict)  # block -> side buffer (direct reads only)
+    dest: memoryview | None = None  # the target's bytes, when they are exactly ``run``
 
     @classmethod
     def build(cls, read_item: ReadItem, item: StoredItem) -> "_Job":
-        if read_item.type == LoadItemType.BYTE_IO or item.kind == "bytes":
+        if read_item.type == LoadItemType.BYTE_IO or item.kind == ItemKind.BYTES:
             return cls(read_item, item, list(range(len(item.blocks))))
         itemsize = dtype_from_name(item.dtype).itemsize
         runs = box_runs(item.shape, read_item.storage_offsets, read_item.lengths)
@@ -96,70 +116,118 @@ class _Job:
         return cls(read_item, item, blocks_for_runs(runs, itemsize, item.block_size), run)
 
     @property
-    def fetch_bytes(self) -> int:
-        return sum(self.item.blocks[b][0] for b in self.blocks)
-
-    @property
     def where(self) -> str:
         return f"key {self.read_item.storage_index.fqn!r} in {self.item.file or METADATA_NAME}"
 
     def prepare(self, planner: LoadPlanner) -> None:
-        if self.item.kind != "tensor":
+        if self.item.kind != ItemKind.TENSOR:
             return
         self.target = planner.resolve_tensor(self.read_item).detach()
-        t, item = self.target, self.item
+        t = self.target
         if (
             self.run
-            and item.codec == "raw"
-            and item.inline is None
             and t.device.type == "cpu"
             and t.is_contiguous()
-            and t.dtype == dtype_from_name(item.dtype)
+            and t.dtype == dtype_from_name(self.item.dtype)
             and t.numel() * t.element_size() == self.run[1] - self.run[0]
         ):
             self.dest = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
-    # --- direct reads into the destination tensor ---------------------------------------
-    def direct_reads(self) -> list[ReadInto]:
-        item, (start, stop) = self.item, self.run
+    def windows(self, max_bytes: int) -> Iterator["_Window"]:
+        """The job in windows of blocks: only jobs that decode straight into ``dest`` are split."""
+        direct = self.dest is not None and self.item.codec == Codec.RAW and self.item.inline is None
+        if self.dest is None or direct or not self.blocks:
+            yield _Window(self, self.blocks, last=True, direct=direct)
+            return
+        start, size = 0, 0
+        for i, b in enumerate(self.blocks):
+            stored = self.item.blocks[b][0]
+            if i > start and size + stored > max_bytes:
+                yield _Window(self, self.blocks[start:i], last=False)
+                start, size = i, 0
+            size += stored
+        yield _Window(self, self.blocks[start:], last=True)
+
+    def commit(self, planner: LoadPlanner) -> None:
+        planner.commit_tensor(self.read_item, self.target)
+
+
+@dataclass
+class _Window:
+    """Some of a job's blocks, fetched in one batch."""
+
+    job: _Job
+    blocks: list[int]
+    last: bool  # commit the job once this window is done
+    direct: bool = False  # raw bytes read straight into the destination
+    stored: dict[int, memoryview] = field(default_factory=dict)  # block -> stored bytes (staged)
+    edges: dict[int, bytearray] = field(default_factory=dict)  # block -> side buffer (direct)
+
+    @property
+    def fetch_bytes(self) -> int:
+        return sum(self.job.item.blocks[b][0] for b in self.blocks)
+
+    def pieces(self) -> list[ReadPiece]:
+        item = self.job.item
+        if self.direct:
+            return self._direct_pieces()
+        if item.inline is not None:
+            self.stored = {b: memoryview(item.inline)[_span(item, b)] for b in self.blocks}
+            return []
+        self.stored = {b: memoryview(bytearray(item.blocks[b][0])) for b in self.blocks}
+        return [ReadPiece(item.file, item.block_offsets[b], self.stored[b]) for b in self.blocks]
+
+    def _direct_pieces(self) -> list[ReadPiece]:
+        item, (start, stop) = self.job.item, self.job.run
         first, last = self.blocks[0], self.blocks[-1]
-        reads = [ReadInto(item.file, item.offset + start, self.dest)]
+        pieces = [ReadPiece(item.file, item.offset + start, self.job.dest)]
         head = first * item.block_size
         if head < start:
             self.edges[first] = bytearray(start - head)
-            reads.append(ReadInto(item.file, item.offset + head, memoryview(self.edges[first])))
+            pieces.append(ReadPiece(item.file, item.offset + head, memoryview(self.edges[first])))
         tail = min((last + 1) * item.block_size, item.logical_bytes)
         if stop < tail:
             self.edges[-1] = bytearray(tail - stop)
-            reads.append(ReadInto(item.file, item.offset + stop, memoryview(self.edges[-1])))
-        return reads
+            pieces.append(ReadPiece(item.file, item.offset + stop, memoryview(self.edges[-1])))
+        return pieces
 
-    def finish_direct(self, planner: LoadPlanner, verify: bool) -> None:
-        if verify:
-            item, (start, stop) = self.item, self.run
-            for b in self.blocks:
-                lo, hi = b * item.block_size, b * item.block_size + item.block_logical_len(b)
-                pieces = []
-                if lo < start:
-                    pieces.append(self.edges[b])
-                pieces.append(self.dest[max(lo, start) - start : min(hi, stop) - start])
-                if hi > stop:
-                    pieces.append(self.edges[-1])
-                verify_block(item, b, pieces, self.where)
-        planner.commit_tensor(self.read_item, self.target)
+    def verify_direct(self) -> None:
+        item, (start, stop), dest = self.job.item, self.job.run, self.job.dest
+        for b in self.blocks:
+            lo, hi = b * item.block_size, b * item.block_size + item.block_logical_len(b)
+            pieces = []
+            if lo < start:
+                pieces.append(self.edges[b])
+            pieces.append(dest[max(lo, start) - start : min(hi, stop) - start])
+            if hi > stop:
+                pieces.append(self.edges[-1])
+            verify_block(item, b, pieces, self.job.where)
 
-    # --- staged reads -------------------------------------------------------------------
+    def decode(self, b: int, verify: bool) -> Any:
+        """Check and decode block ``b``; when the job has a destination, write its part there."""
+        job = self.job
+        data = decode_verified(job.item, b, self.stored.pop(b), job.where, verify)
+        if job.dest is None:
+            return data
+        lo = b * job.item.block_size
+        start, stop = job.run
+        a, z = max(lo, start), min(lo + len(data), stop)
+        job.dest[a - start : z - start] = memoryview(data)[a - lo : z - lo]
+        return None
+
     def deliver(self, blocks: dict[int, Any], planner: LoadPlanner) -> None:
-        if self.item.kind == "bytes":
-            planner.load_bytes(self.read_item, io.BytesIO(b"".join(blocks[b] for b in self.blocks)))
+        """Hand a staged job's decoded blocks to the planner."""
+        job = self.job
+        if job.item.kind == ItemKind.BYTES:
+            planner.load_bytes(job.read_item, io.BytesIO(b"".join(blocks[b] for b in self.blocks)))
             return
-        if self.target.numel() > 0:
-            self.target.copy_(self._source_view(blocks))
-        planner.commit_tensor(self.read_item, self.target)
+        if job.target.numel() > 0:
+            job.target.copy_(self._source_view(blocks))
+        job.commit(planner)
 
     def _source_view(self, blocks: dict[int, Any]) -> torch.Tensor:
         """The requested sub-box, as a strided view over the decoded blocks of the chunk."""
-        item = self.item
+        item, read_item = self.job.item, self.job.read_item
         dtype = dtype_from_name(item.dtype)
         first, last = self.blocks[0], self.blocks[-1]
         span = bytearray(sum(item.block_logical_len(b) for b in range(first, last + 1)))
@@ -168,77 +236,69 @@ class _Job:
             span[at : at + item.block_logical_len(b)] = blocks[b]
         flat = torch.frombuffer(span, dtype=torch.uint8).view(dtype)
         strides = row_major_strides(item.shape)
-        start = sum(o * s for o, s in zip(self.read_item.storage_offsets, strides))
+        start = sum(o * s for o, s in zip(read_item.storage_offsets, strides))
         start -= first * item.block_size // dtype.itemsize
-        return flat.as_strided(tuple(self.read_item.lengths), strides, start)
+        return flat.as_strided(tuple(read_item.lengths), strides, start)
+
+
+def _span(item: StoredItem, block: int) -> slice:
+    return slice(item.block_offsets[block], item.block_offsets[block + 1])
 
 
 def _run_batch(
     store: FsspecStore,
-    jobs: list[_Job],
+    windows: list[_Window],
     planner: LoadPlanner,
     verify: bool,
     recorded_sizes: dict[str, int],
     workers: int,
 ) -> None:
-    for job in jobs:
-        job.prepare(planner)
-    direct = [j for j in jobs if j.dest is not None]
-    staged = [j for j in jobs if j.dest is None]
-    wanted = {
-        (j.item.file, j.item.block_offsets[b], j.item.block_offsets[b + 1])
-        for j in staged
-        if j.item.inline is None
-        for b in j.blocks
-    }
-    spans = [(name, start, bytearray(end - start)) for name, start, end in coalesce(wanted, MAX_REQUEST_BYTES)]
-    reads = [ReadInto(name, start, memoryview(buf)) for name, start, buf in spans]
-    for job in direct:
-        reads += job.direct_reads()
-    _read_all(store, reads, recorded_sizes)
-
-    by_file: dict[str, list[tuple[int, bytearray]]] = {}
-    for name, start, buf in spans:  # coalesce() emits them sorted by (name, start)
-        by_file.setdefault(name, []).append((start, buf))
-    # Checksums and zstd release the GIL: decode all staged blocks on a few threads.
-    tasks = [(job, b) for job in staged for b in job.blocks]
-
-    def decode(task: tuple[_Job, int]) -> Any:
-        job, b = task
-        return decode_verified(job.item, b, _stored_block(by_file, job.item, b), job.where, verify)
-
+    _read_all(store, [piece for w in windows for piece in w.pieces()], recorded_sizes)
+    # Checksums and zstd release the GIL: check and decode all staged blocks on a few threads.
+    tasks = [(w, b) for w in windows if not w.direct for b in w.blocks]
     with ThreadPoolExecutor(max(1, min(workers, len(tasks)))) as pool:
-        decoded = dict(zip(((id(job), b) for job, b in tasks), pool.map(decode, tasks)))
-    for job in staged:
-        job.deliver({b: decoded[(id(job), b)] for b in job.blocks}, planner)
-    for job in direct:
-        job.finish_direct(planner, verify)
+        decoded = list(pool.map(lambda task: task[0].decode(task[1], verify), tasks))
+    by_window: dict[int, dict[int, Any]] = {}
+    for (w, b), data in zip(tasks, decoded):
+        by_window.setdefault(id(w), {})[b] = data
+    for w in windows:
+        if w.direct:
+            if verify:
+                w.verify_direct()
+            w.job.commit(planner)
+        elif w.job.dest is None:
+            w.deliver(by_window.get(id(w), {}), planner)
+        elif w.last:
+            w.job.commit(planner)
 
 
-def _read_all(store: FsspecStore, reads: list[ReadInto], recorded_sizes: dict[str, int]) -> None:
+def _fetch_blocks(
+    store: FsspecStore, item: StoredItem, blocks: range, recorded_sizes: dict[str, int]
+) -> dict[int, memoryview]:
+    if item.inline is not None:
+        return {b: memoryview(item.inline)[_span(item, b)] for b in blocks}
+    stored = {b: memoryview(bytearray(item.blocks[b][0])) for b in blocks}
+    _read_all(store, [ReadPiece(item.file, item.block_offsets[b], stored[b]) for b in blocks], recorded_sizes)
+    return stored
+
+
+def _read_all(store: FsspecStore, pieces: list[ReadPiece], recorded_sizes: dict[str, int]) -> None:
+    if not pieces:
+        return
+    requests = plan_requests(pieces, MAX_REQUEST_BYTES)
     try:
-        counts = store.read_into(reads)
+        counts = store.read_into(requests)
     except FileNotFoundError as exc:
-        missing = sorted({r.name for r in reads if not store.exists(r.name)}) or [str(exc)]
+        missing = sorted({r.name for r in requests if not store.exists(r.name)}) or [str(exc)]
         raise CorruptCheckpointError(
             f"data file(s) {missing} listed in {store.describe(METADATA_NAME)} are missing; the checkpoint was "
             "damaged after it was written: restore the files or load an earlier checkpoint"
         ) from None
-    for read, count in zip(reads, counts):
-        if count != len(read.buffer):
+    for request, count in zip(requests, counts):
+        if count != request.length:
             raise CorruptCheckpointError(
-                f"{store.describe(read.name)} is truncated: bytes {read.offset}..{read.offset + len(read.buffer)} "
-                f"were needed but only {count} could be read "
-                f"(the metadata records a {recorded_sizes.get(read.name, '?')}-"
+                f"{store.describe(request.name)} is truncated: bytes "
+                f"{request.offset}..{request.offset + request.length} were needed but only {count} could be read "
+                f"(the metadata records a {recorded_sizes.get(request.name, '?')}-"
                 "byte file). Restore the file or load an earlier checkpoint"
             )
-
-
-def _stored_block(by_file: dict[str, list[tuple[int, bytearray]]], item: StoredItem, block: int) -> memoryview:
-    start, end = item.block_offsets[block], item.block_offsets[block + 1]
-    if item.inline is not None:
-        return memoryview(item.inline)[start:end]
-    file_spans = by_file[item.file]
-    span_start, buf = file_spans[bisect.bisect_right(file_spans, start, key=lambda s: s[0]) - 1]
-    assert span_start <= start and end <= span_start + len(buf), f"block {item.file}[{start}:{end}] was not fetched"
-    return memoryview(buf)[start - span_start : end - span_start]

@@ -1,4 +1,4 @@
-"""The on-disk format: file names, the item record, and the JSON metadata document.
+"""The on-disk format: its vocabulary, file names, the item record and the typed metadata document.
 
 A checkpoint is a directory (or key prefix) holding::
 
@@ -8,8 +8,8 @@ A checkpoint is a directory (or key prefix) holding::
 A rank whose only items are its own small per-rank state stores them inline in ckptio.json
 (base64, still checksummed per block) and creates no file.
 
-Nothing here does I/O, and nothing is ever unpickled: the metadata is JSON, validated
-before any data file is opened.
+Nothing here does I/O, and nothing is ever unpickled: the metadata is JSON, and every field is
+type- and range-checked here, before any data file is opened.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import array
 import base64
 import binascii
 import dataclasses
+import enum
 import json
+import math
 import re
 import sys
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -40,15 +42,57 @@ FORMAT_NAME = "ckptio"
 FORMAT_VERSION = 1
 METADATA_NAME = "ckptio.json"
 TORCH_DCP_METADATA_NAME = ".metadata"
-_DATA_NAME = re.compile(r"^data-[0-9a-f]{8,32}-r[0-9]{5,}\.ckio$")
+_DATA_NAME = re.compile(r"data-([0-9a-f]{8,32})-r([0-9]{5,})\.ckio")
+# JSON nesting a valid document never exceeds; deeper input is refused before it can exhaust the stack.
+_MAX_JSON_DEPTH = 64
+
+
+class ItemKind(str, enum.Enum):
+    """What an item holds: a tensor chunk (raw row-major bytes) or a pickled object."""
+
+    TENSOR = "tensor"
+    BYTES = "bytes"
+
+
+class Codec(str, enum.Enum):
+    """How an item's blocks are stored."""
+
+    RAW = "raw"
+    ZSTD = "zstd"
+
+
+class DataFileName(NamedTuple):
+    save_id: str
+    rank: int
 
 
 def data_file_name(save_id: str, rank: int) -> str:
     return f"data-{save_id}-r{rank:05d}.ckio"
 
 
+def parse_data_file_name(name: str) -> DataFileName | None:
+    """``(save_id, rank)`` of a plain data-file name; ``None`` for anything else (paths, '..', newlines)."""
+    match = _DATA_NAME.fullmatch(name) if isinstance(name, str) else None
+    return DataFileName(match.group(1), int(match.group(2))) if match else None
+
+
 def is_data_file_name(name: str) -> bool:
-    return bool(_DATA_NAME.match(name))
+    return parse_data_file_name(name) is not None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: Any) -> torch.dtype:
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(value, torch.dtype):
+        raise CheckpointFormatError(f"unknown dtype {name!r} in ckptio metadata")
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# Records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +102,10 @@ class StoredItem:
     file: str
     offset: int
     logical_bytes: int
-    kind: str  # "tensor" or "bytes"
+    kind: ItemKind
     dtype: str | None
     shape: tuple[int, ...] | None
-    codec: str
+    codec: Codec
     block_size: int
     blocks: tuple[tuple[int, int], ...]  # (stored length, crc32c) per block
     inline: bytes | None = None  # stored bytes kept inside ckptio.json (file == "")
@@ -86,60 +130,206 @@ class StoredItem:
             "file": self.file,
             "offset": self.offset,
             "logical_bytes": self.logical_bytes,
-            "kind": self.kind,
+            "kind": self.kind.value,
             "dtype": self.dtype,
             "shape": list(self.shape) if self.shape is not None else None,
-            "codec": self.codec,
+            "codec": self.codec.value,
             "block_size": self.block_size,
             # Packed little-endian uint32 arrays: 4 bytes per block instead of a JSON list.
             "crc32c": _pack([crc for _, crc in self.blocks]),
-            **({"stored_lengths": _pack([n for n, _ in self.blocks])} if self.codec != "raw" else {}),
+            **({"stored_lengths": _pack([n for n, _ in self.blocks])} if self.codec != Codec.RAW else {}),
             **({"inline": base64.b64encode(self.inline).decode()} if self.inline is not None else {}),
         }
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+@dataclasses.dataclass(frozen=True)
+class MeshRecord:
+    """The device mesh a checkpoint was saved on (shown by ``ckptio inspect``)."""
+
+    shape: tuple[int, ...]
+    dims: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, state_dict: Any) -> "MeshRecord | None":
+        """The mesh of the first DTensor in a (nested) state dict, or ``None``."""
+        from torch.distributed.tensor import DTensor
+
+        stack = [state_dict] if isinstance(state_dict, dict) else []
+        while stack:
+            for value in stack.pop().values():
+                if isinstance(value, DTensor):
+                    mesh = value.device_mesh
+                    return cls(tuple(mesh.shape), tuple(mesh.mesh_dim_names or ()))
+                if isinstance(value, dict):
+                    stack.append(value)
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dims": list(self.dims)}
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    value = getattr(torch, str(name), None)
-    if not isinstance(value, torch.dtype):
-        raise CheckpointFormatError(f"unknown dtype {name!r} in ckptio metadata")
-    return value
+@dataclasses.dataclass(frozen=True)
+class SavedConfig:
+    """The writer settings recorded with a checkpoint."""
+
+    mode: str | None = None
+    compression: str | None = None
+    max_block_size: int | None = None
 
 
-def _torch_attr(name: str, kind: type, what: str) -> Any:
-    value = getattr(torch, str(name).removeprefix("torch."), None)
-    if not isinstance(value, kind):
-        raise CheckpointFormatError(f"unknown {what} {name!r} in ckptio metadata")
-    return value
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """Everything in ``ckptio.json`` besides the keys and item records: the schema's one owner."""
+
+    files: dict[str, int]  # data file -> size in bytes
+    format_version: int = FORMAT_VERSION
+    written_by: str | None = None
+    torch_version: str | None = None
+    created_unix: float = 0.0
+    save_id: str | None = None
+    world_size: int | None = None
+    mesh: MeshRecord | None = None
+    config: SavedConfig = SavedConfig()
+    writer_ranks: dict[str, int] = dataclasses.field(default_factory=dict)  # data file -> rank that wrote it
+    dcp_version: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "written_by": self.written_by,
+            "torch_version": self.torch_version,
+            "created_unix": self.created_unix,
+            "save_id": self.save_id,
+            "world_size": self.world_size,
+            "mesh": self.mesh.to_json() if self.mesh else None,
+            "config": dataclasses.asdict(self.config),
+            "files": dict(self.files),
+            "writer_ranks": dict(self.writer_ranks),
+            "dcp_version": self.dcp_version,
+        }
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], where: str) -> "Header":
+        """Validate the header fields of a decoded document; missing optional fields get defaults."""
+        field = _FieldReader(doc, where)
+        files = field.mapping("files", required=True)
+        for name, size in files.items():
+            if not is_data_file_name(name):
+                raise CheckpointFormatError(
+                    f"{where} names data file {name!r}, which is not a plain ckptio data file name "
+                    "inside the checkpoint (paths, '..' and URLs are refused)"
+                )
+            _require_int(size, f"{where}: size of {name}")
+        writer_ranks = field.mapping("writer_ranks")
+        for name, rank in writer_ranks.items():
+            if name not in files:
+                raise CheckpointFormatError(f"{where}: 'writer_ranks' names {name!r}, which is not in 'files'")
+            _require_int(rank, f"{where}: writer_ranks[{name!r}]")
+        config = _FieldReader(field.mapping("config"), f"{where}: config")
+        mesh = field.mapping("mesh", nullable=True)
+        created = field.value("created_unix", (int, float), 0.0)
+        if isinstance(created, bool) or not math.isfinite(created) or not 0 <= created < 1e11:
+            raise CheckpointFormatError(f"{where}: 'created_unix' must be a plausible Unix time, got {created!r}")
+        return cls(
+            files=files,
+            format_version=field.value("format_version", int, None),
+            written_by=field.value("written_by", str, None),
+            torch_version=field.value("torch_version", str, None),
+            created_unix=float(created),
+            save_id=field.value("save_id", str, None),
+            world_size=field.count("world_size"),
+            mesh=_mesh_from_json(mesh, where) if mesh is not None else None,
+            config=SavedConfig(
+                mode=config.value("mode", str, None),
+                compression=config.value("compression", str, None),
+                max_block_size=config.count("max_block_size"),
+            ),
+            writer_ranks=writer_ranks,
+            dcp_version=field.value("dcp_version", str, None),
+        )
+
+
+def _mesh_from_json(mesh: dict[str, Any], where: str) -> MeshRecord:
+    shape, dims = mesh.get("shape"), mesh.get("dims", [])
+    if not isinstance(shape, list) or not isinstance(dims, list) or not all(isinstance(d, str) for d in dims):
+        raise CheckpointFormatError(f"{where}: 'mesh' must be {{'shape': [ints], 'dims': [names]}}, got {mesh!r}")
+    return MeshRecord(tuple(_ints(shape)), tuple(dims))
+
+
+class _FieldReader:
+    """Typed access to one JSON object's fields; a wrong type is a ``CheckpointFormatError`` naming the field."""
+
+    def __init__(self, doc: dict[str, Any], where: str):
+        self.doc, self.where = doc, where
+
+    def value(self, name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+        value = self.doc.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise CheckpointFormatError(f"{self.where}: field {name!r} has the wrong type: {value!r}")
+        return value
+
+    def count(self, name: str) -> int | None:
+        value = self.doc.get(name)
+        return None if value is None else _require_int(value, f"{self.where}: field {name!r}")
+
+    def mapping(self, name: str, *, required: bool = False, nullable: bool = False) -> Any:
+        if name not in self.doc and required:
+            raise CheckpointFormatError(f"{self.where}: required field {name!r} is missing")
+        value = self.doc.get(name, None if nullable else {})
+        if value is None and nullable:
+            return None
+        if not isinstance(value, dict):
+            raise CheckpointFormatError(f"{self.where}: field {name!r} must be a JSON object, got {value!r:.80}")
+        return value
 
 
 # ---------------------------------------------------------------------------------------
-# Encoding
+# The document
 
 
-def encode_metadata(metadata: Metadata, items: dict[MetadataIndex, StoredItem], header: dict[str, Any]) -> bytes:
+@dataclasses.dataclass
+class Manifest:
+    """A decoded, validated ckptio metadata document."""
+
+    header: Header
+    metadata: Metadata
+    items: dict[MetadataIndex, StoredItem]
+    per_rank: dict[str, dict[int, StoredItem]] = dataclasses.field(default_factory=dict)  # kept per-rank objects
+
+    @property
+    def files(self) -> dict[str, int]:
+        return dict(self.header.files)
+
+
+def encode_metadata(
+    metadata: Metadata,
+    items: dict[MetadataIndex, StoredItem],
+    header: Header,
+    per_rank: dict[str, dict[int, StoredItem]] | None = None,
+) -> bytes:
     """Serialize DCP metadata plus ckptio's item records into the JSON document."""
     state: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
-            state[fqn] = {"type": "bytes"}
+            state[fqn] = {"type": ItemKind.BYTES.value}
         else:
             props = md.properties
             state[fqn] = {
-                "type": "tensor",
+                "type": ItemKind.TENSOR.value,
                 "dtype": dtype_name(props.dtype),
                 "size": list(md.size),
                 "requires_grad": bool(props.requires_grad),
                 "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
             }
     doc = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        **header,
-        "dcp_version": getattr(metadata, "version", None),
+        **header.to_json(),
+        "per_rank_objects": {
+            key: {str(rank): item.to_json() for rank, item in copies.items()}
+            for key, copies in (per_rank or {}).items()
+        },
         "state": state,
         "planner_data": _encode_planner_data(metadata.planner_data),
         "items": [
@@ -171,121 +361,228 @@ def _encode_planner_data(planner_data: Any) -> Any:
     return {k: list(v) for k, v in planner_data.items()}
 
 
-# ---------------------------------------------------------------------------------------
-# Decoding (everything checked before use)
-
-
-@dataclasses.dataclass
-class Manifest:
-    """A decoded, validated ckptio metadata document."""
-
-    header: dict[str, Any]
-    metadata: Metadata
-    items: dict[MetadataIndex, StoredItem]
-    per_rank: dict[str, dict[int, StoredItem]] = dataclasses.field(default_factory=dict)  # kept per-rank objects
-
-    @property
-    def files(self) -> dict[str, int]:
-        return dict(self.header.get("files", {}))
-
-
 def decode_metadata(raw: bytes, where: str) -> Manifest:
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointFormatError(
-            f"{where} is not valid JSON ({exc}); the metadata is damaged or not a ckptio checkpoint"
-        ) from None
+    doc = _parse_json(raw, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointFormatError(f"{where} is not a ckptio metadata document (no 'format': 'ckptio')")
     version = doc.get("format_version")
-    if not isinstance(version, int):
-        raise CheckpointFormatError(f"{where} has no integer format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointFormatError(f"{where} has no valid format_version (a positive integer): {version!r:.40}")
     if version > FORMAT_VERSION:
+        written_by = doc.get("written_by")
         raise CheckpointFormatError(
-            f"{where} was written by {doc.get('written_by', 'a newer ckptio')} in format version {version}; "
-            f"this ckptio reads format versions up to {FORMAT_VERSION}: upgrade ckptio to load it"
+            f"{where} was written by {written_by if isinstance(written_by, str) else 'a newer ckptio'!s:.80} in "
+            f"format version {version}; this ckptio reads format versions up to {FORMAT_VERSION}: upgrade ckptio "
+            "to load it"
         )
     try:
         return _decode_v1(doc, where)
     except CheckpointFormatError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointFormatError(f"{where} does not follow the ckptio metadata schema: {exc!r}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise CheckpointFormatError(f"{where} does not follow the ckptio metadata schema: {exc!r:.300}") from None
+
+
+def _parse_json(raw: bytes, where: str) -> Any:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise CheckpointFormatError(f"{where} repeats the JSON key {dup!r:.80}; the metadata is ambiguous")
+        return out
+
+    if _json_depth_exceeds(raw, _MAX_JSON_DEPTH):
+        raise CheckpointFormatError(
+            f"{where} nests JSON deeper than {_MAX_JSON_DEPTH} levels; it is not ckptio metadata"
+        )
+    try:
+        return json.loads(raw, object_pairs_hook=no_duplicates)
+    except CheckpointFormatError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError, int digit limit
+        raise CheckpointFormatError(
+            f"{where} is not valid JSON ({str(exc):.200}); the metadata is damaged or not a ckptio checkpoint"
+        ) from None
+
+
+def _json_depth_exceeds(raw: bytes, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than ``limit`` (a cheap pre-scan; json itself recurses)."""
+    if not isinstance(raw, (bytes, bytearray)):
+        return False
+    depth = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return False
 
 
 def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
-    files = doc["files"]
-    if not isinstance(files, dict):
-        raise CheckpointFormatError(f"{where}: 'files' must be a mapping of name to size")
-    for name, size in files.items():
-        if not is_data_file_name(name):
-            raise CheckpointFormatError(
-                f"{where} names data file {name!r}, which is not a plain ckptio data file name "
-                "inside the checkpoint (paths, '..' and URLs are refused)"
-            )
-        _require_int(size, f"{where}: size of {name}")
-
+    header = Header.from_json(doc, where)
+    files = header.files
+    state_doc = _FieldReader(doc, where).mapping("state", required=True)
     state: dict[str, Any] = {}
-    for fqn, entry in doc["state"].items():
-        if entry["type"] == "bytes":
-            state[fqn] = BytesStorageMetadata()
-        elif entry["type"] == "tensor":
-            chunks = [
-                ChunkStorageMetadata(offsets=torch.Size(_ints(c["offsets"])), sizes=torch.Size(_ints(c["sizes"])))
-                for c in entry["chunks"]
-            ]
-            props = TensorProperties(dtype=dtype_from_name(entry["dtype"]), requires_grad=bool(entry["requires_grad"]))
-            state[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(_ints(entry["size"])), chunks=chunks)
-        else:
-            raise CheckpointFormatError(f"{where}: key {fqn!r} has unknown type {entry['type']!r}")
+    for fqn, entry in state_doc.items():
+        state[fqn] = _decode_state_entry(entry, fqn, where)
 
+    items_doc = doc["items"]
+    if not isinstance(items_doc, list):
+        raise CheckpointFormatError(f"{where}: 'items' must be a list")
     items: dict[MetadataIndex, StoredItem] = {}
-    for raw in doc["items"]:
+    for raw in items_doc:
         offset = raw["chunk_offset"]
         index = MetadataIndex(raw["fqn"], torch.Size(_ints(offset)) if offset is not None else None, raw["index"])
+        if not isinstance(index.fqn, str) or index in items:
+            raise CheckpointFormatError(f"{where}: item {index.fqn!r:.80} at {offset} is listed twice or unnamed")
         items[index] = _decode_item(raw, index.fqn, files, where)
     per_rank = {
-        fqn: {_require_int(int(rank), "rank"): _decode_item(raw, fqn, files, where) for rank, raw in copies.items()}
-        for fqn, copies in (doc.get("per_rank_objects") or {}).items()
+        fqn: {_rank_of(rank, where): _decode_item(raw, fqn, files, where) for rank, raw in copies.items()}
+        for fqn, copies in (_FieldReader(doc, where).mapping("per_rank_objects", nullable=True) or {}).items()
     }
+    _check_coverage(state, items, per_rank, where)
 
     planner_data = doc.get("planner_data")
     if planner_data is not None:
+        if not isinstance(planner_data, dict) or not all(isinstance(v, list) for v in planner_data.values()):
+            raise CheckpointFormatError(f"{where}: 'planner_data' must map keys to lists")
         planner_data = {k: tuple(v) for k, v in planner_data.items()}
     metadata = Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=items)
-    if doc.get("dcp_version") is not None:
-        metadata.version = doc["dcp_version"]
-    header = {k: v for k, v in doc.items() if k not in ("state", "items", "planner_data", "per_rank_objects")}
+    if header.dcp_version is not None:
+        metadata.version = header.dcp_version
     return Manifest(header=header, metadata=metadata, items=items, per_rank=per_rank)
 
 
+def _decode_state_entry(entry: Any, fqn: str, where: str) -> Any:
+    if not isinstance(entry, dict):
+        raise CheckpointFormatError(f"{where}: key {fqn!r:.80} has a malformed entry")
+    if entry.get("type") == ItemKind.BYTES.value:
+        return BytesStorageMetadata()
+    if entry.get("type") != ItemKind.TENSOR.value:
+        raise CheckpointFormatError(f"{where}: key {fqn!r:.80} has unknown type {entry.get('type')!r:.40}")
+    size = torch.Size(_ints(entry["size"]))
+    chunks = []
+    for c in entry["chunks"]:
+        offsets, sizes = _ints(c["offsets"]), _ints(c["sizes"])
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(o + n > dim for o, n, dim in zip(offsets, sizes, size))
+        ):
+            raise CheckpointFormatError(
+                f"{where}: key {fqn!r:.80} has a chunk at {offsets} of size {sizes} outside its shape {list(size)}"
+            )
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+    props = TensorProperties(dtype=dtype_from_name(entry["dtype"]), requires_grad=bool(entry["requires_grad"]))
+    return TensorStorageMetadata(properties=props, size=size, chunks=chunks)
+
+
+def _check_coverage(
+    state: dict[str, Any], items: dict[MetadataIndex, StoredItem], per_rank: dict[str, Any], where: str
+) -> None:
+    """Every declared chunk and object has a stored item of the right kind and size, and together
+    a tensor's chunks cover its every element exactly once (counted: chunks lie inside the shape)."""
+    by_key: dict[str, dict[tuple[int, ...] | None, StoredItem]] = {}
+    for index, item in items.items():
+        if index.fqn not in state:
+            raise CheckpointFormatError(f"{where}: item {index.fqn!r:.80} is stored but not declared in 'state'")
+        by_key.setdefault(index.fqn, {})[tuple(index.offset) if index.offset is not None else None] = item
+    for fqn, md in state.items():
+        stored = by_key.get(fqn, {})
+        if isinstance(md, BytesStorageMetadata):
+            if fqn in per_rank:
+                continue
+            if len(stored) != 1 or next(iter(stored.values())).kind != ItemKind.BYTES:
+                raise CheckpointFormatError(f"{where}: object {fqn!r:.80} has no stored object record")
+            continue
+        covered = 0
+        for chunk in md.chunks:
+            item = stored.get(tuple(chunk.offsets))
+            expected = tuple(chunk.sizes)
+            if item is None or item.kind != ItemKind.TENSOR or item.shape != expected:
+                raise CheckpointFormatError(
+                    f"{where}: key {fqn!r:.80} declares a chunk at {list(chunk.offsets)} of size {list(expected)} "
+                    f"but the stored record is {'missing' if item is None else f'{item.kind.value} {item.shape}'}"
+                )
+            if item.dtype != dtype_name(md.properties.dtype):
+                raise CheckpointFormatError(
+                    f"{where}: key {fqn!r:.80} is {dtype_name(md.properties.dtype)} but a chunk is stored "
+                    f"as {item.dtype}"
+                )
+            covered += math.prod(expected)
+        if covered != math.prod(md.size) or _chunks_overlap(md.chunks):
+            raise CheckpointFormatError(
+                f"{where}: the chunks of key {fqn!r:.80} hold {covered} elements for a shape {list(md.size)} of "
+                f"{math.prod(md.size)}; the checkpoint does not cover the tensor"
+            )
+
+
+# Pairwise overlap checks cost O(chunks^2); past this many chunks per key only the element count is checked.
+_MAX_CHUNKS_CHECKED_PAIRWISE = 64
+
+
+def _chunks_overlap(chunks: list[ChunkStorageMetadata]) -> bool:
+    if len(chunks) > _MAX_CHUNKS_CHECKED_PAIRWISE:
+        return False
+    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes)]
+    return any(
+        all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a_off, a_len, b_off, b_len))
+        for i, (a_off, a_len) in enumerate(boxes)
+        for b_off, b_len in boxes[i + 1 :]
+    )
+
+
+def _rank_of(text: Any, where: str) -> int:
+    if not isinstance(text, str) or not text.isdigit() or len(text) > 9:
+        raise CheckpointFormatError(f"{where}: per-rank object copies are keyed by rank numbers, got {text!r:.40}")
+    return int(text)
+
+
 def _decode_item(raw: dict[str, Any], fqn: str, files: dict[str, int], where: str) -> StoredItem:
+    key = f"{where}: item {fqn!r:.80}"
+    try:
+        kind, codec = ItemKind(raw["kind"]), Codec(raw["codec"])
+    except (ValueError, TypeError):
+        raise CheckpointFormatError(
+            f"{key} has unknown kind {raw['kind']!r:.40} or codec {raw['codec']!r:.40}"
+        ) from None
+    if not isinstance(raw["file"], str):
+        raise CheckpointFormatError(f"{key}: 'file' must be a string")
     item = StoredItem(
         file=raw["file"],
         offset=_require_int(raw["offset"], "offset"),
         logical_bytes=_require_int(raw["logical_bytes"], "logical_bytes"),
-        kind=raw["kind"],
-        dtype=raw["dtype"],
-        shape=tuple(_ints(raw["shape"])) if raw["shape"] is not None else None,
-        codec=raw["codec"],
+        kind=kind,
+        dtype=raw["dtype"] if kind == ItemKind.TENSOR else None,
+        shape=tuple(_ints(raw["shape"])) if kind == ItemKind.TENSOR else None,
+        codec=codec,
         block_size=_require_int(raw["block_size"], "block_size"),
         blocks=_decode_blocks(raw, where),
         inline=_decode_inline(raw.get("inline"), where),
     )
-    _check_item(item, fqn, files, where)
+    _check_item(item, key, files)
     return item
 
 
-def _check_item(item: StoredItem, fqn: str, files: dict[str, int], where: str) -> None:
-    key = f"{where}: item {fqn!r}"
+def _check_item(item: StoredItem, key: str, files: dict[str, int]) -> None:
     if item.file == "":
         if item.inline is None or item.offset != 0 or len(item.inline) != item.stored_bytes:
             raise CheckpointFormatError(f"{key} is stored inline but its inline bytes do not match its blocks")
     elif item.inline is not None or item.file not in files:
-        raise CheckpointFormatError(f"{key} points at {item.file!r}, which is not a data file of this checkpoint")
-    if item.kind not in ("tensor", "bytes") or item.codec not in ("raw", "zstd"):
-        raise CheckpointFormatError(f"{key} has unknown kind {item.kind!r} or codec {item.codec!r}")
+        raise CheckpointFormatError(f"{key} points at {item.file!r:.80}, which is not a data file of this checkpoint")
     if item.block_size <= 0 or item.block_size % 64:
         raise CheckpointFormatError(f"{key} has invalid block_size {item.block_size}")
     expected_blocks = -(-item.logical_bytes // item.block_size)
@@ -298,14 +595,11 @@ def _check_item(item: StoredItem, fqn: str, files: dict[str, int], where: str) -
         )
     for i, (stored_len, _) in enumerate(item.blocks):
         logical = item.block_logical_len(i)
-        if stored_len <= 0 or stored_len > logical or (item.codec == "raw" and stored_len != logical):
+        if stored_len <= 0 or stored_len > logical or (item.codec == Codec.RAW and stored_len != logical):
             raise CheckpointFormatError(f"{key} block {i} has stored length {stored_len} for {logical} logical bytes")
-    if item.kind == "tensor":
+    if item.kind == ItemKind.TENSOR:
         dtype = dtype_from_name(item.dtype)
-        numel = 1
-        for dim in item.shape or ():
-            numel *= dim
-        if numel * dtype.itemsize != item.logical_bytes:
+        if math.prod(item.shape) * dtype.itemsize != item.logical_bytes:
             raise CheckpointFormatError(f"{key} has shape {item.shape} of {item.dtype} but {item.logical_bytes} bytes")
 
 
@@ -337,7 +631,7 @@ def _decode_blocks(raw: dict[str, Any], where: str) -> tuple[tuple[int, int], ..
         lengths = [min(block, size - i * block) for i in range(len(crcs))] if block else []
     if len(lengths) != len(crcs):
         raise CheckpointFormatError(
-            f"{where}: item {raw.get('fqn')!r} has {len(crcs)} checksums but {len(lengths)} lengths"
+            f"{where}: item {raw.get('fqn')!r:.80} has {len(crcs)} checksums but {len(lengths)} lengths"
         )
     return tuple(zip(lengths, crcs))
 
@@ -353,9 +647,11 @@ def _decode_inline(value: Any, where: str) -> bytes | None:
 
 def _require_int(value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise CheckpointFormatError(f"ckptio metadata: {what} must be a non-negative integer, got {value!r}")
+        raise CheckpointFormatError(f"ckptio metadata: {what} must be a non-negative integer, got {value!r:.40}")
     return value
 
 
 def _ints(values: Any) -> list[int]:
+    if not isinstance(values, list):
+        raise CheckpointFormatError(f"ckptio metadata: a shape or offset must be a list, got {values!r:.40}")
     return [_require_int(v, "a shape or offset entry") for v in values]

@@ -1,17 +1,25 @@
 """Non-tensor items held by several ranks: torch keeps one rank's value and drops the rest, so
 ckptio compares what every rank holds under each key and fails the save when they differ
-(or, with ``differing_objects="keep_per_rank"``, keeps every rank's value)."""
+(or, with ``differing_objects="keep_per_rank"``, keeps every rank's value).
+
+Each rank's findings travel to the coordinator as an ``ObjectReport`` riding along with its
+write results; ``attach_report`` and ``split_reports`` are the only code that knows how.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
 
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
 from .errors import PerRankStateError
-from .layout import StoredItem
+from .layout import MeshRecord, StoredItem
 
 #: Index name of the per-rank report riding along with a rank's write results.
-REPORT_KEY = "__ckptio_object_report__"
+_REPORT_KEY = "__ckptio_object_report__"
 
 
 @dataclasses.dataclass
@@ -19,22 +27,26 @@ class ObjectReport:
     rank: int
     digests: dict[str, tuple[int, int]]  # key -> (crc32c, length) of the pickled value
     copies: dict[str, StoredItem] = dataclasses.field(default_factory=dict)  # keep_per_rank: where this rank's value is
-    mesh: dict | None = None  # {"shape": [...], "dims": [...]} of the first DTensor this rank saves
+    mesh: MeshRecord | None = None  # the mesh of the first DTensor this rank saves
 
 
-def mesh_of(state_dict) -> dict | None:
-    """The device mesh of the first DTensor in a (nested) state dict, for ``ckptio inspect``."""
-    from torch.distributed.tensor import DTensor
+def attach_report(results: list[WriteResult], report: ObjectReport) -> list[WriteResult]:
+    return [*results, WriteResult(index=MetadataIndex(_REPORT_KEY), size_in_bytes=0, storage_data=report)]
 
-    stack = [state_dict] if isinstance(state_dict, dict) else []
-    while stack:
-        for value in stack.pop().values():
-            if isinstance(value, DTensor):
-                mesh = value.device_mesh
-                return {"shape": list(mesh.shape), "dims": list(mesh.mesh_dim_names or [])}
-            if isinstance(value, dict):
-                stack.append(value)
-    return None
+
+def split_reports(results: list[list[WriteResult]]) -> tuple[list[list[WriteResult]], list[ObjectReport]]:
+    """Every rank's write results without the reports, and the reports."""
+    reports = [r.storage_data for rank_results in results for r in rank_results if r.index.fqn == _REPORT_KEY]
+    return [[r for r in rank_results if r.index.fqn != _REPORT_KEY] for rank_results in results], reports
+
+
+def own_copies(held: list[WriteItem], assigned: list[WriteItem], policy: str) -> list[WriteItem]:
+    """Objects this rank must also store although another rank writes them: with ``keep_per_rank``,
+    every rank keeps its own value of every object it holds."""
+    if policy != "keep_per_rank":
+        return []
+    written = {it.index for it in assigned}
+    return [it for it in held if it.index not in written]
 
 
 def differing_keys(reports: list[ObjectReport]) -> dict[str, list[list[int]]]:

@@ -19,7 +19,6 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 class Holdings:
     """Everything one rank *could* write, recorded before torch's planner deduplicates."""
 
-    rank: int
     items: tuple[WriteItem, ...]
 
 

@@ -1,9 +1,12 @@
-"""Which stored blocks a read needs: sub-box arithmetic over row-major chunks. Pure."""
+"""Which stored bytes a read needs, and how they are requested: sub-box arithmetic over
+row-major chunks, and the one policy that merges and splits ranged reads. Pure."""
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
+
+from .storage.base import ReadRequest
 
 # Past this many separate row runs, a sub-box touches (nearly) every block in its span anyway.
 _MAX_RUNS = 4096
@@ -62,11 +65,37 @@ def blocks_for_runs(runs: Iterable[tuple[int, int]], itemsize: int, block_size: 
 
 def coalesce(spans: Iterable[tuple[str, int, int]], max_len: int) -> list[tuple[str, int, int]]:
     """Merge byte spans that touch (same file, next start == previous end), up to ``max_len`` each."""
+    return [(name, start, end) for name, start, end, _ in _merge_touching([(*s, None) for s in spans], max_len)]
+
+
+class ReadPiece(NamedTuple):
+    """Bytes of file ``name`` from ``offset`` on, to land in ``buffer``."""
+
+    name: str
+    offset: int
+    buffer: memoryview
+
+
+def plan_requests(pieces: Iterable[ReadPiece], max_len: int) -> list[ReadRequest]:
+    """The ranged requests that fill ``pieces``: a piece longer than ``max_len`` is split, and
+    pieces that touch in one file are merged, so every request is at most ``max_len`` bytes
+    (remote stores charge per request; one huge request would read with no parallelism)."""
+    split = [
+        (name, offset + at, offset + at + len(buffer[at : at + max_len]), buffer[at : at + max_len])
+        for name, offset, buffer in pieces
+        for at in range(0, len(buffer), max_len)
+    ]
+    return [ReadRequest(name, start, tuple(buffers)) for name, start, _, buffers in _merge_touching(split, max_len)]
+
+
+def _merge_touching(spans: list[tuple[str, int, int, object]], max_len: int) -> list[tuple[str, int, int, list]]:
+    """Sort ``(name, start, end, payload)`` spans and merge those that touch, up to ``max_len`` bytes each."""
     merged: list[list] = []
-    for name, start, end in sorted(spans):
+    for name, start, end, payload in sorted(spans, key=lambda s: (s[0], s[1], s[2])):
         last = merged[-1] if merged else None
         if last and last[0] == name and last[2] == start and end - last[1] <= max_len:
             last[2] = end
+            last[3].append(payload)
         else:
-            merged.append([name, start, end])
+            merged.append([name, start, end, [payload]])
     return [tuple(m) for m in merged]

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .config import WriterConfig
+from .config import StorageConfig, WriterConfig
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -20,7 +21,14 @@ from .errors import (
     PerRankStateError,
 )
 from .fetch import load_items
-from .layout import METADATA_NAME, TORCH_DCP_METADATA_NAME, Manifest, StoredItem, decode_metadata, is_data_file_name
+from .layout import (
+    METADATA_NAME,
+    TORCH_DCP_METADATA_NAME,
+    Manifest,
+    StoredItem,
+    decode_metadata,
+    parse_data_file_name,
+)
 from .location import CheckpointLocation
 from .storage import FsspecStore
 
@@ -28,7 +36,16 @@ from .storage import FsspecStore
 class Reader(CheckpointLocation, StorageReader):
     """Load a checkpoint written by ``ckptio.Writer`` on any world size and mesh.
 
-    Every block read is checked against its CRC32C unless ``verify=False``.
+    Every block read is checked against its CRC32C unless ``verify=False``. ``storage_config``
+    sets read concurrency and retries (default: ``WriterConfig()``'s, environment included).
+
+    DCP calls it in this order (torch's ``StorageReader`` protocol):
+
+    0. (all ranks) ``reset(checkpoint_id)``: the location of this load.
+    1. (all ranks) ``read_metadata()``: read and validate ``ckptio.json`` (``layout.py``).
+    2. (all ranks) ``set_up_storage_reader()``: keep the item records.
+    3. (all ranks) ``prepare_local_plan()`` and 4. (coordinator) ``prepare_global_plan()``: unchanged.
+    5. (all ranks) ``read_data()``: fetch, check and deliver this rank's items (``fetch.py``).
     """
 
     _role = ("Reader", "dcp.load")
@@ -39,12 +56,12 @@ class Reader(CheckpointLocation, StorageReader):
         *,
         storage_options: dict[str, Any] | None = None,
         verify: bool = True,
-        config: WriterConfig | None = None,
+        storage_config: StorageConfig | None = None,
     ):
         super().__init__()
         self.storage_options = dict(storage_options or {})
         self.verify = verify
-        self.config = config if config is not None else WriterConfig()
+        self.storage_config = storage_config if storage_config is not None else WriterConfig().storage()
         self.checkpoint_id: str | None = None
         self.manifest: Manifest | None = None
         self.reset(checkpoint_id)
@@ -60,7 +77,11 @@ class Reader(CheckpointLocation, StorageReader):
     def read_metadata(self, *args: Any) -> Metadata:
         prefetched, self._prefetched = self._prefetched, None
         self.manifest = prefetched or read_manifest(self._open_store())
-        return self.manifest.metadata
+        metadata = self.manifest.metadata
+        metadata.storage_meta = StorageMeta(
+            checkpoint_id=self.checkpoint_id, save_id=self.manifest.header.save_id, load_id=uuid.uuid4().hex[:16]
+        )
+        return metadata
 
     def prefetch_metadata(self) -> Manifest:
         """Read and validate the metadata now, raising ckptio errors directly (dcp.load would
@@ -80,7 +101,7 @@ class Reader(CheckpointLocation, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         pairs = [(read_item, self._item_for(read_item)) for read_item in plan.items]
         files = self.manifest.files if self.manifest else {}
-        load_items(self._open_store(), pairs, planner, self.verify, files, self.config.max_concurrency)
+        load_items(self._open_store(), pairs, planner, self.verify, files, self.storage_config.max_concurrency)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -89,7 +110,7 @@ class Reader(CheckpointLocation, StorageReader):
         """Objects saved with differing_objects='keep_per_rank': each rank gets the value it saved."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        saved_world = self.manifest.header.get("world_size")
+        saved_world = self.manifest.header.world_size
         if world != saved_world or rank not in copies:
             raise PerRankStateError(
                 f"key {fqn!r} was saved with one value per rank by {saved_world} ranks; this load runs on {world} "
@@ -131,9 +152,9 @@ def _missing_metadata_error(store: FsspecStore) -> CheckpointError:
             f"{store.url} holds a torch DCP checkpoint (it has '.metadata', not '{METADATA_NAME}'); load it with "
             "torch.distributed.checkpoint.FileSystemReader / FsspecReader, then save it again with ckptio.Writer"
         )
-    partial = [n for n in names if is_data_file_name(n)]
+    partial = [n for n in names if parse_data_file_name(n)]
     if partial:
-        saves = sorted({n.split("-")[1] for n in partial})
+        saves = sorted({parse_data_file_name(n).save_id for n in partial})
         return IncompleteCheckpointError(
             f"{store.url} is incomplete: it holds {len(partial)} data file(s) of save(s) {saves} but no "
             f"'{METADATA_NAME}', so the save never committed (a rank failed or was killed first). Load an earlier "

@@ -7,10 +7,10 @@ from collections import defaultdict
 from typing import Any, Callable
 
 from .errors import CheckpointError, CorruptCheckpointError
-from .fetch import decode_verified
-from .layout import Manifest, StoredItem, is_data_file_name
+from .fetch import read_item_blocks
+from .layout import ItemKind, Manifest, StoredItem, is_data_file_name, parse_data_file_name
 from .reader import read_manifest
-from .storage import FsspecStore, RangeRequest, open_store
+from .storage import FsspecStore, open_store
 
 
 def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[st
         keys.append(
             {
                 "key": fqn,
-                "type": "tensor" if is_tensor else "object",
+                "type": ItemKind.TENSOR.value if is_tensor else "object",
                 "dtype": str(md.properties.dtype).removeprefix("torch.") if is_tensor else None,
                 "shape": list(md.size) if is_tensor else None,
                 "chunks": len(md.chunks) if is_tensor else 1,
@@ -43,16 +43,16 @@ def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[st
     logical_total = sum(k["logical_bytes"] for k in keys)
     return {
         "url": url,
-        "written_by": header.get("written_by"),
-        "format_version": header.get("format_version"),
-        "created": datetime.datetime.fromtimestamp(header.get("created_unix", 0), datetime.timezone.utc).isoformat(),
-        "save_id": header.get("save_id"),
-        "world_size": header.get("world_size"),
-        "mesh": header.get("mesh"),
-        "mode": header.get("config", {}).get("mode"),
-        "compression": header.get("config", {}).get("compression"),
+        "written_by": header.written_by,
+        "format_version": header.format_version,
+        "created": datetime.datetime.fromtimestamp(header.created_unix, datetime.timezone.utc).isoformat(),
+        "save_id": header.save_id,
+        "world_size": header.world_size,
+        "mesh": header.mesh.to_json() if header.mesh else None,
+        "mode": header.config.mode,
+        "compression": header.config.compression,
         "files": manifest.files,
-        "writer_ranks": header.get("writer_ranks", {}),
+        "writer_ranks": dict(header.writer_ranks),
         "stored_bytes": stored_total,
         "logical_bytes": logical_total,
         "compression_ratio": round(logical_total / stored_total, 3) if stored_total else 1.0,
@@ -82,7 +82,7 @@ def format_description(desc: dict[str, Any]) -> str:
             _size(k["stored_bytes"]),
             _size(k["logical_bytes"]),
             str(k["compression_ratio"]),
-            ",".join(f.split("-r")[-1].removesuffix(".ckio") if f else "inline" for f in k["files"]),
+            ",".join(f"{parse_data_file_name(f).rank:05d}" if f else "inline" for f in k["files"]),
         )
         for k in desc["keys"]
     ]
@@ -91,9 +91,6 @@ def format_description(desc: dict[str, Any]) -> str:
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return "\n".join(lines)
-
-
-_BLOCKS_PER_READ = 32
 
 
 def open_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> tuple[FsspecStore, Manifest]:
@@ -110,7 +107,10 @@ def verify(store: FsspecStore, manifest: Manifest, progress: Callable[[int], Non
     """Read every stored block, check sizes and checksums; return the problems found (empty = intact)."""
     problems: list[str] = []
     for name, size in sorted(manifest.files.items()):
-        actual = _object_size(store, name)
+        try:
+            actual = store.size(name)
+        except FileNotFoundError:
+            actual = None
         if actual is None:
             problems.append(f"{store.describe(name)}: data file is missing")
         elif actual != size:
@@ -124,17 +124,8 @@ def verify(store: FsspecStore, manifest: Manifest, progress: Callable[[int], Non
             problems.append(f"{where}: stored in missing or truncated file {item.file}")
             continue
         try:
-            for first in range(0, len(item.blocks), _BLOCKS_PER_READ):
-                last = min(first + _BLOCKS_PER_READ, len(item.blocks))
-                base = item.block_offsets[first]
-                if item.inline is not None:
-                    data = memoryview(item.inline)[base:]
-                else:
-                    (data,) = store.read_ranges([RangeRequest(item.file, base, item.block_offsets[last])])
-                    data = memoryview(data)
-                for b in range(first, last):
-                    block = data[item.block_offsets[b] - base : item.block_offsets[b + 1] - base]
-                    decode_verified(item, b, block, f"{where} in {store.describe(item.file)}")
+            for _ in read_item_blocks(store, item, f"{where} in {store.describe(item.file)}"):
+                pass
         except CorruptCheckpointError as exc:
             problems.append(str(exc))
         except CheckpointError as exc:
@@ -142,13 +133,6 @@ def verify(store: FsspecStore, manifest: Manifest, progress: Callable[[int], Non
         if progress:
             progress(item.stored_bytes)
     return problems
-
-
-def _object_size(store: FsspecStore, name: str) -> int | None:
-    try:
-        return int(store.fs.size(store.path(name)))
-    except FileNotFoundError:
-        return None
 
 
 def _mesh(mesh: dict) -> str:

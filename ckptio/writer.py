@@ -8,42 +8,50 @@ loadable exactly when it is complete.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 import uuid
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import __version__
-from .codec import BlockEncoder, block_size_for, checksum
-from .config import WriterConfig
-from .errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, StorageError
-from .layout import METADATA_NAME, StoredItem, data_file_name, decode_metadata, dtype_name, encode_metadata
+from .codec import checksum
+from .commit import check_target, publish
+from .config import StorageConfig, WriterConfig
+from .encode import encode_items, item_bytes, pickled_objects
+from .errors import CheckpointError
+from .layout import Header, ItemKind, MeshRecord, SavedConfig, StoredItem, data_file_name, encode_metadata
 from .location import CheckpointLocation
-from .objects import REPORT_KEY, ObjectReport, mesh_of, per_rank_values
+from .objects import ObjectReport, attach_report, own_copies, per_rank_values, split_reports
 from .planning import Holdings, assign_writers
-from .storage import FsspecStore
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class RankAssignment:
-    """What the coordinator tells each rank: this save's id and the file it writes (if any)."""
+    """What the coordinator tells each rank besides its items: whether only it holds them all
+    (its own per-rank state), which makes them candidates for inlining into the metadata."""
 
-    save_id: str
-    file: str | None
     private_only: bool = False
 
 
 class Writer(CheckpointLocation, StorageWriter):
     """Save a DCP checkpoint to any fsspec URL.
+
+    DCP calls it in this order (torch's ``StorageWriter`` protocol):
+
+    0. (all ranks) ``reset(checkpoint_id)``: the location of this save; nothing of the last one is kept.
+    1. (all ranks) ``set_up_storage_writer()``: this rank's number and whether it coordinates.
+    2. (all ranks) ``prepare_local_plan()``: record everything this rank holds, before torch deduplicates.
+    3. (coordinator) ``prepare_global_plan()``: refuse or plan an overwrite (``commit.py``), then decide
+       who writes what (``planning.py``).
+    4. (all ranks) ``write_data()``: store this rank's items in a data file named afresh for every
+       save (``encode.py``), and report its objects for the cross-rank check (``objects.py``).
+    5. (coordinator) ``finish()``: check the object reports, then commit ``ckptio.json`` (``commit.py``).
 
     Example::
 
@@ -59,26 +67,40 @@ class Writer(CheckpointLocation, StorageWriter):
         config: WriterConfig | None = None,
         *,
         storage_options: dict[str, Any] | None = None,
+        overwrite: bool | None = None,
     ):
         super().__init__()
-        self.config = config if config is not None else WriterConfig()
+        config = config if config is not None else WriterConfig()
+        if overwrite is not None:  # torch's FileSystemWriter(path, overwrite=...) keyword
+            config = dataclasses.replace(config, overwrite=overwrite)
+        self.config = config
         self.storage_options = dict(storage_options or {})
         self.checkpoint_id: str | None = None
         self.rank = 0
         self.is_coordinator = True
         self.reset(checkpoint_id)
 
-    # --- DCP protocol -----------------------------------------------------------------
+    @property
+    def storage_config(self) -> StorageConfig:
+        return self.config.storage()
+
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         # storage_options survive reset: torch's FsspecWriter drops them here and silently
         # falls back to the default endpoint.
         if checkpoint_id is not None:
             self.checkpoint_id = os.fspath(checkpoint_id)
-        self._store: FsspecStore | None = None
-        self._superseded: list[str] = []
-        self._save_id: str | None = None
+        self._store = None
+        self._held_objects: list = []  # set in step 2, used in step 4
+        self._superseded: list[str] = []  # set in step 3, used in step 5 (coordinator)
+        self._save_id: str | None = None  # set in step 4
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise CheckpointError(
+                "ckptio.Writer does not support dcp.save(..., use_collectives=False): every rank would commit "
+                f"its own {self.checkpoint_id}/ckptio.json and all but one rank's keys would be lost. Call "
+                "dcp.save with the default use_collectives=True"
+            )
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         if rank is None:
@@ -86,147 +108,68 @@ class Writer(CheckpointLocation, StorageWriter):
         self.rank = rank
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.checkpoint_id) if self.checkpoint_id else None
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._save_id) if self.checkpoint_id else None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._open_store().prepare_directory()
         self._held_objects = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
-        return dataclasses.replace(plan, storage_data=Holdings(self.rank, tuple(plan.items)))
+        return dataclasses.replace(plan, storage_data=Holdings(tuple(plan.items)))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self._check_target()
-        save_id = uuid.uuid4().hex[:16]
+        self._superseded = check_target(self._open_store(), self.config.overwrite)
         assigned = assign_writers(plans, self.config.mode)
         return [
-            dataclasses.replace(
-                plan, items=a.items, storage_data=RankAssignment(save_id, data_file_name(save_id, rank), a.private_only)
-            )
-            for rank, (plan, a) in enumerate(zip(plans, assigned))
+            dataclasses.replace(plan, items=a.items, storage_data=RankAssignment(a.private_only))
+            for plan, a in zip(plans, assigned)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        assignment: RankAssignment = plan.storage_data
-        self._save_id = assignment.save_id
+        # A fresh name on every save, even when DCP reuses a cached plan: an overwrite must never
+        # touch the files of the checkpoint it replaces before the new one commits.
+        self._save_id = uuid.uuid4().hex[:16]
+        file = data_file_name(self._save_id, self.rank)
         # Every object this rank holds is pickled once: to compare it with the other ranks' values
         # under the same key, and (if this rank writes it) to store it.
-        objects = {it.index: planner.resolve_data(it).getbuffer() for it in self._held_objects}
+        objects = pickled_objects(self._held_objects, planner)
         report = ObjectReport(
             self.rank,
             {idx.fqn: (checksum(buf), len(buf)) for idx, buf in objects.items()},
-            mesh=mesh_of(getattr(planner, "state_dict", None)),
+            mesh=MeshRecord.of(getattr(planner, "state_dict", None)),
         )
-        keep_per_rank = self.config.differing_objects == "keep_per_rank"
-        assigned = {it.index for it in plan.items}
-        # keep_per_rank: every rank also stores its own copy of the objects another rank writes.
-        extras = [it for it in self._held_objects if it.index not in assigned] if keep_per_rank else []
-        results: list[WriteResult] = []
+        extras = own_copies(self._held_objects, plan.items, self.config.differing_objects)
+        stored: dict = {}
         if plan.items or extras:
-            inline_limit = self.config.inline_limit if assignment.private_only and not extras else 0
-            results, stored_objects = self._write_file(
-                assignment.file, plan.items + extras, planner, objects, inline_limit
+            private = isinstance(plan.storage_data, RankAssignment) and plan.storage_data.private_only
+            inline_limit = self.config.inline_limit if private and not extras else 0
+            stored = encode_items(
+                self._open_store(), file, item_bytes(plan.items + extras, planner, objects), self.config, inline_limit
             )
-            if keep_per_rank:
-                report.copies = stored_objects
-            results = [r for r in results if r.index in assigned]
-        results.append(WriteResult(index=MetadataIndex(REPORT_KEY), size_in_bytes=0, storage_data=report))
+            if self.config.differing_objects == "keep_per_rank":
+                report.copies = {idx.fqn: rec for idx, rec in stored.items() if rec.kind == ItemKind.BYTES}
+        results = [WriteResult(it.index, stored[it.index].stored_bytes, stored[it.index]) for it in plan.items]
         future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
+        future.set_result(attach_report(results, report))
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        reports = [r.storage_data for rank_results in results for r in rank_results if r.index.fqn == REPORT_KEY]
-        results = [[r for r in rank_results if r.index.fqn != REPORT_KEY] for rank_results in results]
+        results, reports = split_reports(results)
         per_rank = per_rank_values(reports, self.config.differing_objects)
         files, writers = _data_files(results, reports)
-        header = {
-            "written_by": f"ckptio {__version__}",
-            "torch_version": torch.__version__,
-            "created_unix": time.time(),
-            "save_id": self._save_id,
-            "world_size": len(results),
-            "mesh": next((r.mesh for r in reports if r.mesh), None),
-            "config": {k: getattr(self.config, k) for k in ("mode", "compression", "max_block_size")},
-            "files": files,
-            "writer_ranks": writers,
-            "per_rank_objects": {
-                key: {str(rank): item.to_json() for rank, item in copies.items()} for key, copies in per_rank.items()
-            },
-        }
-        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        store = self._open_store()
-        store.put_atomic(METADATA_NAME, encode_metadata(metadata, items, header))
-        stale = [name for name in self._superseded if name not in files]
-        if stale:
-            store.delete(stale)
-
-    def _check_target(self) -> None:
-        """Refuse to replace a committed checkpoint unless asked; remember what an overwrite supersedes."""
-        store = self._open_store()
-        try:
-            old = store.read(METADATA_NAME)
-        except FileNotFoundError:
-            return
-        except CheckpointNotFoundError as exc:  # e.g. no such bucket: nowhere to save to
-            raise StorageError(f"cannot save to {self.checkpoint_id}: {exc}") from None
-        if not self.config.overwrite:
-            raise CheckpointExistsError(
-                f"{store.describe(METADATA_NAME)} already holds a committed checkpoint; save to a new path, "
-                "or pass WriterConfig(overwrite=True) to replace it "
-                "(the old one stays loadable until the new one commits)"
-            )
-        try:
-            self._superseded = sorted(decode_metadata(old, store.describe(METADATA_NAME)).files)
-        except CheckpointFormatError as exc:
-            log.warning("ckptio: overwriting an unreadable checkpoint; its data files are left in place: %s", exc)
-
-    def _write_file(
-        self, name: str, items: list[WriteItem], planner: SavePlanner, objects: dict, inline_limit: int
-    ) -> tuple[list[WriteResult], dict[str, StoredItem]]:
-        """Write ``items`` to ``name`` (or inline); return their results and the object records by key."""
-        config = self.config
-        encoder = BlockEncoder(
-            config.max_block_size, config.compression, config.compression_level, config.max_concurrency
+        header = Header(
+            files=files,
+            written_by=f"ckptio {__version__}",
+            torch_version=torch.__version__,
+            created_unix=time.time(),
+            save_id=self._save_id,
+            world_size=len(results),
+            mesh=next((r.mesh for r in reports if r.mesh), None),
+            config=SavedConfig(self.config.mode, self.config.compression, self.config.max_block_size),
+            writer_ranks=writers,
+            dcp_version=metadata.version,
         )
-        sink = _InlineOrFileSink(self._open_store(), name, inline_limit)
-        results: list[WriteResult] = []
-        offset = 0
-        try:
-            # Objects first: they are small, and their pickling is the likeliest thing to fail.
-            for item in sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO):
-                if item.index in objects:
-                    data, kind, dtype, shape = objects[item.index], "bytes", None, None
-                else:
-                    data, kind, dtype, shape = _item_bytes(item, planner.resolve_data(item))
-                block_size = block_size_for(len(data), encoder.max_block_size)
-                blocks = []
-                for stored, crc in encoder.encode(data, block_size):
-                    sink.write(stored)
-                    blocks.append((len(stored), crc))
-                record = StoredItem(
-                    name, offset, len(data), kind, dtype, shape, encoder.codec, block_size, tuple(blocks)
-                )
-                offset += record.stored_bytes
-                results.append(WriteResult(index=item.index, size_in_bytes=record.stored_bytes, storage_data=record))
-            sink.close()
-        except BaseException:
-            sink.abort()
-            raise
-        finally:
-            encoder.close()
-        if sink.inline is not None:
-            results = [
-                dataclasses.replace(
-                    r,
-                    storage_data=dataclasses.replace(
-                        r.storage_data,
-                        file="",
-                        offset=0,
-                        inline=sink.inline[r.storage_data.offset : r.storage_data.offset + r.storage_data.stored_bytes],
-                    ),
-                )
-                for r in results
-            ]
-        return results, {r.index.fqn: r.storage_data for r in results if r.storage_data.kind == "bytes"}
+        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        publish(self._open_store(), encode_metadata(metadata, items, header, per_rank), files, self._superseded)
+        metadata.storage_meta = self.storage_meta()
 
 
 def _data_files(results: list[list[WriteResult]], reports: list[ObjectReport]) -> tuple[dict, dict]:
@@ -245,51 +188,3 @@ def _data_files(results: list[list[WriteResult]], reports: list[ObjectReport]) -
             files[name] = files.get(name, 0) + item.stored_bytes
             writers[name] = rank
     return files, writers
-
-
-class _InlineOrFileSink:
-    """Holds up to ``limit`` bytes in memory; past that, streams to the real data file.
-    If the limit is never crossed, ``inline`` holds everything and no file is created."""
-
-    def __init__(self, store: FsspecStore, name: str, limit: int):
-        self.store, self.name, self.limit = store, name, limit
-        self.buffer: bytearray | None = bytearray() if limit > 0 else None
-        self.sink = None if limit > 0 else store.open_sink(name)
-        self.inline: bytes | None = None
-
-    def write(self, data) -> None:
-        if self.buffer is not None and len(self.buffer) + len(data) <= self.limit:
-            self.buffer += data
-            return
-        if self.sink is None:
-            self.sink = self.store.open_sink(self.name)
-            self.sink.write(self.buffer)
-            self.buffer = None
-        self.sink.write(data)
-
-    def close(self) -> None:
-        if self.sink is None:
-            self.inline = bytes(self.buffer)
-        else:
-            self.sink.close()
-
-    def abort(self) -> None:
-        if self.sink is not None:
-            self.sink.abort()
-
-
-def _item_bytes(item: WriteItem, data: Any) -> tuple[memoryview, str, str | None, tuple[int, ...] | None]:
-    if item.type == WriteItemType.BYTE_IO:
-        return data.getbuffer(), "bytes", None, None
-    tensor = data.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    tensor = tensor.contiguous()
-    expected = tuple(item.tensor_data.chunk.sizes)
-    if tuple(tensor.shape) != expected:
-        raise CheckpointError(
-            f"key {item.index.fqn!r}: the planner resolved a tensor of shape {tuple(tensor.shape)} "
-            f"for a chunk of shape {expected}"
-        )
-    raw = tensor.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(raw).cast("B"), "tensor", dtype_name(tensor.dtype), expected

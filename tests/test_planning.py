@@ -42,7 +42,7 @@ def hsdp_plans(replicas: int = 2, shards: int = 2, n_params: int = 60, seed: int
         shard = rank % shards
         items = [tensor_item(f"p{i}", rows, shard * rows) for i, rows in enumerate(sizes)]
         items += [object_item("extra.lr"), object_item(f"rank_state.{rank}")]
-        plans.append(SavePlan(items=items, storage_data=Holdings(rank, tuple(items))))
+        plans.append(SavePlan(items=items, storage_data=Holdings(tuple(items))))
     return dedup_save_plans(plans)  # what torch's default planner hands the storage writer
 
 

@@ -8,16 +8,18 @@ from typing import Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from .base import FsspecStore, RangeRequest, ReadInto, Sink
+from ..config import StorageConfig
+from .base import FsspecStore, RangeRequest, ReadRequest, Sink
 from .local import LocalStore
 
-__all__ = ["FsspecStore", "LocalStore", "RangeRequest", "ReadInto", "Sink", "open_store"]
+__all__ = ["FsspecStore", "LocalStore", "RangeRequest", "ReadRequest", "Sink", "StorageConfig", "open_store"]
 
 
 def open_store(
-    url: str | os.PathLike, storage_options: dict[str, Any] | None = None, config: Any = None
+    url: str | os.PathLike, storage_options: dict[str, Any] | None = None, config: StorageConfig | None = None
 ) -> FsspecStore:
     url = os.fspath(url)
+    config = config if config is not None else StorageConfig()
     if url.startswith(("s3://", "s3a://")):
         from .s3 import S3Store, s3_storage_options
 

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import fsspec
 
+from ..config import StorageConfig
 from ..errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -28,30 +29,32 @@ class Sink(Protocol):
         """Give up: leave nothing behind (or as little as the backend allows)."""
 
 
-class RangeRequest(tuple):
-    """``(name, start, end)``: bytes ``start`` up to ``end`` (exclusive) of a file."""
+class RangeRequest(NamedTuple):
+    """Bytes ``start`` up to ``end`` (exclusive) of file ``name``."""
 
-    __slots__ = ()
-
-    def __new__(cls, name: str, start: int, end: int) -> "RangeRequest":
-        return super().__new__(cls, (name, start, end))
-
-
-MAX_MERGED_READ = 64 << 20
+    name: str
+    start: int
+    end: int
 
 
-class ReadInto(NamedTuple):
-    """Fill ``buffer`` with the bytes of file ``name`` starting at ``offset``."""
+class ReadRequest(NamedTuple):
+    """One ranged read: the bytes of file ``name`` from ``offset`` on fill ``buffers`` in order.
+    Stores issue each request as it is (one ranged GET, one preadv); which reads are merged into
+    one request is decided by the reader (``ranges.plan_requests``), never here."""
 
     name: str
     offset: int
-    buffer: memoryview
+    buffers: tuple[memoryview, ...]
+
+    @property
+    def length(self) -> int:
+        return sum(len(b) for b in self.buffers)
 
 
 class FsspecStore:
     """Any fsspec filesystem: plain opens, puts and ``cat_ranges``."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: Any = None):
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
@@ -66,6 +69,10 @@ class FsspecStore:
     # --- metadata-sized objects -------------------------------------------------------
     def exists(self, name: str) -> bool:
         return self._guard(name, "check", lambda: self.fs.exists(self.path(name)))
+
+    def size(self, name: str) -> int:
+        """Size in bytes; raises ``FileNotFoundError`` when it is absent."""
+        return int(self._guard(name, "check", lambda: self.fs.size(self.path(name)), passthrough=(FileNotFoundError,)))
 
     def read(self, name: str) -> bytes:
         """Whole object; raises ``FileNotFoundError`` when it is absent."""
@@ -116,39 +123,17 @@ class FsspecStore:
             passthrough=(FileNotFoundError,),
         )
 
-    def read_into(self, reads: Sequence[ReadInto]) -> list[int]:
-        """Fill each buffer; return how many bytes each got (fewer at end of file).
-        Raises ``FileNotFoundError`` for a missing file.
-
-        Reads that touch in the same file are fetched as one ranged request (up to
-        ``MAX_MERGED_READ`` bytes), since on remote stores requests cost more than copies."""
-        order = sorted(range(len(reads)), key=lambda i: (reads[i].name, reads[i].offset))
-        groups: list[list[int]] = []
-        for i in order:
-            last = groups[-1] if groups else None
-            if last:
-                prev, first = reads[last[-1]], reads[last[0]]
-                end = prev.offset + len(prev.buffer)
-                if (
-                    prev.name == reads[i].name
-                    and end == reads[i].offset
-                    and end + len(reads[i].buffer) - first.offset <= MAX_MERGED_READ
-                ):
-                    last.append(i)
-                    continue
-            groups.append([i])
-        requests = [
-            RangeRequest(reads[g[0]].name, reads[g[0]].offset, reads[g[-1]].offset + len(reads[g[-1]].buffer))
-            for g in groups
-        ]
-        counts = [0] * len(reads)
-        for group, request, data in zip(groups, requests, self.read_ranges(requests)):
-            data = memoryview(data)
-            for i in group:
-                at = reads[i].offset - request[1]
-                piece = data[at : at + len(reads[i].buffer)]
-                reads[i].buffer[: len(piece)] = piece
-                counts[i] = len(piece)
+    def read_into(self, requests: Sequence[ReadRequest]) -> list[int]:
+        """Fill each request's buffers; return how many bytes each request got (fewer at end of
+        file). Raises ``FileNotFoundError`` for a missing file."""
+        counts = []
+        for request, data in zip(requests, self.read_ranges([_as_range(r) for r in requests])):
+            data, at = memoryview(data), 0
+            for buffer in request.buffers:
+                piece = data[at : at + len(buffer)]
+                buffer[: len(piece)] = piece
+                at += len(piece)
+            counts.append(len(data))
         return counts
 
     # --- errors -----------------------------------------------------------------------
@@ -170,6 +155,10 @@ class FsspecStore:
             raise
         except Exception as exc:
             raise StorageError(f"failed to {action} {self.describe(name)}: {type(exc).__name__}: {exc}") from exc
+
+
+def _as_range(request: ReadRequest) -> RangeRequest:
+    return RangeRequest(request.name, request.offset, request.offset + request.length)
 
 
 class _FileSink:

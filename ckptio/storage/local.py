@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from .base import FsspecStore, RangeRequest, ReadInto
+from ..errors import StorageError
+from .base import FsspecStore, ReadRequest
 
 
 class LocalStore(FsspecStore):
@@ -33,40 +35,66 @@ class LocalStore(FsspecStore):
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
-    def read_ranges(self, requests: Sequence[RangeRequest]) -> list[bytes]:
-        buffers = [bytearray(end - start) for _, start, end in requests]
-        counts = self.read_into([ReadInto(n, s, memoryview(b)) for (n, s, _), b in zip(requests, buffers)])
-        return [bytes(memoryview(b)[:c]) if c < len(b) else b for b, c in zip(buffers, counts)]
+    def size(self, name: str) -> int:
+        fd = self._open_regular(name)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
-    def read_into(self, reads: Sequence[ReadInto]) -> list[int]:
-        if not reads:
+    def read_into(self, requests: Sequence[ReadRequest]) -> list[int]:
+        if not requests:
             return []
-        workers = max(1, min(len(reads), getattr(self.config, "max_concurrency", 4)))
         fds: dict[str, int] = {}
         try:
-            for read in reads:
-                if read.name not in fds:
-                    fds[read.name] = self._guard(
-                        read.name,
-                        "open",
-                        lambda n=read.name: os.open(self.path(n), os.O_RDONLY),
-                        passthrough=(FileNotFoundError,),
-                    )
+            for request in requests:
+                if request.name not in fds:
+                    fds[request.name] = self._open_regular(request.name)
 
-            def fill(read: ReadInto) -> int:
-                done = 0
-                while done < len(read.buffer):
-                    n = os.preadv(fds[read.name], [read.buffer[done:]], read.offset + done)
+            def fill(request: ReadRequest) -> int:
+                done, total = 0, request.length
+                buffers = list(request.buffers)
+                while done < total:
+                    n = os.preadv(fds[request.name], buffers, request.offset + done)
                     if n == 0:
                         break
                     done += n
+                    buffers = _advance(buffers, n)
                 return done
 
+            workers = max(1, min(len(requests), self.config.max_concurrency))
             with ThreadPoolExecutor(workers) as pool:
-                return list(pool.map(lambda r: self._guard(r.name, "read", lambda: fill(r)), reads))
+                return list(pool.map(lambda r: self._guard(r.name, "read", lambda: fill(r)), requests))
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def _open_regular(self, name: str) -> int:
+        """Open for reading without blocking (a FIFO would hang a plain open or read) and refuse
+        anything that is not a regular file. Raises ``FileNotFoundError`` when it is absent."""
+        path = self.path(name)
+        fd = self._guard(
+            name, "open", lambda: os.open(path, os.O_RDONLY | os.O_NONBLOCK), passthrough=(FileNotFoundError,)
+        )
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StorageError(
+                f"{self.describe(name)} is not a regular file; a checkpoint's data files are plain files. "
+                "Replace it with the real file or load an earlier checkpoint"
+            )
+        return fd
+
+
+def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
+    """The buffers still to fill after ``n`` more bytes were read into them."""
+    while n and buffers:
+        if n >= len(buffers[0]):
+            n -= len(buffers[0])
+            buffers.pop(0)
+        else:
+            buffers[0] = buffers[0][n:]
+            n = 0
+    return buffers
 
 
 class _LocalSink:

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import fsspec
 from fsspec.asyn import sync
 
+from ..config import StorageConfig
 from ..errors import CheckpointNotFoundError, StorageError
 from .base import FsspecStore, RangeRequest
 from .retry import with_retries
@@ -27,13 +28,13 @@ def s3_storage_options(storage_options: dict[str, Any] | None) -> dict[str, Any]
 
 
 class S3Store(FsspecStore):
-    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: Any = None):
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
         super().__init__(fs, root, url, config)
         self.bucket, _, self.prefix = root.partition("/")
-        self.part_size = getattr(config, "part_size", 32 << 20)
-        self.concurrency = getattr(config, "max_concurrency", 8)
-        self.attempts = getattr(config, "retry_attempts", 8)
-        self.deadline_s = getattr(config, "retry_deadline_s", 120.0)
+        self.part_size = config.part_size
+        self.concurrency = config.max_concurrency
+        self.attempts = config.retry_attempts
+        self.deadline_s = config.retry_deadline_s
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -94,6 +95,9 @@ class S3Store(FsspecStore):
 
     def read(self, name: str) -> bytes:
         return self._run("get_object", name, Key=self.key(name))
+
+    def size(self, name: str) -> int:
+        return int(self._run("head_object", name, Key=self.key(name))["ContentLength"])
 
     def put_atomic(self, name: str, data: bytes) -> None:
         self._run("put_object", name, Key=self.key(name), Body=data)

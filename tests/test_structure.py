@@ -1,0 +1,108 @@
+"""The format and package structure stay put: version-1 files from ckptio 0.1.0 load, the typed
+header round-trips, one request policy with a real cap, and the benchmark installs under ckptio."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptio
+from ckptio.config import MAX_REQUEST_BYTES
+from ckptio.layout import Header, MeshRecord, SavedConfig, parse_data_file_name
+from ckptio.ranges import ReadPiece, plan_requests
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def _fixture_state() -> dict:
+    """The state tests/data/v1-* were saved from, by ckptio 0.1.0 (commit c7ede4d), in one process."""
+    torch.manual_seed(0)
+    return {
+        "w": (torch.randn(256, 130) * 8).round() / 8,
+        "b": torch.arange(10, dtype=torch.bfloat16),
+        "step": 7,
+        "cfg": {"lr": 0.1, "name": "x"},
+    }
+
+
+@pytest.mark.parametrize("name", ["v1-raw", "v1-zstd"])
+def test_checkpoints_written_by_0_1_0_load_bit_exact(name):
+    expected = _fixture_state()
+    state = {
+        "w": torch.zeros(256, 130),
+        "b": torch.zeros(10, dtype=torch.bfloat16),
+        "step": 0,
+        "cfg": {"lr": 0.0, "name": ""},
+    }
+    dcp.load(state, storage_reader=ckptio.Reader(os.path.join(DATA, name)), planner=ckptio.SafeLoadPlanner())
+    assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
+    assert state["step"] == 7 and state["cfg"] == {"lr": 0.1, "name": "x"}
+
+
+def test_header_round_trips_and_keeps_the_version_1_keys():
+    header = Header(
+        files={"data-0123456789abcdef-r00003.ckio": 10},
+        written_by="ckptio test",
+        created_unix=1.5e9,
+        save_id="0123456789abcdef",
+        world_size=4,
+        mesh=MeshRecord((2, 2), ("replicate", "shard")),
+        config=SavedConfig("replica_group", "zstd", 1024),
+        writer_ranks={"data-0123456789abcdef-r00003.ckio": 3},
+    )
+    doc = header.to_json()
+    assert set(doc) == {
+        "format", "format_version", "written_by", "torch_version", "created_unix", "save_id", "world_size",
+        "mesh", "config", "files", "writer_ranks", "dcp_version",
+    }  # fmt: skip
+    assert doc["mesh"] == {"shape": [2, 2], "dims": ["replicate", "shard"]}
+    assert Header.from_json(json.loads(json.dumps(doc)), "x") == header
+    assert parse_data_file_name("data-0123456789abcdef-r00003.ckio") == ("0123456789abcdef", 3)
+    assert parse_data_file_name("data-0123456789abcdef-r00003.ckio\n") is None
+
+
+def test_one_request_policy_splits_long_reads_and_merges_touching_ones():
+    big = memoryview(bytearray(100))
+    a, b = memoryview(bytearray(10)), memoryview(bytearray(10))
+    requests = plan_requests([ReadPiece("f", 0, big), ReadPiece("g", 10, b), ReadPiece("g", 0, a)], max_len=32)
+    assert [(r.name, r.offset, r.length) for r in requests] == [
+        ("f", 0, 32), ("f", 32, 32), ("f", 64, 32), ("f", 96, 4), ("g", 0, 20),
+    ]  # fmt: skip
+    assert requests[4].buffers[0].obj is a.obj and requests[4].buffers[1].obj is b.obj
+    assert max(r.length for r in plan_requests([ReadPiece("f", 0, big)], max_len=100)) == 100
+
+
+def test_a_large_tensor_is_fetched_in_capped_parallel_requests(s3_proxy):
+    proxy, base, options = s3_proxy
+    url = f"{base}/big"
+    tensor = torch.arange((2 * MAX_REQUEST_BYTES + (4 << 20)) // 4, dtype=torch.float32)
+    dcp.save({"t": tensor}, storage_writer=ckptio.Writer(url, storage_options=options))
+    proxy.reset()
+    out = {"t": torch.zeros_like(tensor)}
+    dcp.load(out, storage_reader=ckptio.Reader(url, storage_options=options))
+    stats = proxy.reset()
+    assert torch.equal(out["t"], tensor)
+    assert stats.requests["GET"] == 1 + 3  # ckptio.json, then 32 + 32 + 4 MiB
+    (name,) = [k for k in stats.get_bytes if k.endswith(".ckio")]
+    assert stats.get_bytes[name] == tensor.numel() * 4
+
+
+def test_the_benchmark_installs_as_ckptio_bench_and_nothing_named_benchmarks(tmp_path):
+    root = os.path.dirname(os.path.dirname(__file__))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), root],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = [p for p in os.listdir(tmp_path) if p.endswith(".whl")]
+    names = zipfile.ZipFile(tmp_path / wheel).namelist()
+    assert "ckptio/bench/__main__.py" in names and "ckptio/bench/workload.py" in names
+    assert not [n for n in names if n.startswith("benchmarks/")]
+    assert not [n for n in names if n.startswith("tests/")]
