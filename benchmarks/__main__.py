@@ -180,8 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"bench-{stamp}")
-    if not args.no_charts and report.charts(doc["results"], base + ".png"):
-        doc["charts"] = os.path.basename(base + ".png")
+    if not args.no_charts:
+        if report.charts(doc["results"], base + ".png"):
+            doc["charts"] = os.path.basename(base + ".png")
+        else:
+            print(
+                "note: no chart written: matplotlib is not installed (pip install 'ckptio[bench]'); "
+                "the table, JSON and Markdown are complete",
+                file=sys.stderr,
+            )
     with open(base + ".json", "w") as f:
         json.dump(doc, f, indent=2)
     with open(base + ".md", "w") as f:

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .config import WriterConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, recall_metadata_error
 from .keys import canonicalize, copy_back
 from .per_rank import expand_for_save, prepare_for_load
 from .reader import Reader
@@ -107,13 +107,17 @@ def raising_checkpoint_errors(what: str) -> Iterator[None]:
 
 
 def unwrap(exc: CheckpointException) -> CheckpointError:
+    """The ckptio error inside torch's ``CheckpointException`` (the first failing rank's), with its
+    class; any other failure becomes a ``CheckpointError`` naming the rank and the cause."""
     failures = exc.failures
     ranks = sorted(failures)
+    others = f" (ranks that failed: {ranks})" if len(ranks) > 1 else ""
     for rank in ranks:
         error = failures[rank][0]
-        if isinstance(error, CheckpointError):
-            others = f" (ranks that failed: {ranks})" if len(ranks) > 1 else ""
-            return type(error)(f"rank {rank}: {error}{others}")
+        # dcp.load re-raises read_metadata's error as a bare AssertionError quoting it
+        found = error if isinstance(error, CheckpointError) else recall_metadata_error(str(error))
+        if found is not None:
+            return type(found)(f"rank {rank}: {found}{others}")
     rank = ranks[0]
     error = failures[rank][0]
     wrapped = CheckpointError(f"rank {rank}: {type(error).__name__}: {error} (ranks that failed: {ranks})")

@@ -38,14 +38,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if orphans:
         print(
             f"note: {len(orphans)} data file(s) here belong to saves that never committed and are never read; "
-            f"safe to delete: {', '.join(orphans)}"
+            f"safe to delete: {', '.join(orphans)} (ckptio gc --delete removes them)"
         )
+    uploads = store.open_uploads()
+    if uploads:
+        print(f"note: {len(uploads)} unfinished multipart upload(s) here; ckptio gc --delete aborts them")
     if problems:
         print(f"{args.url}: {len(problems)} problem(s)", file=sys.stderr)
         for problem in problems:
             print(f"  BAD {problem}", file=sys.stderr)
         return 1
     print(f"{args.url}: OK, {len(manifest.items)} items in {len(manifest.files)} files, every checksum matches")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .report import collect_garbage, find_garbage
+    from .storage import open_store
+
+    store = open_store(args.url, _storage_options(args))
+    garbage = find_garbage(store)
+    for name in garbage.files:
+        print(f"orphaned data file   {store.describe(name)}")
+    for name, upload_id in garbage.uploads:
+        print(f"unfinished upload    {store.describe(name)}  (upload id {upload_id})")
+    if not garbage.files and not garbage.uploads:
+        print(f"{args.url}: nothing left over by saves that never committed")
+    elif args.delete:
+        collect_garbage(store, garbage)
+        print(f"deleted {len(garbage.files)} file(s), aborted {len(garbage.uploads)} upload(s)")
+    else:
+        print("run again with --delete to remove them (only while no save to this location is running)")
     return 0
 
 
@@ -76,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_url(sub.add_parser("verify", help="read every block and check every checksum"))
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
+    p = with_url(sub.add_parser("gc", help="list (or --delete) files and uploads of saves that never committed"))
+    p.add_argument("--delete", action="store_true", help="delete the files and abort the uploads")
+    p.set_defaults(func=cmd_gc)
     p = with_url(sub.add_parser("convert", help="write a single-file torch.save checkpoint"))
     p.add_argument("output", help="path of the .pt file to write")
     p.set_defaults(func=cmd_convert)
@@ -94,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return args.func(args)
-    except CheckpointError as exc:
-        print(f"ckptio: error: {exc}", file=sys.stderr)
+    except (CheckpointError, OSError, ValueError) as exc:  # ValueError: e.g. --storage-options is not JSON
+        print(f"ckptio: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
 
 

@@ -35,9 +35,24 @@ def check_target(store: FsspecStore, overwrite: bool) -> list[str]:
         return []
 
 
-def publish(store: FsspecStore, document: bytes, files: dict[str, int], superseded: list[str]) -> None:
-    """Commit: publish the metadata, then delete the superseded data files it no longer names."""
-    store.put_atomic(METADATA_NAME, document)
+def publish(store: FsspecStore, document: bytes, files: dict[str, int], superseded: list[str], overwrite: bool) -> None:
+    """Commit: publish the metadata, then delete the superseded data files it no longer names.
+
+    Without ``overwrite`` the metadata is created only if absent, atomically where the backend
+    allows it (POSIX: a hard link; S3: a conditional PUT), so of two jobs saving to one path at
+    once exactly one commits; the other's data files are deleted and it raises."""
+    store.prepare_directory()  # no rank may have written a data file (everything inline)
+    if overwrite:
+        store.put_atomic(METADATA_NAME, document)
+    else:
+        try:
+            store.put_if_absent(METADATA_NAME, document)
+        except FileExistsError:
+            store.delete(sorted(files))
+            raise CheckpointExistsError(
+                f"another save committed {store.describe(METADATA_NAME)} while this one was writing; this save's "
+                "data files were removed and the other checkpoint is intact. Save each job to its own path"
+            ) from None
     stale = [name for name in superseded if name not in files]
     if stale:
         store.delete(stale)

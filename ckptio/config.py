@@ -33,6 +33,12 @@ READ_BATCH_BYTES = 512 * MiB
 #: Longest single ranged read: touching reads are merged up to it, longer ones are split, so one
 #: large item still reads in parallel. The only request-merging policy (ranges.plan_requests).
 MAX_REQUEST_BYTES = 32 * MiB
+#: Largest block the format accepts (written or read): bounds what one block can make a reader allocate.
+MAX_BLOCK_SIZE_LIMIT = 64 * MiB
+#: Cross-rank check of plain tensors saved under one key (objects.py): tensors up to this size are
+#: compared by a checksum of all their bytes, larger ones by SAMPLED_ELEMENTS evenly spaced elements.
+FULL_DIGEST_BYTES = 1 * MiB
+SAMPLED_ELEMENTS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +129,11 @@ class WriterConfig:
                 f"unknown differing_objects policy {self.differing_objects!r}; "
                 "valid values are ['error', 'keep_per_rank']"
             )
-        if self.max_block_size <= 0 or self.max_block_size % 64:
-            raise ValueError(f"max_block_size must be a positive multiple of 64 bytes, got {self.max_block_size}")
+        if not 0 < self.max_block_size <= MAX_BLOCK_SIZE_LIMIT or self.max_block_size % 64:
+            raise ValueError(
+                f"max_block_size must be a positive multiple of 64 bytes up to {MAX_BLOCK_SIZE_LIMIT}, "
+                f"got {self.max_block_size}"
+            )
         if self.part_size < 5 * MiB:
             raise ValueError(f"part_size must be at least 5 MiB (the S3 minimum), got {self.part_size}")
         if self.inline_limit < 0:

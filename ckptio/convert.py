@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from .api import raising_checkpoint_errors
-from .reader import Reader
+from .reader import Reader, check_file_sizes
 from .safe_load import SafeObjectsMixin
 
 
@@ -22,7 +22,10 @@ def load_full(checkpoint_id: str | os.PathLike, *, storage_options: dict[str, An
     """The whole checkpoint as plain CPU tensors and objects, nested as it was saved."""
     state: dict[str, Any] = {}
     reader = Reader(checkpoint_id, storage_options=storage_options)
-    reader.prefetch_metadata()
+    manifest = reader.prefetch_metadata()
+    # Every tensor is allocated before anything is read: first check that the files hold what the
+    # metadata claims, so a crafted size cannot make this allocate far beyond the checkpoint.
+    check_file_sizes(reader._open_store(), manifest)
     with raising_checkpoint_errors(f"load from {os.fspath(checkpoint_id)}"):
         # dcp.load copies the dict it is given; the private loader fills ours, as torch's dcp_to_torch_save does.
         _load_state_dict(state, storage_reader=reader, planner=_SafeFullLoadPlanner(), no_dist=True)

@@ -34,23 +34,22 @@ class ItemBytes:
 
 
 def item_bytes(
-    items: list[WriteItem], planner: SavePlanner, objects: dict[MetadataIndex, memoryview]
+    items: dict[MetadataIndex, WriteItem], planner: SavePlanner, pickled: dict[MetadataIndex, memoryview]
 ) -> Iterator[ItemBytes]:
-    """The bytes of each item, objects first (small, and their pickling is the likeliest thing to
-    fail); tensors are resolved one at a time, so only one is copied to the host at once.
-    ``objects`` holds the pickled objects already at hand."""
-    for item in sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO):
+    """The bytes of each item (stored under its key in ``items``, resolved as the planner names
+    it), objects first: small, and their pickling is the likeliest thing to fail. Tensors are
+    resolved one at a time, so only one is copied to the host at once; ``pickled`` holds the
+    objects already pickled."""
+    for index, item in sorted(items.items(), key=lambda kv: kv[1].type != WriteItemType.BYTE_IO):
         if item.type == WriteItemType.BYTE_IO:
-            data = objects.get(item.index)
-            yield ItemBytes(
-                item.index, data if data is not None else planner.resolve_data(item).getbuffer(), ItemKind.BYTES
-            )
+            data = pickled.get(index)
+            yield ItemBytes(index, data if data is not None else planner.resolve_data(item).getbuffer(), ItemKind.BYTES)
         else:
-            yield _tensor_bytes(item, planner.resolve_data(item))
+            yield _tensor_bytes(index, item, planner.resolve_data(item))
 
 
-def pickled_objects(items: Iterable[WriteItem], planner: SavePlanner) -> dict[MetadataIndex, memoryview]:
-    return {it.index: planner.resolve_data(it).getbuffer() for it in items if it.type == WriteItemType.BYTE_IO}
+def pickled_objects(items: dict[MetadataIndex, WriteItem], planner: SavePlanner) -> dict[MetadataIndex, memoryview]:
+    return {idx: planner.resolve_data(it).getbuffer() for idx, it in items.items() if it.type == WriteItemType.BYTE_IO}
 
 
 def encode_items(
@@ -126,7 +125,7 @@ class _InlineOrFileSink:
             self.sink.abort()
 
 
-def _tensor_bytes(item: WriteItem, data: Any) -> ItemBytes:
+def _tensor_bytes(index: MetadataIndex, item: WriteItem, data: Any) -> ItemBytes:
     tensor = data.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
@@ -139,4 +138,4 @@ def _tensor_bytes(item: WriteItem, data: Any) -> ItemBytes:
             f"for a chunk of shape {expected}"
         )
     raw = tensor.reshape(-1).view(torch.uint8).numpy()
-    return ItemBytes(item.index, memoryview(raw).cast("B"), ItemKind.TENSOR, dtype_name(tensor.dtype), expected)
+    return ItemBytes(index, memoryview(raw).cast("B"), ItemKind.TENSOR, dtype_name(tensor.dtype), expected)

@@ -45,3 +45,20 @@ class PerRankStateError(CheckpointError):
 
 class UnsafeObjectError(CheckpointError):
     """A saved object needs a type the safe loader does not allow."""
+
+
+# torch's dcp.load turns an exception from StorageReader.read_metadata into a bare AssertionError
+# that only carries its text. The Reader records what it raised there, so ``ckptio.unwrap`` can
+# give back the specific class (on the rank that raised it).
+_RECENT_METADATA_ERRORS: dict[str, CheckpointError] = {}
+
+
+def remember_metadata_error(exc: CheckpointError) -> None:
+    _RECENT_METADATA_ERRORS[str(exc)] = exc
+    while len(_RECENT_METADATA_ERRORS) > 16:
+        _RECENT_METADATA_ERRORS.pop(next(iter(_RECENT_METADATA_ERRORS)))
+
+
+def recall_metadata_error(text: str) -> CheckpointError | None:
+    """The ckptio error whose message ``text`` (torch's wrapper message) quotes, if this process raised it."""
+    return next((exc for message, exc in reversed(_RECENT_METADATA_ERRORS.items()) if message in text), None)

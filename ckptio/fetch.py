@@ -39,10 +39,15 @@ def load_items(
     check and decode blocks."""
     batch: list[_Window] = []
     size = 0
+    actual_sizes = _ActualSizes(store)
     for read_item, item in pairs:
         job = _Job.build(read_item, item)
         job.prepare(planner)
         for window in job.windows(READ_BATCH_BYTES):
+            if window.fetch_bytes > MAX_REQUEST_BYTES and not window.direct:
+                # Large buffers are allocated only for bytes the file really holds: the sizes in
+                # the metadata are claims, not facts.
+                actual_sizes.require(item, window.blocks[-1])
             if batch and size + window.fetch_bytes > READ_BATCH_BYTES:
                 _run_batch(store, batch, planner, verify, recorded_sizes, workers)
                 batch, size = [], 0
@@ -239,6 +244,29 @@ class _Window:
         start = sum(o * s for o, s in zip(read_item.storage_offsets, strides))
         start -= first * item.block_size // dtype.itemsize
         return flat.as_strided(tuple(read_item.lengths), strides, start)
+
+
+class _ActualSizes:
+    """Data-file sizes as the store reports them, asked once per file per load."""
+
+    def __init__(self, store: FsspecStore):
+        self.store, self.sizes = store, {}
+
+    def require(self, item: StoredItem, last_block: int) -> None:
+        if item.inline is not None:
+            return
+        if item.file not in self.sizes:
+            try:
+                self.sizes[item.file] = self.store.size(item.file)
+            except FileNotFoundError:
+                self.sizes[item.file] = -1
+        end = item.block_offsets[last_block + 1]
+        if self.sizes[item.file] < end:
+            held = "is missing" if self.sizes[item.file] < 0 else f"holds {self.sizes[item.file]} bytes"
+            raise CorruptCheckpointError(
+                f"{self.store.describe(item.file)} {held}, but the metadata places stored bytes up to offset {end} "
+                "in it (truncated, or the metadata is not trustworthy). Restore the file or load an earlier checkpoint"
+            )
 
 
 def _span(item: StoredItem, block: int) -> slice:

@@ -5,9 +5,12 @@ with torch's ``get_model_state_dict``, which also removes DDP's ``module.`` prec
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch.nn as nn
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem
 
 from .errors import CheckpointError
 from .per_rank import PerRank
@@ -54,3 +57,50 @@ def copy_back(original: dict[str, Any], loaded: dict[str, Any]) -> None:
             copy_back(value, loaded[name])
         elif loaded[name] is not value:
             original[key] = loaded[name]
+
+
+# --- the same rule inside the DCP protocol (plain dcp.save / dcp.load with Writer / Reader) ---------
+def canonical_index(index: MetadataIndex) -> MetadataIndex:
+    return dataclasses.replace(index, fqn=canonical_key(index.fqn))
+
+
+def canonical_write_items(items: list[WriteItem]) -> dict[MetadataIndex, WriteItem]:
+    """Each item under its canonical index -> the item as the planner knows it (to resolve its data)."""
+    out: dict[MetadataIndex, WriteItem] = {}
+    for item in items:
+        index = canonical_index(item.index)
+        if index in out:
+            raise CheckpointError(
+                f"keys {out[index].index.fqn!r} and {item.index.fqn!r} both become {index.fqn!r} once wrapper "
+                "segments (_orig_mod, _checkpoint_wrapped_module) are removed; rename one of them"
+            )
+        out[index] = item
+    return out
+
+
+def canonical_planner_data(planner_data: Any) -> Any:
+    """torch's flattening map ``{flat key: path}`` with wrapper segments removed from keys and path parts."""
+    if not isinstance(planner_data, dict):
+        return planner_data
+    return {
+        canonical_key(k): tuple(canonical_key(p) if isinstance(p, str) else p for p in v)
+        if isinstance(v, (tuple, list))
+        else v
+        for k, v in planner_data.items()
+    }
+
+
+class CanonicalKeyDict(dict):
+    """A checkpoint's ``{canonical key: ...}`` that also answers to wrapped names, so a
+    ``torch.compile``d model's ``_orig_mod.`` keys find what a plain model saved, and back."""
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) or (isinstance(key, str) and dict.__contains__(self, canonical_key(key)))
+
+    def __getitem__(self, key: Any) -> Any:
+        if not dict.__contains__(self, key) and isinstance(key, str):
+            key = canonical_key(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default

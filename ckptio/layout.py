@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
 
 FORMAT_NAME = "ckptio"
@@ -457,8 +458,18 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
 
     planner_data = doc.get("planner_data")
     if planner_data is not None:
-        if not isinstance(planner_data, dict) or not all(isinstance(v, list) for v in planner_data.values()):
-            raise CheckpointFormatError(f"{where}: 'planner_data' must map keys to lists")
+        # A path's list indices are below the number of keys: a huge one would make a loader build a huge list.
+        if not isinstance(planner_data, dict) or not all(
+            isinstance(v, list)
+            and all(
+                (isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(state)) or isinstance(p, str)
+                for p in v
+            )
+            for v in planner_data.values()
+        ):
+            raise CheckpointFormatError(
+                f"{where}: 'planner_data' must map keys to paths of names and list indices below {len(state)}"
+            )
         planner_data = {k: tuple(v) for k, v in planner_data.items()}
     metadata = Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=items)
     if header.dcp_version is not None:
@@ -583,7 +594,7 @@ def _check_item(item: StoredItem, key: str, files: dict[str, int]) -> None:
             raise CheckpointFormatError(f"{key} is stored inline but its inline bytes do not match its blocks")
     elif item.inline is not None or item.file not in files:
         raise CheckpointFormatError(f"{key} points at {item.file!r:.80}, which is not a data file of this checkpoint")
-    if item.block_size <= 0 or item.block_size % 64:
+    if not 0 < item.block_size <= MAX_BLOCK_SIZE_LIMIT or item.block_size % 64:
         raise CheckpointFormatError(f"{key} has invalid block_size {item.block_size}")
     expected_blocks = -(-item.logical_bytes // item.block_size)
     if len(item.blocks) != expected_blocks:

@@ -17,9 +17,11 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
 @dataclasses.dataclass(frozen=True)
 class Holdings:
-    """Everything one rank *could* write, recorded before torch's planner deduplicates."""
+    """Everything one rank *could* write, recorded before torch's planner deduplicates, and
+    where it saves (the coordinator checks that every rank names the same checkpoint)."""
 
     items: tuple[WriteItem, ...]
+    checkpoint_id: str | None = None
 
 
 def item_size(item: WriteItem) -> int:

@@ -16,11 +16,14 @@ from .config import StorageConfig, WriterConfig
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     IncompleteCheckpointError,
     NotCkptioCheckpointError,
     PerRankStateError,
+    remember_metadata_error,
 )
 from .fetch import load_items
+from .keys import CanonicalKeyDict, canonical_index
 from .layout import (
     METADATA_NAME,
     TORCH_DCP_METADATA_NAME,
@@ -76,8 +79,13 @@ class Reader(CheckpointLocation, StorageReader):
     # No **kwargs: torch would then retry a failed read as "rank-local metadata" and hide our error.
     def read_metadata(self, *args: Any) -> Metadata:
         prefetched, self._prefetched = self._prefetched, None
-        self.manifest = prefetched or read_manifest(self._open_store())
+        try:
+            self.manifest = prefetched or read_manifest(self._open_store())
+        except CheckpointError as exc:
+            remember_metadata_error(exc)
+            raise
         metadata = self.manifest.metadata
+        metadata.state_dict_metadata = CanonicalKeyDict(metadata.state_dict_metadata)
         metadata.storage_meta = StorageMeta(
             checkpoint_id=self.checkpoint_id, save_id=self.manifest.header.save_id, load_id=uuid.uuid4().hex[:16]
         )
@@ -120,11 +128,14 @@ class Reader(CheckpointLocation, StorageReader):
         return copies[rank]
 
     def _item_for(self, read_item: ReadItem) -> StoredItem:
-        copies = self.manifest.per_rank.get(read_item.storage_index.fqn) if self.manifest else None
+        index = read_item.storage_index
+        if index not in self._items:  # a wrapped name (torch.compile's _orig_mod.) for a canonical key
+            index = canonical_index(index)
+        copies = self.manifest.per_rank.get(index.fqn) if self.manifest else None
         if copies:
-            return self._own_copy(read_item.storage_index.fqn, copies)
+            return self._own_copy(index.fqn, copies)
         try:
-            return self._items[read_item.storage_index]
+            return self._items[index]
         except KeyError:
             raise CheckpointError(
                 f"key {read_item.storage_index.fqn!r} (chunk at {tuple(read_item.storage_index.offset or ())}) "
@@ -139,6 +150,20 @@ def read_manifest(store: FsspecStore) -> Manifest:
     except FileNotFoundError:
         raise _missing_metadata_error(store) from None
     return decode_metadata(raw, store.describe(METADATA_NAME))
+
+
+def check_file_sizes(store: FsspecStore, manifest: Manifest) -> None:
+    """Raise ``CorruptCheckpointError`` unless every data file holds the bytes the metadata records."""
+    for name, recorded in sorted(manifest.files.items()):
+        try:
+            actual = store.size(name)
+        except FileNotFoundError:
+            actual = None
+        if actual != recorded:
+            raise CorruptCheckpointError(
+                f"{store.describe(name)} {'is missing' if actual is None else f'holds {actual} bytes'}; the metadata "
+                f"records {recorded}. Restore the file or load an earlier checkpoint"
+            )
 
 
 def _missing_metadata_error(store: FsspecStore) -> CheckpointError:

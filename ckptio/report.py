@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections import defaultdict
 from typing import Any, Callable
 
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .fetch import read_item_blocks
 from .layout import ItemKind, Manifest, StoredItem, is_data_file_name, parse_data_file_name
 from .reader import read_manifest
@@ -98,9 +99,37 @@ def open_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> 
     return store, read_manifest(store)
 
 
-def orphaned_files(store: FsspecStore, manifest: Manifest) -> list[str]:
-    """Data files beside the checkpoint that it does not use (left by saves that never committed)."""
-    return [n for n in store.list_names() or [] if is_data_file_name(n) and n not in manifest.files]
+def orphaned_files(store: FsspecStore, manifest: Manifest | None) -> list[str]:
+    """Data files beside the checkpoint that it does not use (left by saves that never committed);
+    every data file where nothing has committed (``manifest`` None)."""
+    used = manifest.files if manifest is not None else {}
+    return [n for n in store.list_names() or [] if is_data_file_name(n) and n not in used]
+
+
+@dataclasses.dataclass
+class Garbage:
+    """What saves that never committed left at a checkpoint location."""
+
+    files: list[str]
+    uploads: list[tuple[str, str]]  # (object name, upload id) of unfinished multipart uploads
+
+
+def find_garbage(store: FsspecStore) -> Garbage:
+    """Orphaned data files and unfinished uploads at ``store``'s location. If a save to this
+    location is running right now, its files and uploads are listed too."""
+    try:
+        manifest: Manifest | None = read_manifest(store)
+    except (CheckpointNotFoundError, IncompleteCheckpointError):
+        manifest = None
+    uploads = [(name, upload_id) for name, upload_id in store.open_uploads() if is_data_file_name(name)]
+    return Garbage(orphaned_files(store, manifest), uploads)
+
+
+def collect_garbage(store: FsspecStore, garbage: Garbage) -> None:
+    """Abort the uploads and delete the files of ``garbage``."""
+    for name, upload_id in garbage.uploads:
+        store.abort_upload(name, upload_id)
+    store.delete(garbage.files)
 
 
 def verify(store: FsspecStore, manifest: Manifest, progress: Callable[[int], None] | None = None) -> list[str]:
@@ -111,6 +140,9 @@ def verify(store: FsspecStore, manifest: Manifest, progress: Callable[[int], Non
             actual = store.size(name)
         except FileNotFoundError:
             actual = None
+        except CheckpointError as exc:  # e.g. not a regular file
+            problems.append(f"{store.describe(name)}: {exc}")
+            continue
         if actual is None:
             problems.append(f"{store.describe(name)}: data file is missing")
         elif actual != size:

@@ -15,19 +15,19 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import __version__
-from .codec import checksum
 from .commit import check_target, publish
 from .config import StorageConfig, WriterConfig
 from .encode import encode_items, item_bytes, pickled_objects
 from .errors import CheckpointError
+from .keys import canonical_planner_data, canonical_write_items
 from .layout import Header, ItemKind, MeshRecord, SavedConfig, StoredItem, data_file_name, encode_metadata
 from .location import CheckpointLocation
-from .objects import ObjectReport, attach_report, own_copies, per_rank_values, split_reports
+from .objects import ObjectReport, attach_report, own_copies, per_rank_values, split_reports, value_digests
 from .planning import Holdings, assign_writers
 
 
@@ -90,7 +90,7 @@ class Writer(CheckpointLocation, StorageWriter):
         if checkpoint_id is not None:
             self.checkpoint_id = os.fspath(checkpoint_id)
         self._store = None
-        self._held_objects: list = []  # set in step 2, used in step 4
+        self._held: list[WriteItem] | None = None  # set in step 2, used in step 4
         self._superseded: list[str] = []  # set in step 3, used in step 5 (coordinator)
         self._save_id: str | None = None  # set in step 4
 
@@ -111,11 +111,14 @@ class Writer(CheckpointLocation, StorageWriter):
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._save_id) if self.checkpoint_id else None
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._open_store().prepare_directory()
-        self._held_objects = [it for it in plan.items if it.type == WriteItemType.BYTE_IO]
-        return dataclasses.replace(plan, storage_data=Holdings(tuple(plan.items)))
+        # Keys are stored canonical (no _orig_mod. / _checkpoint_wrapped_module.), as ckptio.save does.
+        if plan.usable:  # a plan torch's plan cache skipped is empty: write_data finds the held items then
+            self._held = plan.items
+        items = [dataclasses.replace(it, index=idx) for idx, it in canonical_write_items(plan.items).items()]
+        return dataclasses.replace(plan, items=items, storage_data=Holdings(tuple(items), self.checkpoint_id))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        _check_same_location(plans)
         self._superseded = check_target(self._open_store(), self.config.overwrite)
         assigned = assign_writers(plans, self.config.mode)
         return [
@@ -128,21 +131,23 @@ class Writer(CheckpointLocation, StorageWriter):
         # touch the files of the checkpoint it replaces before the new one commits.
         self._save_id = uuid.uuid4().hex[:16]
         file = data_file_name(self._save_id, self.rank)
+        held = canonical_write_items(self._held if self._held is not None else _cached_local_items(planner))
+        assigned = {it.index: held.get(it.index, it) for it in plan.items}  # stored key -> item as the planner knows it
         # Every object this rank holds is pickled once: to compare it with the other ranks' values
         # under the same key, and (if this rank writes it) to store it.
-        objects = pickled_objects(self._held_objects, planner)
+        objects = pickled_objects(held, planner)
         report = ObjectReport(
-            self.rank,
-            {idx.fqn: (checksum(buf), len(buf)) for idx, buf in objects.items()},
-            mesh=MeshRecord.of(getattr(planner, "state_dict", None)),
+            self.rank, value_digests(held, planner, objects), mesh=MeshRecord.of(getattr(planner, "state_dict", None))
         )
-        extras = own_copies(self._held_objects, plan.items, self.config.differing_objects)
+        extras = own_copies(held, assigned, self.config.differing_objects)
         stored: dict = {}
-        if plan.items or extras:
+        if assigned or extras:
+            store = self._open_store()
+            store.prepare_directory()
             private = isinstance(plan.storage_data, RankAssignment) and plan.storage_data.private_only
             inline_limit = self.config.inline_limit if private and not extras else 0
             stored = encode_items(
-                self._open_store(), file, item_bytes(plan.items + extras, planner, objects), self.config, inline_limit
+                store, file, item_bytes({**assigned, **extras}, planner, objects), self.config, inline_limit
             )
             if self.config.differing_objects == "keep_per_rank":
                 report.copies = {idx.fqn: rec for idx, rec in stored.items() if rec.kind == ItemKind.BYTES}
@@ -168,8 +173,39 @@ class Writer(CheckpointLocation, StorageWriter):
             dcp_version=metadata.version,
         )
         items = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        publish(self._open_store(), encode_metadata(metadata, items, header, per_rank), files, self._superseded)
+        metadata.planner_data = canonical_planner_data(metadata.planner_data)
+        publish(
+            self._open_store(),
+            encode_metadata(metadata, items, header, per_rank),
+            files,
+            self._superseded,
+            self.config.overwrite,
+        )
         metadata.storage_meta = self.storage_meta()
+
+
+def _check_same_location(plans: list[SavePlan]) -> None:
+    """Every rank must save to the same checkpoint: files split across paths never load."""
+    locations: dict[str | None, list[int]] = {}
+    for rank, plan in enumerate(plans):
+        if isinstance(plan.storage_data, Holdings):
+            locations.setdefault(plan.storage_data.checkpoint_id, []).append(rank)
+    if len(locations) > 1:
+        shown = "; ".join(
+            f"ranks {ranks[:8]}{' ...' if len(ranks) > 8 else ''}: {url!r}" for url, ranks in locations.items()
+        )
+        raise CheckpointError(
+            f"the ranks were given different checkpoint locations ({shown}); every rank must save to the same "
+            "path. Build the path once (e.g. on rank 0) and share it, instead of from a per-rank clock or value"
+        )
+
+
+def _cached_local_items(planner: SavePlanner) -> list[WriteItem]:
+    """What this rank holds when torch's plan cache skipped sending its (unchanged) local plan:
+    the plan DefaultSavePlanner(enable_plan_caching=True) cached for it."""
+    cache = getattr(planner, "_cached_save_plan", None) or {}
+    plan = cache.get(getattr(planner, "_cached_plans_key", None))
+    return list(plan.items) if plan is not None else []
 
 
 def _data_files(results: list[list[WriteResult]], reports: list[ObjectReport]) -> tuple[dict, dict]:

@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import parse_qs, urlsplit
 
+STALL_S = 30.0
 ERROR_BODIES = {
     503: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code><Message>Please reduce your request "
     b"rate.</Message></Error>",
@@ -69,7 +70,7 @@ class Fault:
     reproducible), at most ``times`` times."""
 
     match: Callable[[Request], bool]
-    action: int | str | list  # 503, 500, 403 or "drop"; a list is cycled through
+    action: int | str | list  # 503, 500, 403, "drop" or "stall"; a list is cycled through
     fraction: float = 1.0
     times: int | None = None
     hits: int = 0
@@ -97,6 +98,7 @@ class FaultProxy:
         self.faults: list[Fault] = []
         self.stats = Stats()
         self.lock = threading.Lock()
+        self.closing = threading.Event()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -109,6 +111,9 @@ class FaultProxy:
                 body = self._read_body()
                 req = classify(self.command, self.path, self.headers)
                 action = proxy._decide(req)
+                if action == "stall":  # accept the request, never answer (bounded, so the test ends)
+                    proxy.closing.wait(STALL_S)
+                    action = "drop"
                 if action == "drop":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -194,5 +199,6 @@ class FaultProxy:
         return stats
 
     def close(self) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()

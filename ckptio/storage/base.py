@@ -82,6 +82,13 @@ class FsspecStore:
         """Publish ``data`` under ``name`` all at once (a single PUT on object stores)."""
         self._guard(name, "write", lambda: self.fs.pipe_file(self.path(name), data))
 
+    def put_if_absent(self, name: str, data: bytes) -> None:
+        """Publish like ``put_atomic``, unless ``name`` exists: then raise ``FileExistsError``.
+        Generic fsspec filesystems have no conditional write: this checks, then writes (racy)."""
+        if self.exists(name):
+            raise FileExistsError(self.describe(name))
+        self.put_atomic(name, data)
+
     def list_names(self) -> list[str] | None:
         """Names directly under the root, or ``None`` when the root does not exist."""
         try:
@@ -92,6 +99,13 @@ class FsspecStore:
             log.debug("listing %s failed: %r", self.url, exc)
             return None
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def open_uploads(self) -> list[tuple[str, str]]:
+        """``(name, upload id)`` of unfinished multipart uploads under the root (object stores only)."""
+        return []
+
+    def abort_upload(self, name: str, upload_id: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
 
     def delete(self, names: Sequence[str]) -> None:
         for name in names:

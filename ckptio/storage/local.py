@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -31,6 +32,25 @@ class LocalStore(FsspecStore):
 
         try:
             self._guard(name, "write", publish)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def put_if_absent(self, name: str, data: bytes) -> None:
+        """Exclusive publish: a hard link fails if the name exists, so two writers cannot both win."""
+        final = self.path(name)
+        tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
+
+        def publish() -> None:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, final)
+            _fsync_dir(self.root)
+
+        try:
+            self._guard(name, "write", publish, passthrough=(FileExistsError,))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

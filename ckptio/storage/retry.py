@@ -50,11 +50,17 @@ def is_retryable(exc: BaseException) -> bool:
 
 async def with_retries(fn: Callable[[], Awaitable[T]], *, attempts: int, deadline_s: float, what: str) -> T:
     """Await ``fn()``; on a retryable error wait and try again, at most ``attempts`` times in
-    ``deadline_s`` seconds. The last error propagates."""
+    ``deadline_s`` seconds. Each attempt gets only the time left before the deadline (a stalled
+    endpoint must not hold a request for the client's own, longer read timeout). The last error
+    propagates."""
     start = time.monotonic()
     for attempt in range(1, attempts + 1):
         try:
-            return await fn()
+            left = deadline_s - (time.monotonic() - start)
+            try:
+                return await asyncio.wait_for(fn(), timeout=max(left, 0.001))
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"{what}: no answer within the {deadline_s:.0f}s retry deadline") from None
         except Exception as exc:
             remaining = deadline_s - (time.monotonic() - start)
             if attempt == attempts or not is_retryable(exc) or remaining <= 0:

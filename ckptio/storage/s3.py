@@ -69,6 +69,8 @@ class S3Store(FsspecStore):
         code = str(error.get("Code", ""))
         if code in ("NoSuchKey", "404", "NotFound"):
             return FileNotFoundError(self.describe(name))
+        if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
+            return _PreconditionFailed(self.describe(name))
         if code == "NoSuchBucket":
             kind = CheckpointNotFoundError if operation in ("get_object", "head_object") else StorageError
             return kind(
@@ -102,6 +104,30 @@ class S3Store(FsspecStore):
     def put_atomic(self, name: str, data: bytes) -> None:
         self._run("put_object", name, Key=self.key(name), Body=data)
 
+    def put_if_absent(self, name: str, data: bytes) -> None:
+        """A conditional PUT (``If-None-Match: *``): S3 refuses it if the key exists, atomically."""
+        try:
+            self._run("put_object", name, Key=self.key(name), Body=data, IfNoneMatch="*")
+        except _PreconditionFailed:
+            raise FileExistsError(self.describe(name)) from None
+
+    def open_uploads(self) -> list[tuple[str, str]]:
+        prefix = self.key("")
+        found: list[tuple[str, str]] = []
+        params: dict[str, Any] = {"Prefix": prefix}
+        while True:
+            page = self._run("list_multipart_uploads", "", **params)
+            for upload in page.get("Uploads", []):
+                name = upload["Key"][len(prefix) :]
+                if "/" not in name:
+                    found.append((name, upload["UploadId"]))
+            if not page.get("IsTruncated"):
+                return found
+            params.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+
+    def abort_upload(self, name: str, upload_id: str) -> None:
+        self._run("abort_multipart_upload", name, Key=self.key(name), UploadId=upload_id)
+
     def delete(self, names: Sequence[str]) -> None:
         for name in names:
             try:
@@ -133,6 +159,10 @@ class S3Store(FsspecStore):
             return sync(self.fs.loop, fetch_all)
         except Exception as exc:
             raise self._translate(exc, "get_object", requests[0][0]) from exc
+
+
+class _PreconditionFailed(Exception):
+    """A conditional request found the object in a state it did not allow."""
 
 
 class MultipartSink:

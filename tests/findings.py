@@ -1,0 +1,81 @@
+"""Per-rank bodies for the outside-test findings (tests/test_findings.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+import ckptio
+
+
+def _outcome(fn) -> str:
+    """``"ok"``, or the ckptio error a save/load raised, as ``ClassName: message``."""
+    try:
+        fn()
+        return "ok"
+    except CheckpointException as exc:
+        error = ckptio.unwrap(exc)
+        return f"{type(error).__name__}: {error}"
+    except ckptio.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def save_without_collectives(url: str) -> str:
+    state = {f"rank{dist.get_rank()}.weight": torch.full((4,), float(dist.get_rank()))}
+    return _outcome(lambda: dcp.save(state, storage_writer=ckptio.Writer(url), use_collectives=False))
+
+
+def save_twice_with_plan_caching(url: str) -> tuple[list[str], list[str], list[str]]:
+    """Two overwriting saves of one structure with torch's plan cache on: the data file names of
+    each, and what the second save loaded back wrong."""
+    rank = dist.get_rank()
+    names = []
+    for step in (1, 2):
+        state = {"w": torch.full((1024, 64), float(step)), f"own{rank}": torch.full((8,), float(step + rank))}
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        dcp.save(state, storage_writer=ckptio.Writer(url, overwrite=True), planner=planner)
+        dist.barrier()
+        names.append(sorted(n for n in os.listdir(url) if n.endswith(".ckio")))
+    out = {"w": torch.zeros(1024, 64), f"own{rank}": torch.zeros(8)}
+    dcp.load(out, storage_reader=ckptio.Reader(url))
+    wrong = [] if torch.equal(out["w"], torch.full((1024, 64), 2.0)) else ["w"]
+    wrong += [] if torch.equal(out[f"own{rank}"], torch.full((8,), 2.0 + rank)) else [f"own{rank}"]
+    return names[0], names[1], wrong
+
+
+def save_per_rank_tensor(url: str, which: str) -> str:
+    rank = dist.get_rank()
+    if which == "rng":
+        torch.manual_seed(1000 + rank)  # a per-rank seed, as data-parallel jobs do
+        state = {"rng": torch.get_rng_state()}
+    elif which == "counter":
+        state = {"samples_seen": torch.tensor(17 * (rank + 1))}
+    else:  # a large tensor that differs in one element every 1000
+        value = torch.zeros(1 << 20)
+        value[::1000] = rank
+        state = {"noise": value}
+    state["shared"] = torch.arange(10.0)
+    return _outcome(lambda: dcp.save(state, storage_writer=ckptio.Writer(url)))
+
+
+def save_equal_objects_with_different_pickles(url: str) -> tuple[str, object, object]:
+    rank = dist.get_rank()
+    keys = ["lr", "warmup", "betas", "name"] if rank == 0 else ["name", "betas", "warmup", "lr"]
+    values = {"lr": 0.1, "warmup": 100, "betas": (0.9, 0.95), "name": "run"}
+    config = {k: values[k] for k in keys}  # the same dict, built in another order on each rank
+    tags = {f"tag-{i}" for i in range(32)}  # string sets iterate in per-process hash order
+    outcome = _outcome(lambda: dcp.save({"config": config, "tags": tags}, storage_writer=ckptio.Writer(url)))
+    loaded = {"config": dict.fromkeys(values), "tags": None}
+    if outcome == "ok":
+        dcp.load(loaded, storage_reader=ckptio.Reader(url), planner=ckptio.SafeLoadPlanner())
+    return outcome, loaded["config"], loaded["tags"]
+
+
+def save_to_a_per_rank_path(base: str) -> str:
+    url = os.path.join(base, f"step-100-{dist.get_rank()}")  # e.g. built from a per-rank clock
+    return _outcome(lambda: dcp.save({"w": torch.ones(64, 64)}, storage_writer=ckptio.Writer(url)))
