@@ -17,6 +17,7 @@ from .errors import (  # noqa: E402
     StorageError,
     UnsafeObjectError,
 )
+from .export import export_safetensors  # noqa: E402
 from .per_rank import PerRank  # noqa: E402
 from .reader import Reader  # noqa: E402
 from .safe_load import SafeLoadPlanner  # noqa: E402
@@ -39,6 +40,7 @@ __all__ = [
     "Writer",
     "WriterConfig",
     "__version__",
+    "export_safetensors",
     "load",
     "save",
     "unwrap",

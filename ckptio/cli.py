@@ -73,6 +73,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    if args.format == "safetensors":
+        import time
+
+        from .export import export_safetensors
+
+        started = time.monotonic()
+        written = export_safetensors(
+            args.url,
+            args.output,
+            keys=args.keys,
+            max_shard_size=args.max_shard_size,
+            storage_options=_storage_options(args),
+        )
+        took = time.monotonic() - started
+        print(f"wrote {len(written)} safetensors shard(s) and the index to {args.output} in {took:.1f}s")
+        return 0
     from .convert import to_torch_save
 
     keys = to_torch_save(args.url, args.output, storage_options=_storage_options(args))
@@ -102,8 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_url(sub.add_parser("gc", help="list (or --delete) files and uploads of saves that never committed"))
     p.add_argument("--delete", action="store_true", help="delete the files and abort the uploads")
     p.set_defaults(func=cmd_gc)
-    p = with_url(sub.add_parser("convert", help="write a single-file torch.save checkpoint"))
-    p.add_argument("output", help="path of the .pt file to write")
+    p = with_url(sub.add_parser("convert", help="write a torch.save file or Hugging Face safetensors shards"))
+    p.add_argument("output", help="the .pt file to write, or the directory for --format safetensors")
+    p.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    p.add_argument("--keys", help="safetensors: export only keys under this prefix (e.g. 'model.'), prefix removed")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors: largest shard (default 5GB)")
     p.set_defaults(func=cmd_convert)
     # Listed for --help only: main() hands "bench ..." to the benchmark's own parser.
     sub.add_parser("bench", help="benchmark ckptio against torch's writers (see ckptio bench --help)")
