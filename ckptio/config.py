@@ -28,8 +28,9 @@ MiB = 1 << 20
 #: the metadata: one 4-byte checksum per block).
 BLOCKS_PER_ITEM = 64
 MIN_BLOCK_SIZE = 4 << 10
-#: Stored bytes fetched per round of parallel reads on load, bounding the reader's extra memory.
-READ_BATCH_BYTES = 512 * MiB
+#: Stored bytes staged in memory per round of parallel reads on load (reads straight into the
+#: destination tensors do not count): bounds the reader's extra memory, compressed loads included.
+READ_BATCH_BYTES = 64 * MiB
 #: Longest single ranged read: touching reads are merged up to it, longer ones are split, so one
 #: large item still reads in parallel. The only request-merging policy (ranges.plan_requests).
 MAX_REQUEST_BYTES = 32 * MiB

@@ -34,9 +34,9 @@ def load_items(
     recorded_sizes: dict[str, int],
     workers: int = 4,
 ) -> None:
-    """Deliver every ``(ReadItem, StoredItem)`` to ``planner``, in batches of at most
-    ``READ_BATCH_BYTES`` fetched (one window of a larger item at most); ``workers`` threads
-    check and decode blocks."""
+    """Deliver every ``(ReadItem, StoredItem)`` to ``planner``, in batches that stage at most
+    ``READ_BATCH_BYTES`` (or one sub-box item larger than that); ``workers`` threads check and
+    decode blocks."""
     batch: list[_Window] = []
     size = 0
     actual_sizes = _ActualSizes(store)
@@ -44,15 +44,16 @@ def load_items(
         job = _Job.build(read_item, item)
         job.prepare(planner)
         for window in job.windows(READ_BATCH_BYTES):
-            if window.fetch_bytes > MAX_REQUEST_BYTES and not window.direct:
+            staged = 0 if window.direct else window.fetch_bytes
+            if staged > MAX_REQUEST_BYTES:
                 # Large buffers are allocated only for bytes the file really holds: the sizes in
                 # the metadata are claims, not facts.
                 actual_sizes.require(item, window.blocks[-1])
-            if batch and size + window.fetch_bytes > READ_BATCH_BYTES:
+            if batch and size + staged > READ_BATCH_BYTES:
                 _run_batch(store, batch, planner, verify, recorded_sizes, workers)
                 batch, size = [], 0
             batch.append(window)
-            size += window.fetch_bytes
+            size += staged
     if batch:
         _run_batch(store, batch, planner, verify, recorded_sizes, workers)
 
