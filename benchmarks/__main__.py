@@ -23,6 +23,13 @@ from .writers import WRITERS, select
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
+    if args.compressible:
+        args.data = "bf16-in-fp32"
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckptio bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -35,7 +42,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mesh", default="2x2", help="replicate x shard mesh, e.g. 2x2 (default), 1x4, 4x1")
     p.add_argument("--size", default="256MiB", help="total state size: model + 2 Adam moments (default 256MiB)")
     p.add_argument("--repeats", type=int, default=1, help="saves/loads per writer and target (median reported)")
-    p.add_argument("--compressible", action="store_true", help="bf16-precision values in fp32 (compress ~2x)")
+    p.add_argument(
+        "--data",
+        choices=workload.DATA_KINDS,
+        default="randn",
+        help="what the tensors hold: randn (fp32, default), bf16-in-fp32 (compress ~2x), bf16-weights "
+        "(bf16 weights, fp32 Adam moments), random-bytes (incompressible)",
+    )
+    p.add_argument("--compressible", action="store_true", help="same as --data bf16-in-fp32")
     p.add_argument("--writers", nargs="+", help=f"subset of: {', '.join(w.name for w in WRITERS)}")
     p.add_argument("--compressed", action="store_true", help="also run ckptio's zstd variants")
     p.add_argument("--path", help="local or NFS directory to benchmark")
@@ -46,7 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-charts", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints written (default: delete each after use)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    return p
 
 
 @contextlib.contextmanager
@@ -107,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
             "keep": args.keep,
             "size_bytes": size_bytes,
             "mesh": [replicas, shards],
-            "compressible": args.compressible,
+            "data": args.data,
             "writers": writers,
             "repeats": args.repeats,
             "targets": targets,
@@ -118,7 +132,7 @@ def run(args: argparse.Namespace) -> dict:
         )
         records = _spawn_with_progress(args, cfg, progress_file, steps, backend)
         listings = {r["url"]: r["listing"] for r in records if "listing" in r}
-        sizes = workload.byte_counts(workload.tensor_specs(size_bytes), (replicas, shards))
+        sizes = workload.byte_counts(workload.tensor_specs(size_bytes, args.data), (replicas, shards))
         results = report.summarize(records, listings, args.ranks, sizes)
     import torch
 
@@ -135,7 +149,8 @@ def run(args: argparse.Namespace) -> dict:
             "backend": backend,
             "mesh": [replicas, shards],
             "size_bytes": size_bytes,
-            "compressible": args.compressible,
+            "data": args.data,
+            "compressible": args.data == "bf16-in-fp32",
             "repeats": args.repeats,
             "writers": writers,
             "targets": [{k: v for k, v in t.items() if k != "storage_options"} for t in targets],
@@ -154,9 +169,7 @@ def _spawn_with_progress(args, cfg, progress_file: str, steps: int, backend: str
     def work() -> None:
         try:
             out["records"] = [
-                r
-                for rank_records in launch(args.ranks, runner.run_rank, cfg, backend=backend)
-                for r in rank_records
+                r for rank_records in launch(args.ranks, runner.run_rank, cfg, backend=backend) for r in rank_records
             ]
         except BaseException as exc:  # reported below, in the main thread
             out["error"] = exc

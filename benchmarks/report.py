@@ -155,7 +155,7 @@ def markdown_report(doc: dict[str, Any]) -> str:
     parts = [
         "# ckptio benchmark",
         f"{cfg['ranks']} ranks, mesh {cfg['mesh'][0]}x{cfg['mesh'][1]} (replicate x shard), "
-        f"{_mib(cfg['size_bytes'])} MiB state{' (compressible)' if cfg['compressible'] else ''}, "
+        f"{_mib(cfg['size_bytes'])} MiB state ({cfg.get('data', 'bf16-in-fp32' if cfg['compressible'] else 'randn')}), "
         f"{cfg['repeats']} repeat(s); torch {doc['versions']['torch']}, ckptio {doc['versions']['ckptio']}, "
         f"{doc['machine']['cpus']} CPUs.",
         "",

@@ -44,12 +44,12 @@ def run_rank(cfg: dict) -> list[dict]:
     """Return one record per (target, writer, repeat) with this rank's timings and counts."""
     rank, world = dist.get_rank(), dist.get_world_size()
     counting.install_s3_counter()
-    specs = workload.tensor_specs(cfg["size_bytes"])
+    specs = workload.tensor_specs(cfg["size_bytes"], cfg["data"])
     if cfg["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     mesh = _mesh(tuple(cfg["mesh"]), cfg["device"])
     reshard_mesh = _mesh((1, world), cfg["device"])
-    state = workload.build_state(mesh, specs, cfg["compressible"], rank)
+    state = workload.build_state(mesh, specs, cfg["data"], rank)
     writers = {w.name: w for w in WRITERS}
     _warm_up(cfg, writers)
     records = []
@@ -67,7 +67,7 @@ def run_rank(cfg: dict) -> list[dict]:
 
 def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, specs, cfg: dict, rank: int) -> dict:
     options = target.get("storage_options")
-    compressible = cfg["compressible"]
+    compressible = cfg["data"]
     url = f"{target['base']}/{_slug(spec.name)}/rep{rep}"
     record = {"target": target["name"], "writer": spec.name, "repeat": rep, "rank": rank, "url": url}
     counting.take_counts()

@@ -18,6 +18,18 @@ ROW_BLOCK = 64
 # Relative layer heights: unequal, some not divisible by the shard count, like a real model.
 LAYER_SHAPE = (3, 5, 2, 7, 4, 6, 1, 8)
 TRAIN_CONFIG = {"lr": 3e-4, "betas": [0.9, 0.95], "run": "bench"}
+#: What the tensors hold: normal fp32 values; bf16-precision values kept in fp32 (half of every
+#: value's bytes are zero); bf16 weights beside fp32 Adam moments, as mixed-precision training
+#: keeps them; uniformly random bytes (incompressible).
+DATA_KINDS = ("randn", "bf16-in-fp32", "bf16-weights", "random-bytes")
+
+
+def data_kind(data: str | bool) -> str:
+    """``data`` as one of DATA_KINDS (``True``/``False``: the older ``compressible`` flag)."""
+    kind = {True: "bf16-in-fp32", False: "randn"}.get(data, data) if isinstance(data, bool) else data
+    if kind not in DATA_KINDS:
+        raise ValueError(f"unknown data kind {data!r}; choose from {DATA_KINDS}")
+    return kind
 
 
 @dataclass(frozen=True)
@@ -27,28 +39,35 @@ class Spec:
     dtype: torch.dtype
 
 
-def tensor_specs(size_bytes: int) -> list[Spec]:
-    """Parameters (fp32) plus exp_avg and exp_avg_sq of each, about ``size_bytes`` in all."""
-    per_tensor_set = size_bytes / 3 / 4 / COLS  # rows across all layers
+def tensor_specs(size_bytes: int, data: str | bool = "randn") -> list[Spec]:
+    """Parameters (fp32, or bf16 for ``bf16-weights``) plus exp_avg and exp_avg_sq of each (fp32),
+    about ``size_bytes`` in all."""
+    weights = torch.bfloat16 if data_kind(data) == "bf16-weights" else torch.float32
+    per_tensor_set = size_bytes / (weights.itemsize + 8) / COLS  # rows across all layers
     unit = per_tensor_set / sum(LAYER_SHAPE)
     specs = []
     for i, weight in enumerate(LAYER_SHAPE):
         rows = max(1, int(unit * weight)) + (i % 3)  # +0/1/2 keeps some heights uneven
-        specs.append(Spec(f"model.layers.{i}.weight", rows, torch.float32))
+        specs.append(Spec(f"model.layers.{i}.weight", rows, weights))
         specs.append(Spec(f"optim.state.layers.{i}.weight.exp_avg", rows, torch.float32))
         specs.append(Spec(f"optim.state.layers.{i}.weight.exp_avg_sq", rows, torch.float32))
     return specs
 
 
-def rows_of(spec: Spec, start: int, stop: int, compressible: bool) -> torch.Tensor:
+def rows_of(spec: Spec, start: int, stop: int, data: str | bool) -> torch.Tensor:
     """Rows ``start:stop`` of the global tensor ``spec``, identical wherever they are built."""
+    kind = data_kind(data)
     out = torch.empty((max(stop - start, 0), COLS), dtype=spec.dtype)
     seed = zlib.crc32(spec.name.encode())
     for block in range(start // ROW_BLOCK, -(-stop // ROW_BLOCK)):
         b0, b1 = block * ROW_BLOCK, min((block + 1) * ROW_BLOCK, spec.rows)
         gen = torch.Generator().manual_seed(seed * 100_003 + block)
-        values = torch.randn((b1 - b0, COLS), generator=gen)
-        if compressible:  # bf16 precision stored in fp32: half of every value's bytes are zero
+        if kind == "random-bytes":
+            values = torch.randint(0, 256, (b1 - b0, COLS * spec.dtype.itemsize), generator=gen, dtype=torch.uint8)
+            values = values.view(spec.dtype)
+        else:
+            values = torch.randn((b1 - b0, COLS), generator=gen).to(spec.dtype)
+        if kind == "bf16-in-fp32":  # bf16 precision stored in fp32: half of every value's bytes are zero
             values = values.bfloat16().float()
         lo, hi = max(b0, start), min(b1, stop)
         out[lo - start : hi - start] = values[lo - b0 : hi - b0]
@@ -61,7 +80,7 @@ def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
     return min(index * chunk, rows), min((index + 1) * chunk, rows)
 
 
-def build_state(mesh, specs: list[Spec], compressible: bool, rank: int, empty: bool = False) -> dict:
+def build_state(mesh, specs: list[Spec], data: str | bool, rank: int, empty: bool = False) -> dict:
     """The rank's share of the state, on the mesh's device type (CUDA tensors go to the current device)."""
     device = "cuda" if mesh.device_type == "cuda" else "cpu"
     shard_index = mesh.get_local_rank("shard")
@@ -69,7 +88,7 @@ def build_state(mesh, specs: list[Spec], compressible: bool, rank: int, empty: b
     state: dict = {"model": {}, "optim": {"state": {}}}
     for spec in specs:
         a, b = shard_rows(spec.rows, shards, shard_index)
-        local = torch.zeros((b - a, COLS), dtype=spec.dtype) if empty else rows_of(spec, a, b, compressible)
+        local = torch.zeros((b - a, COLS), dtype=spec.dtype) if empty else rows_of(spec, a, b, data)
         local = local.to(device)
         value = DTensor.from_local(
             local, mesh, [Replicate(), Shard(0)], run_check=False, shape=torch.Size((spec.rows, COLS)), stride=(COLS, 1)
@@ -83,7 +102,7 @@ def build_state(mesh, specs: list[Spec], compressible: bool, rank: int, empty: b
     return state
 
 
-def check_state(state: dict, specs: list[Spec], compressible: bool, rank: int) -> list[str]:
+def check_state(state: dict, specs: list[Spec], data: str | bool, rank: int) -> list[str]:
     """Keys whose loaded local values differ bitwise from what was saved."""
     bad = []
     for spec in specs:
@@ -91,9 +110,7 @@ def check_state(state: dict, specs: list[Spec], compressible: bool, rank: int) -
         value = (state["model"] if head == "model" else state["optim"]["state"])[rest.removeprefix("state.")]
         mesh = value.device_mesh
         a, b = shard_rows(spec.rows, mesh.size(mesh.mesh_dim_names.index("shard")), mesh.get_local_rank("shard"))
-        if not torch.equal(
-            value.to_local().cpu().view(torch.int32), rows_of(spec, a, b, compressible).view(torch.int32)
-        ):
+        if not torch.equal(value.to_local().cpu().view(torch.uint8), rows_of(spec, a, b, data).view(torch.uint8)):
             bad.append(spec.name)
     if state["optim"]["step"].item() != 1000.0:
         bad.append("optim.step")

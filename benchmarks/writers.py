@@ -45,12 +45,19 @@ def _torch_reader(url: str, opts: dict | None):
     return dcp.FileSystemReader(url)
 
 
+def _torch_zstd_writer(url: str, opts: dict | None):
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    return dcp.FileSystemWriter(url, _extensions=[ZStandard()])
+
+
 WRITERS = [
     _ckptio("all_ranks"),
     _ckptio("replica_group"),
     _ckptio("all_ranks", "zstd"),
     _ckptio("replica_group", "zstd"),
     WriterSpec("torch FileSystemWriter", ("local",), _torch_writer, _torch_reader),
+    WriterSpec("torch FileSystemWriter+zstd", ("local",), _torch_zstd_writer, _torch_reader),
     WriterSpec(
         "torch FsspecWriter",
         ("local", "s3"),
@@ -68,7 +75,7 @@ WRITERS = [
 
 
 def select(names: list[str] | None, compressed: bool) -> list[WriterSpec]:
-    chosen = [w for w in WRITERS if compressed or "zstd" not in w.name]
+    chosen = [w for w in WRITERS if compressed or "zstd" not in w.name]  # --compressed adds every +zstd writer
     if names:
         wanted = {n.lower() for n in names}
         chosen = [w for w in WRITERS if w.name.lower() in wanted or w.name.split()[-1].lower() in wanted]

@@ -42,6 +42,16 @@ FULL_DIGEST_BYTES = 1 * MiB
 SAMPLED_ELEMENTS = 4096
 
 
+def cpu_threads(max_concurrency: int) -> int:
+    """Threads for CPU work (checksums, compression): ``max_concurrency``, but no more than this
+    process may run on cores (more only switch between each other)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(max_concurrency, cores))
+
+
 @dataclasses.dataclass(frozen=True)
 class StorageConfig:
     """What the storage layer needs to know (see ``WriterConfig`` for each field)."""
@@ -80,7 +90,7 @@ class WriterConfig:
     #: Object stores: objects larger than this go up as multipart uploads of this part size.
     part_size: int = 32 * MiB
     #: Parallel requests per rank (multipart parts on write, ranged GETs on read), and threads per
-    #: rank that compress, decompress and checksum blocks.
+    #: rank that compress, decompress and checksum blocks (at most one per core this process may use).
     max_concurrency: int = 8
     #: Attempts per request for retryable storage errors (503 SlowDown, 500, timeouts, resets).
     retry_attempts: int = 8

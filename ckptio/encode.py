@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
 from .codec import BlockEncoder, block_size_for
-from .config import WriterConfig
+from .config import WriterConfig, cpu_threads
 from .errors import CheckpointError
-from .layout import ItemKind, StoredItem, dtype_name
+from .layout import Codec, ItemKind, StoredItem, dtype_from_name, dtype_name
 from .storage import FsspecStore
 
 
@@ -56,18 +56,22 @@ def encode_items(
     store: FsspecStore, file: str, items: Iterable[ItemBytes], config: WriterConfig, inline_limit: int = 0
 ) -> dict[MetadataIndex, StoredItem]:
     """Store ``items`` in data file ``file`` (or inline, if they all fit in ``inline_limit`` bytes)."""
-    encoder = BlockEncoder(config.max_block_size, config.compression, config.compression_level, config.max_concurrency)
+    encoder = BlockEncoder(
+        config.max_block_size, config.compression, config.compression_level, cpu_threads(config.max_concurrency)
+    )
     sink = _InlineOrFileSink(store, file, inline_limit)
-    placed: list[tuple[ItemBytes, int, int, tuple[tuple[int, int], ...]]] = []  # item, offset, block size, blocks
+    placed: list[tuple[ItemBytes, Codec, int, int, tuple[tuple[int, int], ...]]] = []  # + codec, offset, block size
     offset = 0
     try:
         for item in items:
             block_size = block_size_for(len(item.data), encoder.max_block_size)
+            itemsize = dtype_from_name(item.dtype).itemsize if item.kind == ItemKind.TENSOR else 1
+            codec, planes = encoder.codec_for(item.data, itemsize)
             blocks = []
-            for stored, crc in encoder.encode(item.data, block_size):
+            for stored, crc in encoder.encode(item.data, block_size, codec, planes):
                 sink.write(stored)
                 blocks.append((len(stored), crc))
-            placed.append((item, offset, block_size, tuple(blocks)))
+            placed.append((item, codec, offset, block_size, tuple(blocks)))
             offset += sum(n for n, _ in blocks)
         sink.close()
     except BaseException:
@@ -77,7 +81,7 @@ def encode_items(
         encoder.close()
     inline = sink.inline
     records = {}
-    for item, at, block_size, blocks in placed:
+    for item, codec, at, block_size, blocks in placed:
         end = at + sum(n for n, _ in blocks)
         records[item.index] = StoredItem(
             file="" if inline is not None else file,
@@ -86,7 +90,7 @@ def encode_items(
             kind=item.kind,
             dtype=item.dtype,
             shape=item.shape,
-            codec=encoder.codec,
+            codec=codec,
             block_size=block_size,
             blocks=blocks,
             inline=inline[at:end] if inline is not None else None,

@@ -15,11 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from .codec import BlockSizeError, checksum, decode_block
-from .config import MAX_REQUEST_BYTES, READ_BATCH_BYTES
+from .config import MAX_REQUEST_BYTES, READ_BATCH_BYTES, cpu_threads
 from .errors import CorruptCheckpointError
 from .layout import METADATA_NAME, Codec, ItemKind, StoredItem, dtype_from_name
 from .ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests, row_major_strides
@@ -40,6 +41,7 @@ def load_items(
     batch: list[_Window] = []
     size = 0
     actual_sizes = _ActualSizes(store)
+    staging = _Staging()
     for read_item, item in pairs:
         job = _Job.build(read_item, item)
         job.prepare(planner)
@@ -50,12 +52,12 @@ def load_items(
                 # the metadata are claims, not facts.
                 actual_sizes.require(item, window.blocks[-1])
             if batch and size + staged > READ_BATCH_BYTES:
-                _run_batch(store, batch, planner, verify, recorded_sizes, workers)
+                _run_batch(store, batch, planner, verify, recorded_sizes, workers, staging)
                 batch, size = [], 0
             batch.append(window)
             size += staged
     if batch:
-        _run_batch(store, batch, planner, verify, recorded_sizes, workers)
+        _run_batch(store, batch, planner, verify, recorded_sizes, workers, staging)
 
 
 def read_item_blocks(
@@ -89,12 +91,15 @@ def verify_block(item: StoredItem, block: int, pieces: list, where: str) -> None
         )
 
 
-def decode_verified(item: StoredItem, block: int, stored: memoryview, where: str, verify: bool = True) -> Any:
-    """Check one stored block against its recorded CRC32C and return its logical bytes."""
+def decode_verified(
+    item: StoredItem, block: int, stored: memoryview, where: str, verify: bool = True, out: memoryview | None = None
+) -> Any:
+    """Check one stored block against its recorded CRC32C and return its logical bytes (``out``
+    itself, when the codec could decode into it)."""
     if verify:
         verify_block(item, block, [stored], where)
     try:
-        return decode_block(stored, item.block_logical_len(block), item.codec)
+        return decode_block(stored, item.block_logical_len(block), item.codec, item.itemsize, out)
     except BlockSizeError as exc:
         raise CorruptCheckpointError(f"{where}, block {block}: {exc}; the checkpoint is damaged") from None
     except Exception as exc:  # zstd raises its own error type
@@ -173,14 +178,16 @@ class _Window:
     def fetch_bytes(self) -> int:
         return sum(self.job.item.blocks[b][0] for b in self.blocks)
 
-    def pieces(self) -> list[ReadPiece]:
+    def pieces(self, staging: "_Staging") -> list[ReadPiece]:
         item = self.job.item
         if self.direct:
             return self._direct_pieces()
         if item.inline is not None:
             self.stored = {b: memoryview(item.inline)[_span(item, b)] for b in self.blocks}
             return []
-        self.stored = {b: memoryview(bytearray(item.blocks[b][0])) for b in self.blocks}
+        area = staging.take(self.fetch_bytes)
+        at = item.block_offsets[self.blocks[0]]
+        self.stored = {b: area[item.block_offsets[b] - at : item.block_offsets[b + 1] - at] for b in self.blocks}
         return [ReadPiece(item.file, item.block_offsets[b], self.stored[b]) for b in self.blocks]
 
     def _direct_pieces(self) -> list[ReadPiece]:
@@ -210,15 +217,18 @@ class _Window:
             verify_block(item, b, pieces, self.job.where)
 
     def decode(self, b: int, verify: bool) -> Any:
-        """Check and decode block ``b``; when the job has a destination, write its part there."""
+        """Check and decode block ``b``; when the job has a destination, write its part there
+        (straight into it, when the block lies wholly inside)."""
         job = self.job
-        data = decode_verified(job.item, b, self.stored.pop(b), job.where, verify)
         if job.dest is None:
-            return data
-        lo = b * job.item.block_size
+            return decode_verified(job.item, b, self.stored.pop(b), job.where, verify)
+        lo, n = b * job.item.block_size, job.item.block_logical_len(b)
         start, stop = job.run
-        a, z = max(lo, start), min(lo + len(data), stop)
-        job.dest[a - start : z - start] = memoryview(data)[a - lo : z - lo]
+        inside = job.dest[lo - start : lo + n - start] if start <= lo and lo + n <= stop else None
+        data = decode_verified(job.item, b, self.stored.pop(b), job.where, verify, out=inside)
+        if data is not inside:
+            a, z = max(lo, start), min(lo + n, stop)
+            job.dest[a - start : z - start] = memoryview(data)[a - lo : z - lo]
         return None
 
     def deliver(self, blocks: dict[int, Any], planner: LoadPlanner) -> None:
@@ -270,6 +280,27 @@ class _ActualSizes:
             )
 
 
+class _Staging:
+    """Memory for stored bytes on their way to being checked and decoded: one buffer of
+    ``READ_BATCH_BYTES``, allocated on first use and reused by every batch of a load (fresh
+    memory costs a page fault per page; a window larger than it gets a buffer of its own)."""
+
+    def __init__(self) -> None:
+        self.buffer: memoryview | None = None
+        self.used = 0
+
+    def take(self, n: int) -> memoryview:
+        if n > READ_BATCH_BYTES - self.used:
+            return memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+        if self.buffer is None:
+            self.buffer = memoryview(np.empty(READ_BATCH_BYTES, dtype=np.uint8)).cast("B")
+        self.used += n
+        return self.buffer[self.used - n : self.used]
+
+    def release(self) -> None:
+        self.used = 0
+
+
 def _span(item: StoredItem, block: int) -> slice:
     return slice(item.block_offsets[block], item.block_offsets[block + 1])
 
@@ -281,11 +312,12 @@ def _run_batch(
     verify: bool,
     recorded_sizes: dict[str, int],
     workers: int,
+    staging: _Staging,
 ) -> None:
-    _read_all(store, [piece for w in windows for piece in w.pieces()], recorded_sizes)
+    _read_all(store, [piece for w in windows for piece in w.pieces(staging)], recorded_sizes)
     # Checksums and zstd release the GIL: check and decode all staged blocks on a few threads.
     tasks = [(w, b) for w in windows if not w.direct for b in w.blocks]
-    with ThreadPoolExecutor(max(1, min(workers, len(tasks)))) as pool:
+    with ThreadPoolExecutor(max(1, min(cpu_threads(workers), len(tasks)))) as pool:
         decoded = list(pool.map(lambda task: task[0].decode(task[1], verify), tasks))
     by_window: dict[int, dict[int, Any]] = {}
     for (w, b), data in zip(tasks, decoded):
@@ -299,6 +331,7 @@ def _run_batch(
             w.deliver(by_window.get(id(w), {}), planner)
         elif w.last:
             w.job.commit(planner)
+    staging.release()
 
 
 def _fetch_blocks(
@@ -306,7 +339,7 @@ def _fetch_blocks(
 ) -> dict[int, memoryview]:
     if item.inline is not None:
         return {b: memoryview(item.inline)[_span(item, b)] for b in blocks}
-    stored = {b: memoryview(bytearray(item.blocks[b][0])) for b in blocks}
+    stored = {b: memoryview(np.empty(item.blocks[b][0], dtype=np.uint8)).cast("B") for b in blocks}
     _read_all(store, [ReadPiece(item.file, item.block_offsets[b], stored[b]) for b in blocks], recorded_sizes)
     return stored
 

@@ -40,7 +40,9 @@ from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
 
 FORMAT_NAME = "ckptio"
-FORMAT_VERSION = 1
+#: The newest format this ckptio reads and writes. Version 2 adds the ``zstd-byteplanes`` codec;
+#: a checkpoint is written as version 1, readable by ckptio 0.1, unless it uses that codec.
+FORMAT_VERSION = 2
 METADATA_NAME = "ckptio.json"
 TORCH_DCP_METADATA_NAME = ".metadata"
 _DATA_NAME = re.compile(r"data-([0-9a-f]{8,32})-r([0-9]{5,})\.ckio")
@@ -60,6 +62,12 @@ class Codec(str, enum.Enum):
 
     RAW = "raw"
     ZSTD = "zstd"
+    ZSTD_BYTEPLANES = "zstd-byteplanes"  # format version 2: see codec.py
+
+    @property
+    def format_version(self) -> int:
+        """The oldest format version that has this codec."""
+        return 2 if self is Codec.ZSTD_BYTEPLANES else 1
 
 
 class DataFileName(NamedTuple):
@@ -122,6 +130,11 @@ class StoredItem:
     @property
     def stored_bytes(self) -> int:
         return self.block_offsets[-1] - self.offset
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element (1 for objects)."""
+        return dtype_from_name(self.dtype).itemsize if self.kind == ItemKind.TENSOR else 1
 
     def block_logical_len(self, index: int) -> int:
         return min(self.block_size, self.logical_bytes - index * self.block_size)
@@ -449,9 +462,12 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
         index = MetadataIndex(raw["fqn"], torch.Size(_ints(offset)) if offset is not None else None, raw["index"])
         if not isinstance(index.fqn, str) or index in items:
             raise CheckpointFormatError(f"{where}: item {index.fqn!r:.80} at {offset} is listed twice or unnamed")
-        items[index] = _decode_item(raw, index.fqn, files, where)
+        items[index] = _decode_item(raw, index.fqn, files, where, header.format_version)
     per_rank = {
-        fqn: {_rank_of(rank, where): _decode_item(raw, fqn, files, where) for rank, raw in copies.items()}
+        fqn: {
+            _rank_of(rank, where): _decode_item(raw, fqn, files, where, header.format_version)
+            for rank, raw in copies.items()
+        }
         for fqn, copies in (_FieldReader(doc, where).mapping("per_rank_objects", nullable=True) or {}).items()
     }
     _check_coverage(state, items, per_rank, where)
@@ -562,7 +578,7 @@ def _rank_of(text: Any, where: str) -> int:
     return int(text)
 
 
-def _decode_item(raw: dict[str, Any], fqn: str, files: dict[str, int], where: str) -> StoredItem:
+def _decode_item(raw: dict[str, Any], fqn: str, files: dict[str, int], where: str, version: int) -> StoredItem:
     key = f"{where}: item {fqn!r:.80}"
     try:
         kind, codec = ItemKind(raw["kind"]), Codec(raw["codec"])
@@ -584,11 +600,15 @@ def _decode_item(raw: dict[str, Any], fqn: str, files: dict[str, int], where: st
         blocks=_decode_blocks(raw, where),
         inline=_decode_inline(raw.get("inline"), where),
     )
-    _check_item(item, key, files)
+    _check_item(item, key, files, version)
     return item
 
 
-def _check_item(item: StoredItem, key: str, files: dict[str, int]) -> None:
+def _check_item(item: StoredItem, key: str, files: dict[str, int], version: int) -> None:
+    if item.codec.format_version > version:
+        raise CheckpointFormatError(f"{key} uses codec {item.codec.value!r}, which format version {version} lacks")
+    if item.codec == Codec.ZSTD_BYTEPLANES and (item.kind != ItemKind.TENSOR or item.itemsize not in (2, 4, 8)):
+        raise CheckpointFormatError(f"{key} uses byte planes but is not a tensor of 2-, 4- or 8-byte elements")
     if item.file == "":
         if item.inline is None or item.offset != 0 or len(item.inline) != item.stored_bytes:
             raise CheckpointFormatError(f"{key} is stored inline but its inline bytes do not match its blocks")

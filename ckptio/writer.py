@@ -160,8 +160,11 @@ class Writer(CheckpointLocation, StorageWriter):
         results, reports = split_reports(results)
         per_rank = per_rank_values(reports, self.config.differing_objects)
         files, writers = _data_files(results, reports)
+        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
+        stored = [*items.values(), *(item for copies in per_rank.values() for item in copies.values())]
         header = Header(
             files=files,
+            format_version=max((item.codec.format_version for item in stored), default=1),
             written_by=f"ckptio {__version__}",
             torch_version=torch.__version__,
             created_unix=time.time(),
@@ -172,7 +175,6 @@ class Writer(CheckpointLocation, StorageWriter):
             writer_ranks=writers,
             dcp_version=metadata.version,
         )
-        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
         metadata.planner_data = canonical_planner_data(metadata.planner_data)
         publish(
             self._open_store(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import struct
 import time
 
 import boto3
@@ -72,45 +73,62 @@ def _frame_declaring(size: int) -> bytes:
     return frame[:at] + size.to_bytes(4, "little") + frame[at + 4 :]
 
 
-def _recompress_first_block(url: str, key: str, new_logical: bytes, frame: bytes | None = None, **compressor) -> None:
-    """Put a different zstd frame in block 0 of ``key`` and re-sign the metadata, as a crafted
-    (or buggy) checkpoint would: the checksums match, only the decoded length is wrong."""
+def _replace_first_block(url: str, key: str, stored: bytes) -> None:
+    """Put other stored bytes in block 0 of ``key`` and re-sign the metadata, as a crafted (or
+    buggy) checkpoint would: the checksums match, only what the block decodes to is wrong."""
     doc = _read_doc(url)
     item = next(i for i in doc["items"] if i["fqn"] == key)
     path = os.path.join(url, item["file"])
     data = open(path, "rb").read()
     lengths, crcs = _unpack(item["stored_lengths"], "x"), _unpack(item["crc32c"], "x")
-    frame = frame if frame is not None else zstandard.ZstdCompressor(**compressor).compress(new_logical)
     start = item["offset"]
-    data = data[:start] + frame + data[start + lengths[0] :]
-    lengths[0], crcs[0] = len(frame), checksum(frame)
+    data = data[:start] + stored + data[start + lengths[0] :]
+    lengths[0], crcs[0] = len(stored), checksum(stored)
     item["stored_lengths"], item["crc32c"] = _pack(lengths), _pack(crcs)
     doc["files"][item["file"]] = len(data)
     open(path, "wb").write(data)
     _write_doc(url, doc)
 
 
+def _saved_zeros(tmp_path, codec: str) -> tuple[str, torch.Tensor, int]:
+    """A compressed checkpoint of one zeros tensor stored with ``codec``; its block size."""
+    url = str(tmp_path / "ckpt")
+    zeros = torch.zeros(256, 1024, dtype=torch.uint8 if codec == "zstd" else torch.float32)
+    config = ckptio.WriterConfig(compression="zstd", inline_limit=0)
+    dcp.save({"w": zeros}, storage_writer=ckptio.Writer(url, config))
+    (item,) = _read_doc(url)["items"]
+    assert item["codec"] == codec
+    return url, zeros, item["block_size"]
+
+
+def _block_around(codec: str, block: int, frame: bytes) -> bytes:
+    """A stored block for ``codec`` whose (last) zstd frame is ``frame``."""
+    if codec == "zstd":
+        return frame
+    plane = block // 4  # three raw planes, then the compressed one
+    return bytes([4]) + struct.pack("<4I", plane, plane, plane, len(frame)) + bytes(3 * plane) + frame
+
+
+@pytest.mark.parametrize("codec", ["zstd", "zstd-byteplanes"])
 @pytest.mark.parametrize("content_size", [True, False])
-def test_a_compressed_block_that_decodes_to_another_length_is_corrupt(tmp_path, content_size):
-    url = str(tmp_path / "ckpt")
-    weight = torch.zeros(256, 1024)  # zeros: every block compresses
-    dcp.save({"w": weight}, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(compression="zstd", inline_limit=0)))
-    block = _read_doc(url)["items"][0]["block_size"]
-    _recompress_first_block(url, "w", bytes(block - 4), write_content_size=content_size)
-    error = _load_error(url, {"w": torch.full((256, 1024), 7.0)})
+def test_a_compressed_block_that_decodes_to_another_length_is_corrupt(tmp_path, codec, content_size):
+    url, zeros, block = _saved_zeros(tmp_path, codec)
+    logical = block if codec == "zstd" else block // 4
+    frame = zstandard.ZstdCompressor(write_content_size=content_size).compress(bytes(logical - 4))
+    _replace_first_block(url, "w", _block_around(codec, block, frame))
+    error = _load_error(url, {"w": torch.full_like(zeros, 7)})
     assert isinstance(error, ckptio.CorruptCheckpointError) and "'w'" in str(error) and "block 0" in str(error)
-    assert str(block) in str(error)
+    assert f"{logical - 4} bytes where the metadata records {logical}" in str(error) or (
+        content_size and f"declares {logical - 4} bytes" in str(error)
+    ), str(error)
 
 
-def test_a_frame_that_declares_a_huge_size_fails_before_allocating(tmp_path):
-    url = str(tmp_path / "ckpt")
-    dcp.save(
-        {"w": torch.zeros(256, 1024)},
-        storage_writer=ckptio.Writer(url, ckptio.WriterConfig(compression="zstd", inline_limit=0)),
-    )
-    _recompress_first_block(url, "w", b"", frame=_frame_declaring(3 << 30))
+@pytest.mark.parametrize("codec", ["zstd", "zstd-byteplanes"])
+def test_a_frame_that_declares_a_huge_size_fails_before_allocating(tmp_path, codec):
+    url, zeros, block = _saved_zeros(tmp_path, codec)
+    _replace_first_block(url, "w", _block_around(codec, block, _frame_declaring(3 << 30)))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    error = _load_error(url, {"w": torch.zeros(256, 1024)})
+    error = _load_error(url, {"w": torch.zeros_like(zeros)})
     assert isinstance(error, ckptio.CorruptCheckpointError) and "declares 3221225472 bytes" in str(error)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < (1 << 30) // 1024  # KiB
 

@@ -169,3 +169,54 @@ def test_environment_overrides_arguments_and_dicts(clean_env, monkeypatch):
     monkeypatch.setenv("CKPTIO_MAX_BLOCK_SIZE", "lots")
     with pytest.raises(ValueError, match="CKPTIO_MAX_BLOCK_SIZE='lots' is not a valid int"):
         WriterConfig()
+
+
+# --- byte planes (format version 2) ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.int16])
+def test_byte_planes_round_trip_and_beat_whole_block_zstd(dtype):
+    from ckptio.layout import Codec
+
+    values = (torch.randn(30_001) * 100).to(dtype)  # an odd count: the last block is partial
+    data = memoryview(values.view(torch.uint8).numpy()).cast("B")
+    enc = BlockEncoder(16384, "zstd")
+    codec, planes = enc.codec_for(data, values.element_size())
+    assert codec == Codec.ZSTD_BYTEPLANES and len(planes) == values.element_size() and any(planes)
+    blocks = list(enc.encode(data, 16384, codec, planes))
+    decoded = b"".join(
+        bytes(decode_block(stored, min(16384, len(data) - i * 16384), codec, values.element_size()))
+        for i, (stored, _) in enumerate(blocks)
+    )
+    assert decoded == bytes(data)
+    whole = sum(len(b) for b, _ in BlockEncoder(16384, "zstd").encode(data, 16384, Codec.ZSTD))
+    assert sum(len(b) for b, _ in blocks) < whole
+
+
+def test_incompressible_items_are_stored_raw_from_a_sample():
+    from ckptio.layout import Codec
+
+    enc = BlockEncoder(16384, "zstd")
+    noise = memoryview(os.urandom(1 << 20))
+    assert enc.codec_for(noise, 4) == (Codec.RAW, ()) and enc.codec_for(noise, 1) == (Codec.RAW, ())
+    assert enc.codec_for(memoryview(bytes(1 << 16)), 1)[0] == Codec.ZSTD
+    assert BlockEncoder(16384, None).codec_for(memoryview(bytes(1 << 16)), 4) == (Codec.RAW, ())
+
+
+def test_format_version_2_only_when_byte_planes_are_used(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    import ckptio
+
+    cases = {"raw": (None, torch.float32), "zstd-bytes": ("zstd", torch.uint8), "planes": ("zstd", torch.bfloat16)}
+    for name, (compression, dtype) in cases.items():
+        url = str(tmp_path / name)
+        value = torch.zeros(100_000, dtype=dtype)
+        dcp.save({"t": value}, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(compression=compression)))
+        doc = json.load(open(os.path.join(url, "ckptio.json")))
+        assert doc["format_version"] == (2 if name == "planes" else 1), name
+        out = {"t": torch.ones_like(value)}
+        dcp.load(out, storage_reader=ckptio.Reader(url))
+        assert torch.equal(out["t"], value)
+    doc["format_version"] = 1  # byte planes claimed by a version-1 document
+    open(os.path.join(url, "ckptio.json"), "w").write(json.dumps(doc))
+    with pytest.raises(CheckpointFormatError, match="format version 1 lacks"):
+        decode_metadata(json.dumps(doc).encode(), "x")
