@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(base + ".md", "w") as f:
         f.write(report.markdown_report(doc))
     print(report.table(doc["results"]))
+    by_dtype = report.dtype_table(doc["results"])
+    if by_dtype and any("zstd" in r["writer"] for r in doc["results"]):
+        print("\nBytes saved by compression, per dtype (tensor data):\n" + by_dtype)
     requests = report.request_table(doc["results"])
     if requests:
         print("\nS3 requests (client side, summed over ranks):\n" + requests)

@@ -137,3 +137,34 @@ def rank_of(name: str) -> int | None:
 
 def now() -> float:
     return time.perf_counter()
+
+
+def bytes_by_dtype(url: str, storage_options: dict | None) -> dict[str, list[int]]:
+    """dtype -> [logical, stored] bytes of the tensors in a ckptio or torch DCP checkpoint, from its
+    metadata (torch records each item's stored length; ckptio each block's)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    import ckptio
+
+    out: dict[str, list[int]] = {}
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if fs.exists(f"{root}/ckptio.json"):
+        manifest = ckptio.Reader(url, storage_options=storage_options).prefetch_metadata()
+        for item in manifest.items.values():
+            if item.dtype is not None:
+                entry = out.setdefault(item.dtype, [0, 0])
+                entry[0] += item.logical_bytes
+                entry[1] += item.stored_bytes
+        return out
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    reader = FsspecReader(url, **(storage_options or {}))
+    metadata = reader.read_metadata()
+    for index, info in metadata.storage_data.items():
+        md = metadata.state_dict_metadata[index.fqn]
+        if isinstance(md, TensorStorageMetadata):
+            chunk = next(c for c in md.chunks if c.offsets == index.offset)
+            entry = out.setdefault(str(md.properties.dtype).removeprefix("torch."), [0, 0])
+            entry[0] += chunk.sizes.numel() * md.properties.dtype.itemsize
+            entry[1] += info.length
+    return out

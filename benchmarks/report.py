@@ -58,9 +58,25 @@ def summarize(records: list[dict], files: dict[str, dict[str, int]], world: int,
             "reshard_load_requests": _sum_counts(r["reshard_load_requests"] for r in first),
             "load_bit_exact": all(not r["load_mismatches"] for r in recs),
             "reshard_bit_exact": all(not r["reshard_mismatches"] for r in first),
+            "bytes_by_dtype": next((r["bytes_by_dtype"] for r in first if "bytes_by_dtype" in r), {}),
         }
         rows.append(row)
     return rows
+
+
+def dtype_table(rows: list[dict]) -> str:
+    """Stored / logical bytes per dtype for every writer (how much compression saves on what)."""
+    dtypes = sorted({d for r in rows for d in r.get("bytes_by_dtype", {})})
+    if not dtypes:
+        return ""
+    header = ["target", "writer"] + [f"{d} saved" for d in dtypes] + ["all saved"]
+    lines = ["  ".join(header)]
+    for r in rows:
+        by = r.get("bytes_by_dtype", {})
+        cells = [f"{1 - by[d][1] / by[d][0]:.1%}" if d in by and by[d][0] else "-" for d in dtypes]
+        logical, stored = sum(v[0] for v in by.values()), sum(v[1] for v in by.values())
+        lines.append("  ".join([r["target"], r["writer"], *cells, f"{1 - stored / logical:.1%}" if logical else "-"]))
+    return "\n".join(lines)
 
 
 def _sum_counts(counts) -> dict[str, int]:
@@ -164,6 +180,9 @@ def markdown_report(doc: dict[str, Any]) -> str:
     requests = request_table(doc["results"], markdown=True)
     if requests:
         parts += ["", "## S3 requests (client side, all ranks)", "", requests]
+    by_dtype = dtype_table(doc["results"])
+    if by_dtype and any("zstd" in r["writer"] for r in doc["results"]):
+        parts += ["", "## Bytes saved by compression, per dtype", "", "```", by_dtype, "```"]
     if doc.get("charts"):
         parts += ["", f"![charts]({doc['charts']})"]
     return "\n".join(parts) + "\n"

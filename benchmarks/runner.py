@@ -93,6 +93,8 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
     dist.barrier()
     if rank == 0:  # after the counts were taken: listing and cleanup are not part of the measurement
         record["listing"] = counting.checkpoint_files(url, options)
+        if rep == 0:
+            record["bytes_by_dtype"] = counting.bytes_by_dtype(url, options)
         if not cfg["keep"]:
             counting.remove(url, options)
     dist.barrier()

@@ -31,6 +31,9 @@ MIN_BLOCK_SIZE = 4 << 10
 #: Stored bytes staged in memory per round of parallel reads on load (reads straight into the
 #: destination tensors do not count): bounds the reader's extra memory, compressed loads included.
 READ_BATCH_BYTES = 64 * MiB
+#: Stored bytes one thread checks and decodes per task on load (a task per small block costs more
+#: in scheduling than the block's decode).
+DECODE_TASK_BYTES = 1 * MiB
 #: Longest single ranged read: touching reads are merged up to it, longer ones are split, so one
 #: large item still reads in parallel. The only request-merging policy (ranges.plan_requests).
 MAX_REQUEST_BYTES = 32 * MiB

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from .codec import BlockSizeError, checksum, decode_block
-from .config import MAX_REQUEST_BYTES, READ_BATCH_BYTES, cpu_threads
+from .config import DECODE_TASK_BYTES, MAX_REQUEST_BYTES, READ_BATCH_BYTES, cpu_threads
 from .errors import CorruptCheckpointError
 from .layout import METADATA_NAME, Codec, ItemKind, StoredItem, dtype_from_name
 from .ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests, row_major_strides
@@ -315,13 +315,23 @@ def _run_batch(
     staging: _Staging,
 ) -> None:
     _read_all(store, [piece for w in windows for piece in w.pieces(staging)], recorded_sizes)
-    # Checksums and zstd release the GIL: check and decode all staged blocks on a few threads.
-    tasks = [(w, b) for w in windows if not w.direct for b in w.blocks]
+    # Checksums and zstd release the GIL: check and decode all staged blocks on a few threads,
+    # in tasks of about DECODE_TASK_BYTES (one future per small block costs more than its decode).
+    tasks: list[list[tuple[_Window, int]]] = [[]]
+    size = 0
+    for w in windows:
+        for b in [] if w.direct else w.blocks:
+            if size >= DECODE_TASK_BYTES:
+                tasks.append([])
+                size = 0
+            tasks[-1].append((w, b))
+            size += w.job.item.blocks[b][0]
     with ThreadPoolExecutor(max(1, min(cpu_threads(workers), len(tasks)))) as pool:
-        decoded = list(pool.map(lambda task: task[0].decode(task[1], verify), tasks))
-    by_window: dict[int, dict[int, Any]] = {}
-    for (w, b), data in zip(tasks, decoded):
-        by_window.setdefault(id(w), {})[b] = data
+        decoded = pool.map(lambda task: [w.decode(b, verify) for w, b in task], tasks)
+        by_window: dict[int, dict[int, Any]] = {}
+        for task, results in zip(tasks, decoded):
+            for (w, b), data in zip(task, results):
+                by_window.setdefault(id(w), {})[b] = data
     for w in windows:
         if w.direct:
             if verify:
