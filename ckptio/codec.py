@@ -14,9 +14,10 @@ Codecs, chosen per item from a sample of its bytes (``BlockEncoder.codec_for``):
   is stored on its own: compressed if the sample showed that plane shrinks (the exponent
   bytes of floats do), else raw. Stored block layout: one byte ``k`` (the plane count), ``k``
   little-endian uint32 stored plane lengths (a length equal to the plane's size means raw),
-  then the planes; or, where that is smaller (nearly constant data), one zstd frame for the whole
-  block, told apart by zstd's magic number (its first byte is never a plane count). On bf16 weights this saves ~31% where whole-block zstd saves ~22%, on fp32
-  ~15% instead of ~8%, at any block size from 64 KiB up.
+  then the planes; or, where that is smaller (nearly constant data), one zstd frame for the
+  whole block, told apart by zstd's magic number (its first byte is never a plane count).
+  On bf16 weights this saves ~31% where whole-block zstd saves ~22%, on fp32 ~15% instead of
+  ~8%, at any block size from 64 KiB up.
 """
 
 from __future__ import annotations

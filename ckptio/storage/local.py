@@ -19,25 +19,14 @@ class LocalStore(FsspecStore):
         return _LocalSink(self, name, handle)
 
     def put_atomic(self, name: str, data: bytes) -> None:
-        final = self.path(name)
-        tmp = f"{final}.tmp-{os.getpid()}"
-
-        def publish() -> None:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-
-        try:
-            self._guard(name, "write", publish)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        self._publish(name, data, os.replace)
 
     def put_if_absent(self, name: str, data: bytes) -> None:
         """Exclusive publish: a hard link fails if the name exists, so two writers cannot both win."""
+        self._publish(name, data, os.link)
+
+    def _publish(self, name: str, data: bytes, place) -> None:
+        """Write ``data`` durably to a temporary file, then ``place(temporary, final)`` it."""
         final = self.path(name)
         tmp = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
 
@@ -46,7 +35,7 @@ class LocalStore(FsspecStore):
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.link(tmp, final)
+            place(tmp, final)
             _fsync_dir(self.root)
 
         try:
