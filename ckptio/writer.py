@@ -159,31 +159,38 @@ class Writer(CheckpointLocation, StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         results, reports = split_reports(results)
         per_rank = per_rank_values(reports, self.config.differing_objects)
-        files, writers = _data_files(results, reports)
         items = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        stored = [*items.values(), *(item for copies in per_rank.values() for item in copies.values())]
-        header = Header(
-            files=files,
-            format_version=max((item.codec.format_version for item in stored), default=1),
-            written_by=f"ckptio {__version__}",
-            torch_version=torch.__version__,
-            created_unix=time.time(),
-            save_id=self._save_id,
-            world_size=len(results),
-            mesh=next((r.mesh for r in reports if r.mesh), None),
-            config=SavedConfig(self.config.mode, self.config.compression, self.config.max_block_size),
-            writer_ranks=writers,
-            dcp_version=metadata.version,
-        )
+        header = _header(self.config, metadata, results, reports, per_rank, self._save_id)
         metadata.planner_data = canonical_planner_data(metadata.planner_data)
-        publish(
-            self._open_store(),
-            encode_metadata(metadata, items, header, per_rank),
-            files,
-            self._superseded,
-            self.config.overwrite,
-        )
+        document = encode_metadata(metadata, items, header, per_rank)
+        publish(self._open_store(), document, header.files, self._superseded, self.config.overwrite)
         metadata.storage_meta = self.storage_meta()
+
+
+def _header(
+    config: WriterConfig,
+    metadata: Metadata,
+    results: list[list[WriteResult]],
+    reports: list[ObjectReport],
+    per_rank: dict[str, dict[int, StoredItem]],
+    save_id: str | None,
+) -> Header:
+    files, writers = _data_files(results, reports)
+    stored = [r.storage_data for rank_results in results for r in rank_results]
+    stored += [item for copies in per_rank.values() for item in copies.values()]
+    return Header(
+        files=files,
+        format_version=max((item.codec.format_version for item in stored), default=1),
+        written_by=f"ckptio {__version__}",
+        torch_version=torch.__version__,
+        created_unix=time.time(),
+        save_id=save_id,
+        world_size=len(results),
+        mesh=next((r.mesh for r in reports if r.mesh), None),
+        config=SavedConfig(config.mode, config.compression, config.max_block_size),
+        writer_ranks=writers,
+        dcp_version=metadata.version,
+    )
 
 
 def _check_same_location(plans: list[SavePlan]) -> None:
