@@ -19,6 +19,8 @@ WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module")
 
 
 def canonical_key(key: str) -> str:
+    if not any(segment in key for segment in WRAPPER_SEGMENTS):  # the common case, kept cheap
+        return key
     return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
 
 
@@ -61,7 +63,8 @@ def copy_back(original: dict[str, Any], loaded: dict[str, Any]) -> None:
 
 # --- the same rule inside the DCP protocol (plain dcp.save / dcp.load with Writer / Reader) ---------
 def canonical_index(index: MetadataIndex) -> MetadataIndex:
-    return dataclasses.replace(index, fqn=canonical_key(index.fqn))
+    fqn = canonical_key(index.fqn)
+    return index if fqn == index.fqn else dataclasses.replace(index, fqn=fqn)
 
 
 def canonical_write_items(items: list[WriteItem]) -> dict[MetadataIndex, WriteItem]:

@@ -114,7 +114,10 @@ class Writer(CheckpointLocation, StorageWriter):
         # Keys are stored canonical (no _orig_mod. / _checkpoint_wrapped_module.), as ckptio.save does.
         if plan.usable:  # a plan torch's plan cache skipped is empty: write_data finds the held items then
             self._held = plan.items
-        items = [dataclasses.replace(it, index=idx) for idx, it in canonical_write_items(plan.items).items()]
+        items = [
+            it if idx is it.index else dataclasses.replace(it, index=idx)
+            for idx, it in canonical_write_items(plan.items).items()
+        ]
         return dataclasses.replace(plan, items=items, storage_data=Holdings(tuple(items), self.checkpoint_id))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
