@@ -20,6 +20,8 @@ ERROR_BODIES = {
     b"</Error>",
     500: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code><Message>We encountered an "
     b"internal error. Please try again.</Message></Error>",
+    501: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NotImplemented</Code><Message>A header you provided "
+    b"implies functionality that is not implemented.</Message></Error>",
 }
 
 
@@ -30,6 +32,7 @@ class Request:
     query: dict
     operation: str
     key: str
+    conditional: bool = False  # an If-None-Match / If-Match request
 
 
 def classify(method: str, target: str, headers) -> Request:
@@ -61,7 +64,8 @@ def classify(method: str, target: str, headers) -> Request:
         op = "HEAD"
     else:
         op = method
-    return Request(method, path, query, op, key)
+    conditional = any(h in headers for h in ("If-None-Match", "If-Match"))
+    return Request(method, path, query, op, key, conditional)
 
 
 @dataclass
@@ -70,7 +74,7 @@ class Fault:
     reproducible), at most ``times`` times."""
 
     match: Callable[[Request], bool]
-    action: int | str | list  # 503, 500, 403, "drop" or "stall"; a list is cycled through
+    action: int | str | list  # 503, 501, 500, 403, "drop" or "stall"; a list is cycled through
     fraction: float = 1.0
     times: int | None = None
     hits: int = 0

@@ -366,6 +366,19 @@ def test_two_saves_racing_to_one_path_commit_exactly_once_on_s3(s3):
     _race(f"{base}/race", options)
 
 
+def test_s3_compatible_stores_without_conditional_writes_still_commit(s3_proxy):
+    proxy, base, options = s3_proxy
+    url = f"{base}/no-conditional"
+    proxy.faults.append(Fault(lambda r: r.operation == "PUT" and r.conditional, 501))
+    dcp.save({"w": torch.ones(10)}, storage_writer=ckptio.Writer(url, storage_options=options))
+    stats = proxy.reset()
+    # the conditional PUT once (501 is not retried), then the check and a plain PUT
+    assert stats.failed["PUT"] == 1 and stats.requests["PUT"] == 2 and stats.requests["HEAD"] == 1
+    out = {"w": torch.zeros(10)}
+    dcp.load(out, storage_reader=ckptio.Reader(url, storage_options=options))
+    assert torch.equal(out["w"], torch.ones(10))
+
+
 def test_ranks_given_different_paths_fail_before_writing_anything(tmp_path):
     for outcome in spawn(2, findings.save_to_a_per_rank_path, str(tmp_path)):
         assert outcome.startswith("CheckpointError") and "different checkpoint locations" in outcome, outcome

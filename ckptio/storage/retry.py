@@ -30,6 +30,8 @@ RETRYABLE_CODES = {
     "503",
     "504",
 }
+# 5xx answers that will not change on a retry
+NOT_RETRYABLE_CODES = {"NotImplemented", "501"}
 BASE_DELAY_S = 0.05
 MAX_DELAY_S = 5.0
 
@@ -40,6 +42,8 @@ def is_retryable(exc: BaseException) -> bool:
     if isinstance(response, dict):
         error = response.get("Error", {}) or {}
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if str(error.get("Code")) in NOT_RETRYABLE_CODES or status == 501:
+            return False
         return str(error.get("Code")) in RETRYABLE_CODES or (isinstance(status, int) and status >= 500)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError, OSError)):
         return not isinstance(exc, (FileNotFoundError, PermissionError))

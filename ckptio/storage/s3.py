@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from typing import Any, Sequence
 
 import fsspec
@@ -16,6 +17,8 @@ from ..config import StorageConfig
 from ..errors import CheckpointNotFoundError, StorageError
 from .base import FsspecStore, RangeRequest
 from .retry import with_retries
+
+log = logging.getLogger(__name__)
 
 
 def s3_storage_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -105,11 +108,18 @@ class S3Store(FsspecStore):
         self._run("put_object", name, Key=self.key(name), Body=data)
 
     def put_if_absent(self, name: str, data: bytes) -> None:
-        """A conditional PUT (``If-None-Match: *``): S3 refuses it if the key exists, atomically."""
+        """A conditional PUT (``If-None-Match: *``): S3 refuses it if the key exists, atomically.
+        S3-compatible stores without conditional writes get the generic check-then-write (racy)."""
         try:
             self._run("put_object", name, Key=self.key(name), Body=data, IfNoneMatch="*")
         except _PreconditionFailed:
             raise FileExistsError(self.describe(name)) from None
+        except StorageError as exc:
+            code = str((getattr(exc.__cause__, "response", None) or {}).get("Error", {}).get("Code", ""))
+            if code not in ("NotImplemented", "501"):
+                raise
+            log.warning("ckptio: %s does not support conditional writes; committing without them (racy)", self.url)
+            super().put_if_absent(name, data)
 
     def open_uploads(self) -> list[tuple[str, str]]:
         prefix = self.key("")
