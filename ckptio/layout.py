@@ -46,8 +46,6 @@ FORMAT_VERSION = 2
 METADATA_NAME = "ckptio.json"
 TORCH_DCP_METADATA_NAME = ".metadata"
 _DATA_NAME = re.compile(r"data-([0-9a-f]{8,32})-r([0-9]{5,})\.ckio")
-# JSON nesting a valid document never exceeds; deeper input is refused before it can exhaust the stack.
-_MAX_JSON_DEPTH = 64
 
 
 class ItemKind(str, enum.Enum):
@@ -406,43 +404,18 @@ def _parse_json(raw: bytes, where: str) -> Any:
             raise CheckpointFormatError(f"{where} repeats the JSON key {dup!r:.80}; the metadata is ambiguous")
         return out
 
-    if _json_depth_exceeds(raw, _MAX_JSON_DEPTH):
-        raise CheckpointFormatError(
-            f"{where} nests JSON deeper than {_MAX_JSON_DEPTH} levels; it is not ckptio metadata"
-        )
     try:
         return json.loads(raw, object_pairs_hook=no_duplicates)
     except CheckpointFormatError:
         raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError, int digit limit
+    except RecursionError:  # json's C parser counts its nesting and stops cleanly
+        raise CheckpointFormatError(
+            f"{where} nests JSON deeper than the parser allows; it is not ckptio metadata"
+        ) from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, int digit limit
         raise CheckpointFormatError(
             f"{where} is not valid JSON ({str(exc):.200}); the metadata is damaged or not a ckptio checkpoint"
         ) from None
-
-
-def _json_depth_exceeds(raw: bytes, limit: int) -> bool:
-    """Whether brackets outside strings nest deeper than ``limit`` (a cheap pre-scan; json itself recurses)."""
-    if not isinstance(raw, (bytes, bytearray)):
-        return False
-    depth = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):  # [ {
-            depth += 1
-            if depth > limit:
-                return True
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return False
 
 
 def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
