@@ -79,3 +79,26 @@ def save_equal_objects_with_different_pickles(url: str) -> tuple[str, object, ob
 def save_to_a_per_rank_path(base: str) -> str:
     url = os.path.join(base, f"step-100-{dist.get_rank()}")  # e.g. built from a per-rank clock
     return _outcome(lambda: dcp.save({"w": torch.ones(64, 64)}, storage_writer=ckptio.Writer(url)))
+
+
+def async_saves(base: str, executor: str) -> list[str]:
+    """Three ``dcp.async_save`` calls with ``ckptio.Writer``, each awaited before the next (torch's
+    thread executor runs two saves' collectives concurrently otherwise): two new paths, then an
+    overwrite of the first; every checkpoint loaded back."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    kind = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
+    gen = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(256, 1024, generator=gen), "step": torch.tensor(float(i))} for i in range(3)]
+    targets = [(f"{base}/a", False), (f"{base}/b", False), (f"{base}/a", True)]
+    for (url, overwrite), state in zip(targets, states):
+        future = dcp.async_save(
+            state, storage_writer=ckptio.Writer(url, overwrite=overwrite), async_checkpointer_type=kind
+        )
+        future.result()
+    wrong = []
+    for url, expected in ((f"{base}/a", states[2]), (f"{base}/b", states[1])):
+        out = {"w": torch.zeros(256, 1024), "step": torch.tensor(-1.0)}
+        dcp.load(out, storage_reader=ckptio.Reader(url))
+        wrong += [f"{url}:{k}" for k in out if not torch.equal(out[k], expected[k])]
+    return wrong

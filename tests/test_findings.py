@@ -513,3 +513,9 @@ def _load_peak(base: str, nbytes: int) -> tuple[int, int]:
 def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_async_save_with_both_executors(tmp_path, executor):
+    assert spawn(2, findings.async_saves, str(tmp_path), executor) == [[], []]
