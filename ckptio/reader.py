@@ -152,18 +152,29 @@ def read_manifest(store: FsspecStore) -> Manifest:
     return decode_metadata(raw, store.describe(METADATA_NAME))
 
 
-def check_file_sizes(store: FsspecStore, manifest: Manifest) -> None:
-    """Raise ``CorruptCheckpointError`` unless every data file holds the bytes the metadata records."""
+def file_size_problems(store: FsspecStore, manifest: Manifest) -> dict[str, str]:
+    """Data file -> what is wrong with it: missing, unreadable, or not the size the metadata records."""
+    problems: dict[str, str] = {}
     for name, recorded in sorted(manifest.files.items()):
         try:
             actual = store.size(name)
         except FileNotFoundError:
-            actual = None
+            problems[name] = "data file is missing"
+            continue
+        except CheckpointError as exc:  # e.g. not a regular file
+            problems[name] = str(exc)
+            continue
         if actual != recorded:
-            raise CorruptCheckpointError(
-                f"{store.describe(name)} {'is missing' if actual is None else f'holds {actual} bytes'}; the metadata "
-                f"records {recorded}. Restore the file or load an earlier checkpoint"
-            )
+            problems[name] = f"holds {actual} bytes, the metadata records {recorded} (truncated or rewritten)"
+    return problems
+
+
+def check_file_sizes(store: FsspecStore, manifest: Manifest) -> None:
+    """Raise ``CorruptCheckpointError`` unless every data file holds the bytes the metadata records."""
+    for name, problem in file_size_problems(store, manifest).items():
+        raise CorruptCheckpointError(
+            f"{store.describe(name)}: {problem}. Restore the file or load an earlier checkpoint"
+        )
 
 
 def _missing_metadata_error(store: FsspecStore) -> CheckpointError:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .fetch import read_item_blocks
 from .layout import ItemKind, Manifest, StoredItem, is_data_file_name, parse_data_file_name
-from .reader import read_manifest
+from .reader import file_size_problems, read_manifest
 from .storage import FsspecStore, open_store
 
 
@@ -134,25 +134,11 @@ def collect_garbage(store: FsspecStore, garbage: Garbage) -> None:
 
 def verify(store: FsspecStore, manifest: Manifest, progress: Callable[[int], None] | None = None) -> list[str]:
     """Read every stored block, check sizes and checksums; return the problems found (empty = intact)."""
-    problems: list[str] = []
-    for name, size in sorted(manifest.files.items()):
-        try:
-            actual = store.size(name)
-        except FileNotFoundError:
-            actual = None
-        except CheckpointError as exc:  # e.g. not a regular file
-            problems.append(f"{store.describe(name)}: {exc}")
-            continue
-        if actual is None:
-            problems.append(f"{store.describe(name)}: data file is missing")
-        elif actual != size:
-            problems.append(
-                f"{store.describe(name)}: holds {actual} bytes, the metadata records {size} (truncated or rewritten)"
-            )
-    missing = {p.split(": ")[0].rsplit("/", 1)[-1] for p in problems}
+    bad_files = file_size_problems(store, manifest)
+    problems = [f"{store.describe(name)}: {problem}" for name, problem in bad_files.items()]
     for index, item in sorted(manifest.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
         where = f"key {index.fqn!r}" + (f" chunk {tuple(index.offset)}" if index.offset is not None else "")
-        if item.file in missing:
+        if item.file in bad_files:
             problems.append(f"{where}: stored in missing or truncated file {item.file}")
             continue
         try:
