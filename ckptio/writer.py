@@ -14,7 +14,7 @@ import uuid
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -90,7 +90,7 @@ class Writer(CheckpointLocation, StorageWriter):
         if checkpoint_id is not None:
             self.checkpoint_id = os.fspath(checkpoint_id)
         self._store = None
-        self._held: list[WriteItem] | None = None  # set in step 2, used in step 4
+        self._held: dict[MetadataIndex, WriteItem] | None = None  # stored key -> item; set in step 2, used in 4
         self._superseded: list[str] = []  # set in step 3, used in step 5 (coordinator)
         self._save_id: str | None = None  # set in step 4
 
@@ -112,12 +112,10 @@ class Writer(CheckpointLocation, StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # Keys are stored canonical (no _orig_mod. / _checkpoint_wrapped_module.), as ckptio.save does.
+        held = canonical_write_items(plan.items)
         if plan.usable:  # a plan torch's plan cache skipped is empty: write_data finds the held items then
-            self._held = plan.items
-        items = [
-            it if idx is it.index else dataclasses.replace(it, index=idx)
-            for idx, it in canonical_write_items(plan.items).items()
-        ]
+            self._held = held
+        items = [it if idx is it.index else dataclasses.replace(it, index=idx) for idx, it in held.items()]
         return dataclasses.replace(plan, items=items, storage_data=Holdings(tuple(items), self.checkpoint_id))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -134,7 +132,7 @@ class Writer(CheckpointLocation, StorageWriter):
         # touch the files of the checkpoint it replaces before the new one commits.
         self._save_id = uuid.uuid4().hex[:16]
         file = data_file_name(self._save_id, self.rank)
-        held = canonical_write_items(self._held if self._held is not None else _cached_local_items(planner))
+        held = self._held if self._held is not None else canonical_write_items(_cached_local_items(planner))
         assigned = {it.index: held.get(it.index, it) for it in plan.items}  # stored key -> item as the planner knows it
         # Every object this rank holds is pickled once: to compare it with the other ranks' values
         # under the same key, and (if this rank writes it) to store it.
