@@ -89,6 +89,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         took = time.monotonic() - started
         print(f"wrote {len(written)} safetensors shard(s) and the index to {args.output} in {took:.1f}s")
         return 0
+    if args.format == "ckptio":
+        from .convert import from_torch_dcp
+
+        keys = from_torch_dcp(args.url, args.output, storage_options=_storage_options(args))
+        print(f"wrote the ckptio checkpoint {args.output} with {keys} top-level keys")
+        return 0
     from .convert import to_torch_save
 
     keys = to_torch_save(args.url, args.output, storage_options=_storage_options(args))
@@ -118,9 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_url(sub.add_parser("gc", help="list (or --delete) files and uploads of saves that never committed"))
     p.add_argument("--delete", action="store_true", help="delete the files and abort the uploads")
     p.set_defaults(func=cmd_gc)
-    p = with_url(sub.add_parser("convert", help="write a torch.save file or Hugging Face safetensors shards"))
-    p.add_argument("output", help="the .pt file to write, or the directory for --format safetensors")
-    p.add_argument("--format", choices=("torch", "safetensors"), default="torch")
+    p = with_url(
+        sub.add_parser(
+            "convert",
+            help="write a torch.save file or Hugging Face safetensors shards; or (--format ckptio) rewrite a "
+            "torch DCP checkpoint as a ckptio one",
+        )
+    )
+    p.add_argument("output", help="the .pt file, the directory for --format safetensors, the new checkpoint for ckptio")
+    p.add_argument("--format", choices=("torch", "safetensors", "ckptio"), default="torch")
     p.add_argument("--keys", help="safetensors: export only keys under this prefix (e.g. 'model.'), prefix removed")
     p.add_argument("--max-shard-size", default="5GB", help="safetensors: largest shard (default 5GB)")
     p.set_defaults(func=cmd_convert)

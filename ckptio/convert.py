@@ -1,4 +1,5 @@
-"""Turn a ckptio checkpoint into one ``torch.save`` file, in a single process, any saved layout."""
+"""Single-process conversions, any saved layout: a ckptio checkpoint into one ``torch.save`` file,
+and a torch DCP checkpoint into a ckptio one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from .api import raising_checkpoint_errors
+from .api import raising_checkpoint_errors, save
+from .config import WriterConfig
 from .reader import Reader, check_file_sizes
 from .safe_load import SafeObjectsMixin
 
@@ -38,4 +40,29 @@ def to_torch_save(
     """Write the checkpoint as a single ``torch.save`` file; return the number of top-level keys."""
     state = load_full(checkpoint_id, storage_options=storage_options)
     torch.save(state, output)
+    return len(state)
+
+
+def from_torch_dcp(
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    config: WriterConfig | None = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+) -> int:
+    """Rewrite a checkpoint saved by torch DCP's own writers as a ckptio checkpoint, in one process
+    holding the whole state; return the number of top-level keys. The source's objects are
+    unpickled by torch's reader, so convert only checkpoints you trust."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from .storage import LocalStore, open_store
+
+    source = os.fspath(source)
+    local = isinstance(open_store(source, storage_options), LocalStore)
+    reader = FileSystemReader(source) if local else FsspecReader(source, **(storage_options or {}))
+    state: dict[str, Any] = {}
+    with raising_checkpoint_errors(f"load from {source}"):
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    save(state, destination, config, storage_options=storage_options)
     return len(state)

@@ -1,4 +1,5 @@
-"""What a checkpoint holds (``inspect``) and whether every byte of it is intact (``verify``)."""
+"""What a checkpoint holds (``inspect``), whether every byte of it is intact (``verify``), what
+unfinished saves left beside it (``gc``), and removing it whole."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ from typing import Any, Callable
 
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .fetch import read_item_blocks
-from .layout import ItemKind, Manifest, StoredItem, is_data_file_name, parse_data_file_name
+from .layout import (
+    METADATA_NAME,
+    TORCH_DCP_METADATA_NAME,
+    ItemKind,
+    Manifest,
+    StoredItem,
+    is_data_file_name,
+    parse_data_file_name,
+)
 from .reader import file_size_problems, read_manifest
 from .storage import FsspecStore, open_store
 
@@ -130,6 +139,21 @@ def collect_garbage(store: FsspecStore, garbage: Garbage) -> None:
     for name, upload_id in garbage.uploads:
         store.abort_upload(name, upload_id)
     store.delete(garbage.files)
+
+
+#: Files whose presence makes a folder a loadable checkpoint (ckptio, torch DCP, Hugging Face).
+COMMIT_MARKERS = (METADATA_NAME, TORCH_DCP_METADATA_NAME, "model.safetensors.index.json")
+
+
+def delete_checkpoint(store: FsspecStore) -> None:
+    """Remove the checkpoint at ``store`` completely. Its commit marker goes first, so a deletion
+    cut short leaves an uncommitted folder (never loadable, cleaned by ``gc``), not a committed
+    one with files missing; then every object under it and any unfinished multipart upload."""
+    for marker in COMMIT_MARKERS:
+        store.remove(marker)
+    for name, upload_id in store.open_uploads():
+        store.abort_upload(name, upload_id)
+    store.remove_all()
 
 
 def verify(store: FsspecStore, manifest: Manifest, progress: Callable[[int], None] | None = None) -> list[str]:

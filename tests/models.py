@@ -35,6 +35,12 @@ class Net(nn.Module):
 
 
 def build(layout: str, seed: int = 0):
+    """A model under ``layout`` (see ``build_model``) and its Adam optimizer."""
+    model = build_model(layout, seed)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def build_model(layout: str, seed: int = 0) -> nn.Module:
     """``layout``: "single", "fsdp:N", "hsdp:RxS", "tp:N" or "dp_tp:DxT" (FSDP2 over dp, TP inside)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -65,8 +71,7 @@ def build(layout: str, seed: int = 0):
             fully_shard(model, mesh=mesh["dp"])
     elif kind != "single":
         raise ValueError(layout)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    return model, optimizer
+    return model
 
 
 def train_step(model, optimizer) -> None:

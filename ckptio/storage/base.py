@@ -89,13 +89,16 @@ class FsspecStore:
             raise FileExistsError(self.describe(name))
         self.put_atomic(name, data)
 
-    def list_names(self) -> list[str] | None:
-        """Names directly under the root, or ``None`` when the root does not exist."""
+    def list_names(self, strict: bool = False) -> list[str] | None:
+        """Names directly under the root, or ``None`` when the root does not exist. A failed listing
+        is ``None`` too (diagnostics), or ``StorageError`` when ``strict``."""
         try:
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
             return None
-        except Exception as exc:  # noqa: BLE001 - listing is diagnostic only
+        except Exception as exc:  # noqa: BLE001 - listing is diagnostic unless strict
+            if strict:
+                raise StorageError(f"cannot list {self.url}: {type(exc).__name__}: {exc}") from exc
             log.debug("listing %s failed: %r", self.url, exc)
             return None
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
@@ -115,6 +118,20 @@ class FsspecStore:
                 pass
             except Exception as exc:  # noqa: BLE001 - cleanup of superseded files must not fail a commit
                 log.warning("ckptio: could not delete superseded %s: %r", self.describe(name), exc)
+
+    def remove(self, name: str) -> None:
+        """Delete ``name`` (absent is fine); unlike ``delete``, a failure raises ``StorageError``."""
+        try:
+            self._guard(name, "delete", lambda: self.fs.rm_file(self.path(name)), passthrough=(FileNotFoundError,))
+        except FileNotFoundError:
+            pass
+
+    def remove_all(self) -> None:
+        """Delete every object under the root, and the root itself (absent is fine)."""
+        try:
+            self._guard("", "delete", lambda: self.fs.rm(self.root, recursive=True), passthrough=(FileNotFoundError,))
+        except FileNotFoundError:
+            pass
 
     # --- data files -------------------------------------------------------------------
     def prepare_directory(self) -> None:

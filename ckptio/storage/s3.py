@@ -145,6 +145,12 @@ class S3Store(FsspecStore):
             except (FileNotFoundError, StorageError):
                 pass
 
+    def remove(self, name: str) -> None:
+        try:
+            self._run("delete_object", name, Key=self.key(name))
+        except FileNotFoundError:
+            pass
+
     def prepare_directory(self) -> None:
         """Object stores have no directories: nothing to create, no request to make."""
 
