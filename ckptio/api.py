@@ -50,10 +50,12 @@ def load(
     planner=None,
     process_group=None,
     verify: bool = True,
+    dedup_reads: bool | str = "auto",
 ) -> None:
     """Load into ``state_dict`` in place (tensors in place, objects replaced under the caller's keys).
-    Objects are restored safely unless ``planner`` says otherwise; keys match canonically."""
-    reader = Reader(checkpoint_id, storage_options=storage_options, verify=verify)
+    Objects are restored safely unless ``planner`` says otherwise; keys match canonically.
+    ``dedup_reads``: see ``Reader``."""
+    reader = Reader(checkpoint_id, storage_options=storage_options, verify=verify, dedup_reads=dedup_reads)
     manifest = _agreed(reader.prefetch_metadata, process_group)
     state = canonicalize(state_dict)
     restore_per_rank = prepare_for_load(state, list(manifest.metadata.state_dict_metadata))

@@ -37,6 +37,13 @@ DECODE_TASK_BYTES = 1 * MiB
 #: Longest single ranged read: touching reads are merged up to it, longer ones are split, so one
 #: large item still reads in parallel. The only request-merging policy (ranges.plan_requests).
 MAX_REQUEST_BYTES = 32 * MiB
+#: Shared reads (Reader(dedup_reads=...)): stored bytes exchanged per round, so a rank holds at most
+#: this much received data at a time (one stored item larger than it makes a round of its own).
+SHARED_READ_ROUND_BYTES = 256 * MiB
+#: dedup_reads="auto" shares reads from remote stores when the ranks need at least this many times
+#: the distinct bytes they read (HSDP with 2 replicas: 2.0; a resharded load: 1.0 plus the blocks
+#: that straddle two ranks' shards).
+SHARED_READ_MIN_REPLICATION = 1.02
 #: Largest block the format accepts (written or read): bounds what one block can make a reader allocate.
 MAX_BLOCK_SIZE_LIMIT = 64 * MiB
 #: Cross-rank check of plain tensors saved under one key (objects.py): tensors up to this size are

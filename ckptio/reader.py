@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import os
 import uuid
 from typing import Any
@@ -12,7 +15,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .config import StorageConfig, WriterConfig
+from .config import SHARED_READ_MIN_REPLICATION, SHARED_READ_ROUND_BYTES, StorageConfig, WriterConfig
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -33,7 +36,17 @@ from .layout import (
     parse_data_file_name,
 )
 from .location import CheckpointLocation
-from .storage import FsspecStore
+from .shared_reads import (
+    SharedReadPlan,
+    load_shared,
+    needed_blocks,
+    on_network_filesystem,
+    plan_shared_reads,
+    replication,
+)
+from .storage import FsspecStore, LocalStore
+
+log = logging.getLogger(__name__)
 
 
 class Reader(CheckpointLocation, StorageReader):
@@ -60,10 +73,18 @@ class Reader(CheckpointLocation, StorageReader):
         storage_options: dict[str, Any] | None = None,
         verify: bool = True,
         storage_config: StorageConfig | None = None,
+        dedup_reads: bool | str = "auto",
+        dedup_round_bytes: int = SHARED_READ_ROUND_BYTES,
     ):
         super().__init__()
+        if dedup_reads not in (True, False, "auto"):
+            raise ValueError(f"dedup_reads must be True, False or 'auto', got {dedup_reads!r}")
+        if dedup_round_bytes < 1:
+            raise ValueError(f"dedup_round_bytes must be positive, got {dedup_round_bytes}")
         self.storage_options = dict(storage_options or {})
         self.verify = verify
+        self.dedup_reads = dedup_reads
+        self.dedup_round_bytes = dedup_round_bytes
         self.storage_config = storage_config if storage_config is not None else WriterConfig().storage()
         self.checkpoint_id: str | None = None
         self.manifest: Manifest | None = None
@@ -104,15 +125,66 @@ class Reader(CheckpointLocation, StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        shared = self._shared_read_plan(plans)
+        if shared is None:
+            return plans
+        return [dataclasses.replace(plan, storage_data=shared) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        pairs = [(read_item, self._item_for(read_item)) for read_item in plan.items]
-        files = self.manifest.files if self.manifest else {}
-        load_items(self._open_store(), pairs, planner, self.verify, files, self.storage_config.max_concurrency)
+        store, files = self._open_store(), self.manifest.files if self.manifest else {}
+        workers = self.storage_config.max_concurrency
+        shared = plan.storage_data if isinstance(plan.storage_data, SharedReadPlan) else None
+        if shared is None:
+            pairs = [(read_item, self._item_for(read_item)) for read_item in plan.items]
+            load_items(store, pairs, planner, self.verify, files, workers)
+        else:
+            triples, failure = [], None
+            try:  # a failure here must still reach the other ranks, which wait in the exchange
+                triples = [(self._stored_key(ri), ri, self._item_for(ri)) for ri in plan.items]
+            except Exception as exc:  # noqa: BLE001
+                failure = exc
+            keys = {segment.index for segments in shared.rounds for segment in segments}
+            load_shared(
+                store, shared, [t for t in triples if t[0] in keys], planner, self.verify, files, workers, failure
+            )
+            rest = [(ri, item) for key, ri, item in triples if key not in keys]
+            load_items(store, rest, planner, self.verify, files, workers)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _shared_read_plan(self, plans: list[LoadPlan]) -> SharedReadPlan | None:
+        """Coordinator: whether the ranks share reads (``dedup_reads``), and who reads what."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.dedup_reads is False or world == 1 or len(plans) != world:
+            if self.dedup_reads is True and world > 1:
+                log.warning("ckptio: dedup_reads needs dcp.load over the default process group; reading directly")
+            return None
+        needs = needed_blocks(plans, self._shareable)
+        factor = replication(needs, self._items.__getitem__)
+        if self.dedup_reads == "auto":
+            store = self._open_store()
+            remote = not isinstance(store, LocalStore) or on_network_filesystem(store.root)
+            share = remote and factor >= SHARED_READ_MIN_REPLICATION
+            _log_choice(
+                f"ckptio: shared reads {'on' if share else 'off'} (dedup_reads='auto'): the {world} ranks need "
+                f"{factor:.2f}x the distinct stored bytes, from {'a remote' if remote else 'a local'} store"
+            )
+            if not share:
+                return None
+        return plan_shared_reads(needs, self._items.__getitem__, world, self.dedup_round_bytes)
+
+    def _stored_key(self, read_item: ReadItem) -> MetadataIndex:
+        index = read_item.storage_index
+        return index if index in self._items else canonical_index(index)
+
+    def _shareable(self, read_item: ReadItem) -> tuple[MetadataIndex, StoredItem] | None:
+        key = self._stored_key(read_item)
+        item = self._items.get(key)
+        per_rank = self.manifest.per_rank.get(key.fqn) if self.manifest else None
+        if item is None or per_rank or item.inline is not None:
+            return None
+        return key, item
 
     def _own_copy(self, fqn: str, copies: dict[int, StoredItem]) -> StoredItem:
         """Objects saved with differing_objects='keep_per_rank': each rank gets the value it saved."""
@@ -128,9 +200,7 @@ class Reader(CheckpointLocation, StorageReader):
         return copies[rank]
 
     def _item_for(self, read_item: ReadItem) -> StoredItem:
-        index = read_item.storage_index
-        if index not in self._items:  # a wrapped name (torch.compile's _orig_mod.) for a canonical key
-            index = canonical_index(index)
+        index = self._stored_key(read_item)  # a wrapped name (torch.compile's _orig_mod.) -> canonical key
         copies = self.manifest.per_rank.get(index.fqn) if self.manifest else None
         if copies:
             return self._own_copy(index.fqn, copies)
@@ -141,6 +211,12 @@ class Reader(CheckpointLocation, StorageReader):
                 f"key {read_item.storage_index.fqn!r} (chunk at {tuple(read_item.storage_index.offset or ())}) "
                 f"is not stored in {self.checkpoint_id}"
             ) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _log_choice(message: str) -> None:
+    """Log each distinct choice once per process (a job loads many times)."""
+    log.info(message)
 
 
 def read_manifest(store: FsspecStore) -> Manifest:

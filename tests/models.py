@@ -98,15 +98,16 @@ def save_trained(layout: str, url: str, mode: str, reference: str) -> None:
         torch.save(full, reference)
 
 
-def load_into(layouts: list[str], urls: list[str], reference: str) -> list[str]:
-    """Load every checkpoint into every layout (fresh, differently initialised models); return mismatches."""
+def load_into(layouts: list[str], urls: list[str], reference: str, reader: dict | None = None) -> list[str]:
+    """Load every checkpoint into every layout (fresh, differently initialised models); return
+    mismatches. ``reader``: options for ``ckptio.load``."""
     expected = torch.load(reference, weights_only=True)
     bad = []
     for layout in layouts:
         for url in urls:
             model, optimizer = build(layout, seed=99)
             msd, osd = get_state_dict(model, optimizer)
-            ckptio.load({"model": msd, "optim": osd}, url)
+            ckptio.load({"model": msd, "optim": osd}, url, **(reader or {}))
             set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
             got = full_state(model, optimizer)
             if not dist.is_initialized() or dist.get_rank() == 0:

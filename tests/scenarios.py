@@ -89,13 +89,18 @@ def save(url: str, mesh_shape, mode: str, storage_options=None, **config) -> int
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def load(url: str, mesh_shape, storage_options=None, via_checkpoint_id: bool = False) -> list[str]:
+def load(url: str, mesh_shape, storage_options=None, via_checkpoint_id: bool = False, **reader) -> list[str]:
     state = make_state(make_mesh(mesh_shape), empty=True)
     if via_checkpoint_id:
-        dcp.load(state, storage_reader=ckptio.Reader(storage_options=storage_options), checkpoint_id=url)
+        dcp.load(state, storage_reader=ckptio.Reader(storage_options=storage_options, **reader), checkpoint_id=url)
     else:
-        dcp.load(state, storage_reader=ckptio.Reader(url, storage_options=storage_options))
+        dcp.load(state, storage_reader=ckptio.Reader(url, storage_options=storage_options, **reader))
     return mismatches(state)
+
+
+def load_shared(url: str, mesh_shape, storage_options, dedup_reads) -> list[str]:
+    """``load`` with ``Reader(dedup_reads=...)``; a small round budget, so several rounds run."""
+    return load(url, mesh_shape, storage_options, dedup_reads=dedup_reads, dedup_round_bytes=20_000)
 
 
 def save_each_mode(base: str, mesh_shape, storage_options=None, via_checkpoint_id: bool = False) -> None:
@@ -209,3 +214,19 @@ def load_where_only_rank_1_is_wrong(url: str) -> tuple[float, str]:
     except ckptio.CheckpointError as exc:
         return time.monotonic() - start, f"{type(exc).__name__}: {exc}"
     return time.monotonic() - start, "no error"
+
+
+def load_shared_error(url: str, mesh_shape) -> str:
+    """A shared-reads load that must fail: this rank's ckptio error as 'Class: message'."""
+    try:
+        load(url, mesh_shape, None, dedup_reads=True, dedup_round_bytes=20_000)
+    except ckptio.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    except BaseException as exc:  # noqa: BLE001 - dcp.load's wrapper: unwrap to the ckptio error
+        from torch.distributed.checkpoint import CheckpointException
+
+        if isinstance(exc, CheckpointException):
+            error = ckptio.unwrap(exc)
+            return f"{type(error).__name__}: {error}"
+        raise
+    return "loaded"

@@ -1,0 +1,313 @@
+"""Read each stored byte once per load: where several ranks need the same stored blocks (HSDP
+replicas), one of them reads and checks them and the others get them over the process group.
+
+The coordinator plans (``plan_shared_reads``): consecutive blocks of a stored item needed by the
+same set of ranks form a segment (cut at ``MAX_REQUEST_BYTES``), read by the least loaded of
+those ranks; segments go into rounds of at most ``budget`` bytes, whole items at a time. Every
+rank then runs the rounds in order (``load_shared``): read and check its segments, agree that
+every rank succeeded, exchange (one all-to-all of host bytes over gloo), and load its read items
+of that round from the bytes it now holds. A failure on any rank becomes the same error on all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import defaultdict
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+
+from . import errors
+from .config import MAX_REQUEST_BYTES
+from .errors import CheckpointError
+from .fetch import _Job, _read_all, load_items, verify_block
+from .layout import StoredItem
+from .ranges import ReadPiece
+from .storage import FsspecStore, ReadRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Blocks ``first..last-1`` of the stored item ``index``: bytes ``start..end`` of ``file``."""
+
+    index: MetadataIndex
+    first: int
+    last: int
+    file: str
+    start: int
+    end: int
+    reader: int
+    needers: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedReadPlan:
+    """The same on every rank: the rounds of segments, for a load on ``world_size`` ranks."""
+
+    rounds: list[list[Segment]]
+    world_size: int
+
+
+def needed_blocks(
+    plans: list[LoadPlan], resolve: Callable[[ReadItem], tuple[MetadataIndex, StoredItem] | None]
+) -> dict[MetadataIndex, dict[int, set[int]]]:
+    """stored key -> block -> ranks whose read items need it. ``resolve`` gives a read item's
+    stored key and record, or None for what is not shared (inline, per-rank, unknown keys)."""
+    needs: dict[MetadataIndex, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+    for rank, plan in enumerate(plans):
+        for read_item in plan.items:
+            found = resolve(read_item)
+            if found is not None:
+                key, item = found
+                for b in _Job.build(read_item, item).blocks:
+                    needs[key][b].add(rank)
+    return needs
+
+
+def replication(needs: dict[MetadataIndex, dict[int, set[int]]], items: Callable[[MetadataIndex], StoredItem]) -> float:
+    """Stored bytes the ranks need in all / distinct stored bytes needed (1.0: nothing shared)."""
+    total = distinct = 0
+    for index, blocks in needs.items():
+        item = items(index)
+        for b, ranks in blocks.items():
+            total += item.blocks[b][0] * len(ranks)
+            distinct += item.blocks[b][0]
+    return total / distinct if distinct else 1.0
+
+
+def plan_shared_reads(
+    needs: dict[MetadataIndex, dict[int, set[int]]],
+    items: Callable[[MetadataIndex], StoredItem],
+    world_size: int,
+    budget: int,
+) -> SharedReadPlan:
+    load = [0] * world_size
+    rounds: list[list[Segment]] = [[]]
+    round_bytes = 0
+    for index in sorted(needs, key=lambda i: (items(i).file, items(i).offset)):
+        item, blocks = items(index), needs[index]
+        segments = []
+        for first, last, ranks in _runs(item, blocks):
+            reader = min(ranks, key=lambda r: (load[r], r))
+            load[reader] += item.block_offsets[last] - item.block_offsets[first]
+            segments.append(
+                Segment(
+                    index,
+                    first,
+                    last,
+                    item.file,
+                    item.block_offsets[first],
+                    item.block_offsets[last],
+                    reader,
+                    tuple(sorted(ranks)),
+                )
+            )
+        size = sum(s.size for s in segments)
+        if rounds[-1] and round_bytes + size > budget:
+            rounds.append([])
+            round_bytes = 0
+        rounds[-1] += segments
+        round_bytes += size
+    return SharedReadPlan(rounds, world_size)
+
+
+def _runs(item: StoredItem, blocks: dict[int, set[int]]):
+    """(first, last, ranks): consecutive blocks with one set of ranks, at most MAX_REQUEST_BYTES each."""
+    run: list = []
+    for b in sorted(blocks):
+        ranks = blocks[b]
+        if run and (
+            b != run[1] or ranks != run[2] or item.block_offsets[b + 1] - item.block_offsets[run[0]] > MAX_REQUEST_BYTES
+        ):
+            yield tuple(run)
+            run = []
+        run = [run[0] if run else b, b + 1, ranks]
+    if run:
+        yield tuple(run)
+
+
+class CachedBlocks:
+    """Serves a round's reads from the segments this rank holds (a stand-in for the store in
+    ``fetch.load_items``); anything else it is asked for is a planning bug, not a storage fault."""
+
+    def __init__(self, store: FsspecStore, held: dict[str, list[tuple[int, memoryview]]]):
+        self._store = store
+        self._held = {name: sorted(spans, key=lambda s: s[0]) for name, spans in held.items()}
+
+    def __getattr__(self, name: str) -> Any:  # describe, size, exists: the real store's
+        return getattr(self._store, name)
+
+    def read_into(self, requests: list[ReadRequest]) -> list[int]:
+        counts = []
+        for request in requests:
+            at = request.offset
+            for buffer in request.buffers:
+                done = 0
+                while done < len(buffer):
+                    source = self._find(request.name, at + done)
+                    n = min(len(buffer) - done, len(source))
+                    buffer[done : done + n] = source[:n]
+                    done += n
+                at += len(buffer)
+            counts.append(request.length)
+        return counts
+
+    def _find(self, name: str, offset: int) -> memoryview:
+        for start, data in self._held.get(name, []):
+            if start <= offset < start + len(data):
+                return data[offset - start :]
+        raise CheckpointError(f"internal error: shared read of {name} at {offset} was not planned for this rank")
+
+
+def exchange_group() -> Any:
+    """The group the bytes travel in: the default one if it carries CPU tensors, else a gloo group
+    made once (every rank reaches this at the same point of the load)."""
+    global _GLOO_GROUP
+    if "gloo" in str(dist.get_backend()):
+        return None
+    if _GLOO_GROUP is None:
+        _GLOO_GROUP = dist.new_group(backend="gloo")
+    return _GLOO_GROUP
+
+
+_GLOO_GROUP = None
+
+
+def load_shared(
+    store: FsspecStore,
+    plan: SharedReadPlan,
+    triples: list[tuple[MetadataIndex, ReadItem, StoredItem]],
+    planner: LoadPlanner,
+    verify: bool,
+    recorded_sizes: dict[str, int],
+    workers: int,
+    failure: BaseException | None = None,
+) -> None:
+    """Run the rounds of ``plan`` on this rank, delivering its shared ``(stored key, read item,
+    record)`` triples to ``planner``. ``failure``: what already went wrong on this rank (it still
+    takes part in the first agreement, so every rank raises instead of waiting)."""
+    rank, group = dist.get_rank(), exchange_group()
+    items = {key: item for key, _, item in triples}
+    by_index: dict[MetadataIndex, list[tuple[ReadItem, StoredItem]]] = defaultdict(list)
+    for key, read_item, item in triples:
+        by_index[key].append((read_item, item))
+    for segments in plan.rounds:
+        own: dict[Segment, memoryview] = {}
+        if failure is None:
+            try:
+                own = _read_segments(store, [s for s in segments if s.reader == rank], items, recorded_sizes)
+            except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
+                failure = exc
+        _agree(failure, rank, group)
+        held = _exchange(segments, own, rank, plan.world_size, group)
+        spans: dict[str, list[tuple[int, memoryview]]] = defaultdict(list)
+        for segment, data in held.items():
+            spans[segment.file].append((segment.start, data))
+        mine = [pair for index in dict.fromkeys(s.index for s in segments) for pair in by_index.pop(index, [])]
+        try:
+            load_items(CachedBlocks(store, spans), mine, planner, verify, recorded_sizes, workers)
+        except Exception as exc:  # noqa: BLE001
+            failure = exc
+    _agree(failure, rank, group)
+
+
+def _read_segments(
+    store: FsspecStore, segments: list[Segment], items: dict[MetadataIndex, StoredItem], recorded_sizes: dict[str, int]
+) -> dict[Segment, memoryview]:
+    """Read this rank's segments and check every block (the rank that reads is the one that names
+    a damaged block first)."""
+    out = {s: memoryview(np.empty(s.size, dtype=np.uint8)).cast("B") for s in segments}
+    _read_all(store, [ReadPiece(s.file, s.start, out[s]) for s in segments], recorded_sizes)
+    for s, data in out.items():
+        item = items[s.index]  # a reader is always one of the ranks that need the segment
+        for b in range(s.first, s.last):
+            lo, hi = item.block_offsets[b] - s.start, item.block_offsets[b + 1] - s.start
+            verify_block(item, b, [data[lo:hi]], f"key {s.index.fqn!r} in {s.file}")
+    return out
+
+
+def _agree(failure: BaseException | None, rank: int, group: Any) -> None:
+    """Raise the same error on every rank if any rank failed (the lowest failing rank's, its class kept)."""
+    mine = None if failure is None else (type(failure).__name__, str(failure))
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    failed = [(r, f) for r, f in enumerate(everyone) if f is not None]
+    if not failed:
+        return
+    first_rank, (kind, message) = failed[0]
+    if first_rank == rank and isinstance(failure, CheckpointError):
+        raise failure
+    cls = getattr(errors, kind, None)
+    cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
+    raise cls(
+        f"rank {first_rank} failed reading stored bytes shared with other ranks: {kind}: {message}"
+        + (f" (ranks that failed: {[r for r, _ in failed]})" if len(failed) > 1 else "")
+    )
+
+
+def _exchange(
+    segments: list[Segment], own: dict[Segment, memoryview], rank: int, world: int, group: Any
+) -> dict[Segment, memoryview]:
+    """One all-to-all: each rank sends the segments it read to the other ranks that need them;
+    returns every segment this rank needs, by segment."""
+    send_parts: list[list[Segment]] = [[] for _ in range(world)]
+    recv_parts: list[list[Segment]] = [[] for _ in range(world)]
+    for s in segments:
+        for peer in s.needers:
+            if s.reader == rank and peer != rank:
+                send_parts[peer].append(s)
+            elif peer == rank and s.reader != rank:
+                recv_parts[s.reader].append(s)
+    send_sizes = [sum(s.size for s in part) for part in send_parts]
+    recv_sizes = [sum(s.size for s in part) for part in recv_parts]
+    held = {s: data for s, data in own.items() if rank in s.needers}
+    if not any(len(s.needers) > 1 for s in segments):  # the same answer on every rank
+        return held
+    send = torch.empty(sum(send_sizes), dtype=torch.uint8)
+    view = memoryview(send.numpy()).cast("B")
+    at = 0
+    for part in send_parts:
+        for s in part:
+            view[at : at + s.size] = own[s]
+            at += s.size
+    received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+    dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group)
+    data = memoryview(received.numpy()).cast("B")
+    at = 0
+    for part in recv_parts:
+        for s in part:
+            held[s] = data[at : at + s.size]
+            at += s.size
+    return held
+
+
+_NETWORK_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph", "glusterfs", "9p")
+
+
+def on_network_filesystem(path: str) -> bool:
+    """Whether a local path lies on a network filesystem (NFS, Lustre, ...; ``/proc/mounts``)."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return False
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, fstype
+    return kind in _NETWORK_FILESYSTEMS or kind.startswith("fuse.")
