@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--s3", help="s3://bucket/prefix to benchmark (standard AWS credentials)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for --s3")
     p.add_argument("--out", default="bench-results", help="directory for JSON, Markdown and charts")
+    p.add_argument(
+        "--shared-reads",
+        action="store_true",
+        help="also load each ckptio checkpoint on the saved mesh, Wx1 and 1xW with dedup_reads False/True/auto "
+        "(torch FsspecWriter's with torch's reader): load time, bytes served, GETs",
+    )
     p.add_argument("--compare", help="a previous results.json: show deltas")
     p.add_argument("--no-charts", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints written (default: delete each after use)")
@@ -126,6 +132,7 @@ def run(args: argparse.Namespace) -> dict:
             "repeats": args.repeats,
             "targets": targets,
             "progress_file": progress_file,
+            "shared_reads": args.shared_reads,
         }
         steps = sum(
             args.repeats for t in targets for w in select(args.writers, args.compressed) if t["kind"] in w.targets
@@ -134,6 +141,7 @@ def run(args: argparse.Namespace) -> dict:
         listings = {r["url"]: r["listing"] for r in records if "listing" in r}
         sizes = workload.byte_counts(workload.tensor_specs(size_bytes, args.data), (replicas, shards))
         results = report.summarize(records, listings, args.ranks, sizes)
+        shared_reads = report.shared_reads(records, listings)
     import torch
 
     import ckptio
@@ -156,6 +164,7 @@ def run(args: argparse.Namespace) -> dict:
             "targets": [{k: v for k, v in t.items() if k != "storage_options"} for t in targets],
         },
         "results": results,
+        "shared_reads": shared_reads,
     }
 
 
@@ -213,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     requests = report.request_table(doc["results"])
     if requests:
         print("\nS3 requests (client side, summed over ranks):\n" + requests)
+    shared = report.shared_reads_table(doc.get("shared_reads", []))
+    if shared:
+        print("\nShared reads (loads on other meshes; served/stored and GETs on S3, all ranks):\n" + shared)
     if args.compare:
         print("\nagainst " + args.compare + ":\n" + report.compare(doc["results"], args.compare))
     print(

@@ -41,6 +41,7 @@ REQUEST_KINDS = (
 )
 
 requests: collections.Counter = collections.Counter()
+served = [0]  # bytes of GetObject response bodies (what storage served this process)
 _lock = threading.Lock()
 _installed = False
 
@@ -49,6 +50,11 @@ def _count(event_name: str = "", **_: object) -> None:
     operation = event_name.rsplit(".", 1)[-1]
     with _lock:
         requests[OPERATION_KINDS.get(operation, "OTHER")] += 1
+
+
+def _count_served(parsed: dict | None = None, **_: object) -> None:
+    with _lock:
+        served[0] += int((parsed or {}).get("ContentLength") or 0)
 
 
 def install_s3_counter() -> None:
@@ -64,12 +70,19 @@ def install_s3_counter() -> None:
         client = await original(self, *args, **kwargs)
         if not getattr(self._s3, "_ckptio_bench_counted", False):
             self._s3.meta.events.register("before-send.s3", _count)
+            self._s3.meta.events.register("after-call.s3.GetObject", _count_served)
             self._s3._ckptio_bench_counted = True
         return client
 
     s3fs.S3FileSystem.set_session = set_session
     s3fs.S3FileSystem._connect = set_session
     _installed = True
+
+
+def take_served_bytes() -> int:
+    with _lock:
+        n, served[0] = served[0], 0
+    return n
 
 
 def take_counts() -> dict[str, int]:

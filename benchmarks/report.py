@@ -79,6 +79,60 @@ def dtype_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def shared_reads(records: list[dict], files: dict[str, dict[str, int]]) -> list[dict]:
+    """``--shared-reads``: per (target, writer, load mesh, dedup_reads), the load time (slowest
+    rank, median over repeats with min-max), bytes served / bytes stored, and GETs (all ranks)."""
+    grouped: dict[tuple, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    stored: dict[tuple, int] = {}
+    for r in records:
+        for load in r.get("shared_reads", []):
+            key = (r["target"], r["writer"], load["mesh"], load["dedup_reads"])
+            grouped[key][r["repeat"]].append(load)
+            if r["url"] in files:
+                stored[key[:2]] = sum(n for name, n in files[r["url"]].items() if counting.rank_of(name) is not None)
+    rows = []
+    for key, by_repeat in grouped.items():
+        times = [max(x["load_s"] for x in loads) for loads in by_repeat.values()]
+        first = by_repeat[min(by_repeat)]
+        served = sum(x["served_bytes"] for x in first)
+        rows.append(
+            {
+                "target": key[0],
+                "writer": key[1],
+                "load_mesh": key[2],
+                "dedup_reads": key[3],
+                "load_s_median": statistics.median(times),
+                "load_s_min": min(times),
+                "load_s_max": max(times),
+                "served_bytes": served,
+                "served_over_stored": served / stored[key[:2]] if stored.get(key[:2]) else None,
+                "gets": sum(x["gets"] for x in first),
+                "bit_exact": all(x["bit_exact"] for loads in by_repeat.values() for x in loads),
+            }
+        )
+    return rows
+
+
+def shared_reads_table(rows: list[dict], markdown: bool = False) -> str:
+    if not rows:
+        return ""
+    header = ["target", "writer", "load mesh", "dedup_reads", "load s (min-max)", "served/stored", "GETs", "exact"]
+    cells = [
+        [
+            r["target"],
+            r["writer"],
+            r["load_mesh"],
+            r["dedup_reads"],
+            f"{r['load_s_median']:.2f} ({r['load_s_min']:.2f}-{r['load_s_max']:.2f})",
+            "-" if r["target"] == "local" or r["served_over_stored"] is None else f"{r['served_over_stored']:.2f}",
+            "-" if r["target"] == "local" else str(r["gets"]),
+            "yes" if r["bit_exact"] else "NO",
+        ]
+        for r in rows
+    ]
+    return _grid(header, cells, markdown)
+
+
 def _sum_counts(counts) -> dict[str, int]:
     total: dict[str, int] = defaultdict(int)
     for c in counts:
@@ -114,12 +168,16 @@ COLUMNS = [
 
 
 def table(rows: list[dict], markdown: bool = False) -> str:
-    cells = [[name for name, _ in COLUMNS]] + [[fn(r) for _, fn in COLUMNS] for r in rows]
+    return _grid([name for name, _ in COLUMNS], [[fn(r) for _, fn in COLUMNS] for r in rows], markdown)
+
+
+def _grid(header: list[str], rows: list[list[str]], markdown: bool) -> str:
+    """A Markdown table, or plain aligned columns."""
     if markdown:
-        out = ["| " + " | ".join(cells[0]) + " |", "|" + "---|" * len(COLUMNS)]
-        out += ["| " + " | ".join(row) + " |" for row in cells[1:]]
-        return "\n".join(out)
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+        out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(out + ["| " + " | ".join(row) + " |" for row in rows])
+    cells = [header, *rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
 
 
@@ -128,19 +186,12 @@ def request_table(rows: list[dict], markdown: bool = False) -> str:
     s3_rows = [r for r in rows if r["target"] != "local"]
     if not s3_rows or not kinds:
         return ""
-    head = ["writer", "phase", *kinds, "total"]
-    cells = [head]
+    cells = []
     for r in s3_rows:
         for phase in ("save", "load"):
             counts = r[f"{phase}_requests"]
             cells.append([r["writer"], phase, *[str(counts[k]) for k in kinds], str(total_requests(counts))])
-    if markdown:
-        return "\n".join(
-            ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            + ["| " + " | ".join(c) + " |" for c in cells[1:]]
-        )
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+    return _grid(["writer", "phase", *kinds, "total"], cells, markdown)
 
 
 def compare(rows: list[dict], old_path: str) -> str:
@@ -183,6 +234,9 @@ def markdown_report(doc: dict[str, Any]) -> str:
     by_dtype = dtype_table(doc["results"])
     if by_dtype and any("zstd" in r["writer"] for r in doc["results"]):
         parts += ["", "## Bytes saved by compression, per dtype", "", "```", by_dtype, "```"]
+    shared = shared_reads_table(doc.get("shared_reads", []), markdown=True)
+    if shared:
+        parts += ["", "## Shared reads (loads of the saved checkpoint on other meshes)", "", shared]
     if doc.get("charts"):
         parts += ["", f"![charts]({doc['charts']})"]
     return "\n".join(parts) + "\n"

@@ -50,6 +50,8 @@ def run_rank(cfg: dict) -> list[dict]:
     mesh = _mesh(tuple(cfg["mesh"]), cfg["device"])
     reshard_mesh = _mesh((1, world), cfg["device"])
     state = workload.build_state(mesh, specs, cfg["data"], rank)
+    if cfg.get("shared_reads"):  # built once: each mesh makes process groups
+        cfg = {**cfg, "load_meshes": {shape: _mesh(shape, cfg["device"]) for shape in _load_shapes(cfg["mesh"])}}
     writers = {w.name: w for w in WRITERS}
     _warm_up(cfg, writers)
     records = []
@@ -85,6 +87,8 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
     record["load_rss_bytes"] = rss.peak_delta
     record["load_mismatches"] = workload.check_state(loaded, specs, compressible, rank)
 
+    if cfg.get("shared_reads") and (spec.name.startswith("ckptio") or "Fsspec" in spec.name):
+        record["shared_reads"] = _shared_read_loads(spec, url, options, specs, cfg, rank)
     if rep == 0:
         resharded = workload.build_state(reshard_mesh, specs, compressible, rank, empty=True)
         record["reshard_load_s"] = _timed(lambda: dcp.load(resharded, storage_reader=spec.make_reader(url, options)))
@@ -99,3 +103,39 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
             counting.remove(url, options)
     dist.barrier()
     return record
+
+
+def _load_shapes(mesh: list[int]) -> list[tuple[int, int]]:
+    """The saved mesh, all replicas (Wx1) and all shards (1xW): the loads ``--shared-reads`` times."""
+    world = mesh[0] * mesh[1]
+    return list(dict.fromkeys([tuple(mesh), (world, 1), (1, world)]))
+
+
+def _shared_read_loads(spec, url: str, options, specs, cfg: dict, rank: int) -> list[dict]:
+    """Load on each mesh of ``_load_shapes`` with each ``dedup_reads`` (torch's reader once);
+    this rank's time, bytes served to it and GETs."""
+    import ckptio
+
+    modes = [False, True, "auto"] if spec.name.startswith("ckptio") else [None]
+    out = []
+    for shape, mesh in cfg["load_meshes"].items():
+        for mode in modes:
+            loaded = workload.build_state(mesh, specs, cfg["data"], rank, empty=True)
+            if mode is None:
+                reader = spec.make_reader(url, options)
+            else:
+                reader = ckptio.Reader(url, storage_options=options, dedup_reads=mode)
+            counting.take_counts()
+            counting.take_served_bytes()
+            seconds = _timed(lambda: dcp.load(loaded, storage_reader=reader))
+            out.append(
+                {
+                    "mesh": f"{shape[0]}x{shape[1]}",
+                    "dedup_reads": "torch reader" if mode is None else str(mode),
+                    "load_s": seconds,
+                    "served_bytes": counting.take_served_bytes(),
+                    "gets": counting.take_counts()["GET"],
+                    "bit_exact": not workload.check_state(loaded, specs, cfg["data"], rank),
+                }
+            )
+    return out

@@ -93,27 +93,16 @@ def plan_shared_reads(
     world_size: int,
     budget: int,
 ) -> SharedReadPlan:
-    load = [0] * world_size
+    order = sorted(needs, key=lambda i: (items(i).file, items(i).offset))
+    by_item = [
+        [_Unassigned(index, first, last, ranks) for first, last, ranks in _runs(items(index), needs[index])]
+        for index in order
+    ]
+    readers = _assign_readers([u for units in by_item for u in units], items, world_size)
     rounds: list[list[Segment]] = [[]]
     round_bytes = 0
-    for index in sorted(needs, key=lambda i: (items(i).file, items(i).offset)):
-        item, blocks = items(index), needs[index]
-        segments = []
-        for first, last, ranks in _runs(item, blocks):
-            reader = min(ranks, key=lambda r: (load[r], r))
-            load[reader] += item.block_offsets[last] - item.block_offsets[first]
-            segments.append(
-                Segment(
-                    index,
-                    first,
-                    last,
-                    item.file,
-                    item.block_offsets[first],
-                    item.block_offsets[last],
-                    reader,
-                    tuple(sorted(ranks)),
-                )
-            )
+    for units in by_item:
+        segments = [u.segment(items(u.index), readers[id(u)]) for u in units]
         size = sum(s.size for s in segments)
         if rounds[-1] and round_bytes + size > budget:
             rounds.append([])
@@ -123,17 +112,56 @@ def plan_shared_reads(
     return SharedReadPlan(rounds, world_size)
 
 
+@dataclasses.dataclass
+class _Unassigned:
+    index: MetadataIndex
+    first: int
+    last: int
+    ranks: frozenset[int]
+
+    def segment(self, item: StoredItem, reader: int) -> Segment:
+        start, end = item.block_offsets[self.first], item.block_offsets[self.last]
+        return Segment(self.index, self.first, self.last, item.file, start, end, reader, tuple(sorted(self.ranks)))
+
+
+def _assign_readers(units: list[_Unassigned], items: Callable[[MetadataIndex], StoredItem], world: int) -> dict:
+    """Each run of consecutive units (file order) that the same ranks need is cut into one
+    contiguous stretch per rank, of about equal size, least loaded rank first: every rank reads
+    few, long ranges (merged into few requests) and the bytes spread evenly."""
+    load = [0] * world
+    readers: dict[int, int] = {}
+    groups: list[list[_Unassigned]] = []
+    for u in units:
+        if groups and groups[-1][-1].ranks == u.ranks and items(groups[-1][-1].index).file == items(u.index).file:
+            groups[-1].append(u)
+        else:
+            groups.append([u])
+    for group in groups:
+        sizes = [items(u.index).block_offsets[u.last] - items(u.index).block_offsets[u.first] for u in group]
+        ranks = sorted(group[0].ranks, key=lambda r: (load[r], r))
+        share, taken, k = sum(sizes) / len(ranks), 0, 0
+        for u, size in zip(group, sizes):
+            if taken >= share * (k + 1) and k + 1 < len(ranks):
+                k += 1
+            readers[id(u)] = ranks[k]
+            load[ranks[k]] += size
+            taken += size
+    return readers
+
+
 def _runs(item: StoredItem, blocks: dict[int, set[int]]):
     """(first, last, ranks): consecutive blocks with one set of ranks, at most MAX_REQUEST_BYTES each."""
     run: list = []
     for b in sorted(blocks):
         ranks = blocks[b]
         if run and (
-            b != run[1] or ranks != run[2] or item.block_offsets[b + 1] - item.block_offsets[run[0]] > MAX_REQUEST_BYTES
+            b != run[1]
+            or frozenset(ranks) != run[2]
+            or item.block_offsets[b + 1] - item.block_offsets[run[0]] > MAX_REQUEST_BYTES
         ):
             yield tuple(run)
             run = []
-        run = [run[0] if run else b, b + 1, ranks]
+        run = [run[0] if run else b, b + 1, frozenset(ranks)]
     if run:
         yield tuple(run)
 
