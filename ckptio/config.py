@@ -44,6 +44,9 @@ SHARED_READ_ROUND_BYTES = 256 * MiB
 #: the distinct bytes they read (HSDP with 2 replicas: 2.0; a resharded load: 1.0 plus the blocks
 #: that straddle two ranks' shards).
 SHARED_READ_MIN_REPLICATION = 1.02
+#: ... and when that saves at least this many bytes of reads: below it, the exchange's fixed cost
+#: (measured on a loopback S3 server: 64 MiB 2x2 loads were not faster shared, 256 MiB ones were).
+SHARED_READ_MIN_SAVED_BYTES = 128 * MiB
 #: Largest block the format accepts (written or read): bounds what one block can make a reader allocate.
 MAX_BLOCK_SIZE_LIMIT = 64 * MiB
 #: Cross-rank check of plain tensors saved under one key (objects.py): tensors up to this size are

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .config import SHARED_READ_MIN_REPLICATION, SHARED_READ_ROUND_BYTES, StorageConfig, WriterConfig
+from .config import SHARED_READ_ROUND_BYTES, StorageConfig, WriterConfig
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -40,9 +40,10 @@ from .shared_reads import (
     SharedReadPlan,
     load_shared,
     needed_blocks,
+    needed_bytes,
     on_network_filesystem,
     plan_shared_reads,
-    replication,
+    worth_sharing,
 )
 from .storage import FsspecStore, LocalStore
 
@@ -161,14 +162,15 @@ class Reader(CheckpointLocation, StorageReader):
                 log.warning("ckptio: dedup_reads needs dcp.load over the default process group; reading directly")
             return None
         needs = needed_blocks(plans, self._shareable)
-        factor = replication(needs, self._items.__getitem__)
         if self.dedup_reads == "auto":
             store = self._open_store()
             remote = not isinstance(store, LocalStore) or on_network_filesystem(store.root)
-            share = remote and factor >= SHARED_READ_MIN_REPLICATION
+            needed, distinct = needed_bytes(needs, self._items.__getitem__)
+            share = worth_sharing(remote, needed, distinct)
             _log_choice(
                 f"ckptio: shared reads {'on' if share else 'off'} (dedup_reads='auto'): the {world} ranks need "
-                f"{factor:.2f}x the distinct stored bytes, from {'a remote' if remote else 'a local'} store"
+                f"{needed / max(distinct, 1):.2f}x the {distinct >> 20} MiB of distinct stored bytes they read, "
+                f"from {'a remote' if remote else 'a local'} store"
             )
             if not share:
                 return None

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from . import errors
-from .config import MAX_REQUEST_BYTES
+from .config import MAX_REQUEST_BYTES, SHARED_READ_MIN_REPLICATION, SHARED_READ_MIN_SAVED_BYTES
 from .errors import CheckpointError
 from .fetch import _Job, _read_all, load_items, verify_block
 from .layout import StoredItem
@@ -60,35 +60,75 @@ class SharedReadPlan:
     world_size: int
 
 
+Needs = dict[MetadataIndex, list[tuple[int, int, frozenset[int]]]]
+
+
 def needed_blocks(
     plans: list[LoadPlan], resolve: Callable[[ReadItem], tuple[MetadataIndex, StoredItem] | None]
-) -> dict[MetadataIndex, dict[int, set[int]]]:
-    """stored key -> block -> ranks whose read items need it. ``resolve`` gives a read item's
-    stored key and record, or None for what is not shared (inline, per-rank, unknown keys)."""
-    needs: dict[MetadataIndex, dict[int, set[int]]] = defaultdict(lambda: defaultdict(set))
+) -> Needs:
+    """stored key -> runs ``(first block, last block + 1, ranks)``: consecutive blocks that the
+    same ranks' read items need. ``resolve`` gives a read item's stored key and record, or None for
+    what is not shared (inline, per-rank, unknown keys). Works on block ranges, not single blocks,
+    so planning costs O(read items), whatever the checkpoint's size."""
+    spans: dict[MetadataIndex, list[tuple[int, int, int]]] = defaultdict(list)
     for rank, plan in enumerate(plans):
         for read_item in plan.items:
             found = resolve(read_item)
             if found is not None:
                 key, item = found
-                for b in _Job.build(read_item, item).blocks:
-                    needs[key][b].add(rank)
-    return needs
+                blocks = _Job.build(read_item, item).blocks
+                run_start = 0
+                for i in range(1, len(blocks) + 1):
+                    if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+                        spans[key].append((blocks[run_start], blocks[i - 1] + 1, rank))
+                        run_start = i
+    return {key: _sweep(found) for key, found in spans.items()}
 
 
-def replication(needs: dict[MetadataIndex, dict[int, set[int]]], items: Callable[[MetadataIndex], StoredItem]) -> float:
-    """Stored bytes the ranks need in all / distinct stored bytes needed (1.0: nothing shared)."""
+def _sweep(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset[int]]]:
+    """Split overlapping (first, last, rank) spans into runs that one set of ranks needs."""
+    events: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for first, last, rank in spans:
+        events[first].append((rank, 1))
+        events[last].append((rank, -1))
+    active: dict[int, int] = defaultdict(int)
+    runs: list[tuple[int, int, frozenset[int]]] = []
+    points = sorted(events)
+    for at, following in zip(points, points[1:] + [None]):
+        for rank, delta in events[at]:
+            active[rank] += delta
+        ranks = frozenset(r for r, n in active.items() if n > 0)
+        if following is not None and ranks:
+            if runs and runs[-1][1] == at and runs[-1][2] == ranks:
+                runs[-1] = (runs[-1][0], following, ranks)
+            else:
+                runs.append((at, following, ranks))
+    return runs
+
+
+def needed_bytes(needs: Needs, items: Callable[[MetadataIndex], StoredItem]) -> tuple[int, int]:
+    """(stored bytes the ranks need in all, distinct stored bytes among them)."""
     total = distinct = 0
-    for index, blocks in needs.items():
-        item = items(index)
-        for b, ranks in blocks.items():
-            total += item.blocks[b][0] * len(ranks)
-            distinct += item.blocks[b][0]
-    return total / distinct if distinct else 1.0
+    for index, runs in needs.items():
+        offsets = items(index).block_offsets
+        for first, last, ranks in runs:
+            size = offsets[last] - offsets[first]
+            total += size * len(ranks)
+            distinct += size
+    return total, distinct
+
+
+def worth_sharing(remote: bool, needed: int, distinct: int) -> bool:
+    """``dedup_reads="auto"``: share from remote stores and network filesystems when it saves
+    enough reads to outweigh a round of collectives; never from local disks (the page cache
+    serves a second read cheaper than the exchange would)."""
+    return (
+        remote and needed >= SHARED_READ_MIN_REPLICATION * distinct and needed - distinct >= SHARED_READ_MIN_SAVED_BYTES
+    )
 
 
 def plan_shared_reads(
-    needs: dict[MetadataIndex, dict[int, set[int]]],
+    needs: Needs,
     items: Callable[[MetadataIndex], StoredItem],
     world_size: int,
     budget: int,
@@ -149,21 +189,15 @@ def _assign_readers(units: list[_Unassigned], items: Callable[[MetadataIndex], S
     return readers
 
 
-def _runs(item: StoredItem, blocks: dict[int, set[int]]):
-    """(first, last, ranks): consecutive blocks with one set of ranks, at most MAX_REQUEST_BYTES each."""
-    run: list = []
-    for b in sorted(blocks):
-        ranks = blocks[b]
-        if run and (
-            b != run[1]
-            or frozenset(ranks) != run[2]
-            or item.block_offsets[b + 1] - item.block_offsets[run[0]] > MAX_REQUEST_BYTES
-        ):
-            yield tuple(run)
-            run = []
-        run = [run[0] if run else b, b + 1, frozenset(ranks)]
-    if run:
-        yield tuple(run)
+def _runs(item: StoredItem, runs: list[tuple[int, int, frozenset[int]]]):
+    """``runs`` cut so that none is longer than MAX_REQUEST_BYTES (a long one can then be spread)."""
+    offsets = item.block_offsets
+    for first, last, ranks in runs:
+        start = first
+        for b in range(first + 1, last + 1):
+            if b == last or offsets[b + 1] - offsets[start] > MAX_REQUEST_BYTES:
+                yield start, b, ranks
+                start = b
 
 
 class CachedBlocks:
@@ -268,6 +302,10 @@ def _read_segments(
 
 def _agree(failure: BaseException | None, rank: int, group: Any) -> None:
     """Raise the same error on every rank if any rank failed (the lowest failing rank's, its class kept)."""
+    failed_anywhere = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
+    dist.all_reduce(failed_anywhere, group=group)  # one small collective when all is well
+    if not failed_anywhere.item():
+        return
     mine = None if failure is None else (type(failure).__name__, str(failure))
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
