@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import __version__
+from . import __version__, ordering
 from .commit import check_target, publish
 from .config import StorageConfig, WriterConfig
 from .encode import encode_items, item_bytes, pickled_objects
@@ -78,7 +78,17 @@ class Writer(CheckpointLocation, StorageWriter):
         self.checkpoint_id: str | None = None
         self.rank = 0
         self.is_coordinator = True
+        self._ticket: ordering.Ticket | None = ordering.take()  # made in the caller's thread: its order
         self.reset(checkpoint_id)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled by torch's PROCESS executor, on the thread that hands this save to its background
+        # process: that thread takes this save's turn (ordering.py).
+        if self._ticket is not None and not self._ticket.started.is_set():
+            ordering.begin(self._ticket, sending_to_process=True)
+        state = dict(self.__dict__)
+        state["_ticket"] = None
+        return state
 
     @property
     def storage_config(self) -> StorageConfig:
@@ -102,6 +112,7 @@ class Writer(CheckpointLocation, StorageWriter):
                 "dcp.save with the default use_collectives=True"
             )
         self.is_coordinator = is_coordinator
+        self._ticket = ordering.begin(self._ticket)  # waits for this process's previous save to return
         rank = kwargs.get("rank")
         if rank is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

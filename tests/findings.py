@@ -81,23 +81,37 @@ def save_to_a_per_rank_path(base: str) -> str:
     return _outcome(lambda: dcp.save({"w": torch.ones(64, 64)}, storage_writer=ckptio.Writer(url)))
 
 
-def async_saves(base: str, executor: str) -> list[str]:
-    """Three ``dcp.async_save`` calls with ``ckptio.Writer``, each awaited before the next (torch's
-    thread executor runs two saves' collectives concurrently otherwise): two new paths, then an
-    overwrite of the first; every checkpoint loaded back."""
+def async_saves(base: str, executor: str, overlap: bool = False, stager: int = 0) -> list[str]:
+    """Three ``dcp.async_save`` calls with ``ckptio.Writer``: two new paths, then an overwrite of
+    the first; every checkpoint loaded back. ``overlap``: none is awaited before the next starts
+    (ckptio runs them one after the other), and a synchronous save follows at once. ``stager``:
+    stage through one ``ckptio.Stager`` with that many slots (buffers reused across the saves)."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     kind = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
     gen = torch.Generator().manual_seed(0)
     states = [{"w": torch.randn(256, 1024, generator=gen), "step": torch.tensor(float(i))} for i in range(3)]
     targets = [(f"{base}/a", False), (f"{base}/b", False), (f"{base}/a", True)]
+    futures = []
+    staging = {"async_stager": ckptio.Stager(stager)} if stager else {}
+    live = {"w": torch.zeros(256, 1024), "step": torch.tensor(0.0)}  # one state, changed after each save
     for (url, overwrite), state in zip(targets, states):
-        future = dcp.async_save(
-            state, storage_writer=ckptio.Writer(url, overwrite=overwrite), async_checkpointer_type=kind
-        )
-        future.result()
+        live["w"].copy_(state["w"])
+        live["step"].copy_(state["step"])
+        writer = ckptio.Writer(url, overwrite=overwrite)
+        futures.append(dcp.async_save(live, storage_writer=writer, async_checkpointer_type=kind, **staging))
+        if not overlap:
+            futures[-1].result()
+    expected = [(f"{base}/a", states[2]), (f"{base}/b", states[1])]
+    if overlap:
+        dcp.save(states[0], storage_writer=ckptio.Writer(f"{base}/c"))
+        expected.append((f"{base}/c", states[0]))
+        for future in futures:
+            future.result()
+    if staging:
+        staging["async_stager"].close()
     wrong = []
-    for url, expected in ((f"{base}/a", states[2]), (f"{base}/b", states[1])):
+    for url, expected in expected:
         out = {"w": torch.zeros(256, 1024), "step": torch.tensor(-1.0)}
         dcp.load(out, storage_reader=ckptio.Reader(url))
         wrong += [f"{url}:{k}" for k in out if not torch.equal(out[k], expected[k])]

@@ -1,0 +1,78 @@
+"""The saves of one process run one at a time, in the order their Writers were made.
+
+``dcp.async_save`` with the THREAD executor runs each save on a thread of its own, so a save
+started while another is in flight would issue its collectives alongside the other's, in an
+order that differs across ranks: the job hangs or pairs up the wrong messages. Each ``Writer``
+takes a ticket where it is made (the training loop's thread: the same order on every rank); a
+save waits, before its first collective, until the save of the previous ticket has returned.
+With the PROCESS executor the save runs in torch's background process, sent there by a thread
+of the executor's own, which pickles the Writer: that thread is the one that waits, and the one
+waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger(__name__)
+
+#: How long a save waits for the previous Writer's save to begin before giving up on it (a
+#: Writer that was made but never used to save).
+START_WAIT_S = 120.0
+#: Name prefix of the threads torch's THREAD executor runs saves on.
+ASYNC_THREAD_PREFIX = "AsyncCheckpointExecutor"
+
+_lock = threading.Lock()
+_last: "Ticket | None" = None
+
+
+class Ticket:
+    def __init__(self, previous: "Ticket | None"):
+        self.previous = previous
+        self.thread: threading.Thread | None = None
+        self.started = threading.Event()
+        self.joinable = False  # the save runs on a thread of torch's async executors
+        self.staged = False  # a Stager has staged this save's state
+
+    def wait_until_finished(self) -> None:
+        if not self.started.wait(START_WAIT_S):
+            log.warning("ckptio: the previous Writer made in this process never started saving; not waiting for it")
+            return
+        # Only torch's async executor threads are waited for: any other thread ran a synchronous
+        # save, which returned before its caller could start another (and may be our caller).
+        if self.joinable and self.thread is not threading.current_thread():
+            self.thread.join()
+
+
+def take() -> Ticket:
+    """A place in this process's order of saves (call where the Writer is made)."""
+    global _last
+    with _lock:
+        _last = Ticket(_last)
+        return _last
+
+
+def claim_latest() -> Ticket | None:
+    """The ticket of the Writer made last, if no stager has claimed it yet: ``ckptio.Stager`` is
+    called by ``dcp.async_save`` right after that Writer was made, for that Writer's save."""
+    with _lock:
+        if _last is None or _last.staged or _last.started.is_set():
+            return None
+        _last.staged = True
+        return _last
+
+
+def begin(ticket: Ticket | None, sending_to_process: bool = False) -> Ticket:
+    """Wait for the save before ``ticket`` to return, then mark ``ticket``'s save as running on
+    this thread. A ticket already used (a Writer saving again) is replaced by a new one.
+    ``sending_to_process``: this thread hands the save to torch's background process."""
+    if ticket is None or ticket.started.is_set():
+        ticket = take()
+    previous, ticket.previous = ticket.previous, None
+    if previous is not None:
+        previous.wait_until_finished()
+    ticket.thread = threading.current_thread()
+    ticket.joinable = sending_to_process or ticket.thread.name.startswith(ASYNC_THREAD_PREFIX)
+    ticket.started.set()
+    return ticket

@@ -1,0 +1,102 @@
+"""``ckptio.Stager``: staging for ``dcp.async_save`` into host buffers made once and reused.
+
+torch's default stager copies the state into freshly allocated memory on every save (and with
+the PROCESS executor pickles those bytes again into shared memory), so each save pays for page
+faults and host memory grows while old copies wait to be freed. ``Stager`` keeps ``slots`` sets
+of buffers (pinned when the state is on a GPU); a save reuses the set of the save ``slots``
+before it, once that save has returned (``ordering.py`` knows when), so at most ``slots`` saves
+are in flight and host memory stays at ``slots`` copies of the state. Tensors shared with the
+PROCESS executor's background process are moved to shared memory by torch once, on first use.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from torch.distributed._state_dict_utils import (
+    _check_state_dict_similarity,
+    _copy_state_dict,
+    _create_cpu_state_dict,
+)
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from . import ordering
+
+log = logging.getLogger(__name__)
+
+
+class Stager(AsyncStager):
+    """Pass as ``dcp.async_save(state, storage_writer=ckptio.Writer(url), async_stager=stager)``,
+    the same stager for every save of the job; ``close()`` it at the end."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, slots: int = 2):
+        if slots < 1:
+            raise ValueError(f"Stager needs at least one slot, got {slots}")
+        self._slots: list[dict[str, Any] | None] = [None] * slots
+        self._users: list[ordering.Ticket | None] = [None] * slots
+        self._next = 0
+
+    @torch.no_grad()
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        slot = self._next
+        self._next = (slot + 1) % len(self._slots)
+        previous_user = self._users[slot]
+        if previous_user is not None:
+            previous_user.wait_until_finished()  # the save that last used these buffers has returned
+        self._users[slot] = user = ordering.claim_latest()
+        buffers = self._slots[slot]
+        if user is None:  # not a ckptio.Writer's save: nothing tells when it is done with buffers
+            log.warning("ckptio.Stager: this save's writer is not a new ckptio.Writer; staging into fresh memory")
+            buffers = None
+        if buffers is None or not _check_state_dict_similarity(state_dict, buffers):
+            pin = torch.cuda.is_available() and _on_gpu(state_dict)
+            buffers = _create_cpu_state_dict(state_dict, pin_memory=pin)
+            self._slots[slot] = buffers if user is not None else None
+        staged = _copy_state_dict(state_dict, buffers, type_check=False)
+        if any(_on_gpu_tensor(t) for t in _tensors(state_dict)):
+            torch.cuda.synchronize()
+        return _copy_objects(staged)
+
+    def synchronize_staging(self) -> None:
+        """Staging is synchronous: nothing to wait for."""
+
+    def close(self) -> None:
+        self._slots = [None] * len(self._slots)
+        self._users = [None] * len(self._users)
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _on_gpu_tensor(t: torch.Tensor) -> bool:
+    local = getattr(t, "_local_tensor", t)
+    return local.device.type == "cuda"
+
+
+def _on_gpu(state_dict: dict[str, Any]) -> bool:
+    return any(_on_gpu_tensor(t) for t in _tensors(state_dict))
+
+
+def _copy_objects(value: Any) -> Any:
+    """The staged dict holds the caller's own non-tensor values: copy the mutable ones, so that
+    training may change them while the save runs."""
+    if isinstance(value, torch.Tensor) or isinstance(value, (int, float, str, bytes, bool, type(None))):
+        return value
+    if isinstance(value, dict):
+        return {k: _copy_objects(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy_objects(v) for v in value]
+    return copy.deepcopy(value)
