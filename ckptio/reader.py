@@ -61,8 +61,11 @@ class Reader(CheckpointLocation, StorageReader):
     0. (all ranks) ``reset(checkpoint_id)``: the location of this load.
     1. (all ranks) ``read_metadata()``: read and validate ``ckptio.json`` (``layout.py``).
     2. (all ranks) ``set_up_storage_reader()``: keep the item records.
-    3. (all ranks) ``prepare_local_plan()`` and 4. (coordinator) ``prepare_global_plan()``: unchanged.
-    5. (all ranks) ``read_data()``: fetch, check and deliver this rank's items (``fetch.py``).
+    3. (all ranks) ``prepare_local_plan()``: unchanged.
+    4. (coordinator) ``prepare_global_plan()``: decide ``dedup_reads`` and, when reads are shared,
+       who reads which stored bytes (``shared_reads.py``), sent to every rank in ``storage_data``.
+    5. (all ranks) ``read_data()``: fetch, check and deliver this rank's items (``fetch.py``); shared
+       ones in rounds, exchanged over the process group (``shared_reads.load_shared``).
     """
 
     _role = ("Reader", "dcp.load")
