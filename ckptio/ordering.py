@@ -18,7 +18,7 @@ import threading
 log = logging.getLogger(__name__)
 
 #: How long a save waits for the previous Writer's save to begin before giving up on it (a
-#: Writer that was made but never used to save).
+#: Writer made but never used that is still alive; one that was freed is not waited for).
 START_WAIT_S = 120.0
 #: Name prefix of the threads torch's THREAD executor runs saves on.
 ASYNC_THREAD_PREFIX = "AsyncCheckpointExecutor"
@@ -51,6 +51,11 @@ def take() -> Ticket:
     with _lock:
         _last = Ticket(_last)
         return _last
+
+
+def abandon(ticket: Ticket) -> None:
+    """The Writer holding ``ticket`` was freed without saving: nothing to wait for."""
+    ticket.started.set()
 
 
 def claim_latest() -> Ticket | None:

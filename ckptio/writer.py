@@ -11,6 +11,7 @@ import dataclasses
 import os
 import time
 import uuid
+import weakref
 from typing import Any
 
 import torch
@@ -79,6 +80,7 @@ class Writer(CheckpointLocation, StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self._ticket: ordering.Ticket | None = ordering.take()  # made in the caller's thread: its order
+        weakref.finalize(self, ordering.abandon, self._ticket)
         self.reset(checkpoint_id)
 
     def __getstate__(self) -> dict[str, Any]:

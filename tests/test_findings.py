@@ -527,3 +527,16 @@ def test_async_saves_in_flight_together_run_one_after_the_other(tmp_path, execut
     # Not awaited before the next starts; torch alone runs the thread executor's saves at once and hangs.
     # With ckptio.Stager the buffers are reused: a save must not see the next one's values.
     assert spawn(2, findings.async_saves, str(tmp_path), executor, True, stager, timeout=180) == [[], []]
+
+
+@pytest.mark.timeout(120)
+def test_a_writer_made_but_never_used_does_not_hold_up_later_saves(tmp_path, monkeypatch):
+    from ckptio import ordering
+
+    monkeypatch.setattr(ordering, "START_WAIT_S", 1e6)  # a wait for the unused Writer would hang
+    unused = ckptio.Writer(str(tmp_path / "never"))
+    del unused
+    ckptio.save({"w": torch.ones(4)}, str(tmp_path / "saved"))
+    out = {"w": torch.zeros(4)}
+    ckptio.load(out, str(tmp_path / "saved"))
+    assert torch.equal(out["w"], torch.ones(4))
