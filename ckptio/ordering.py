@@ -34,15 +34,22 @@ class Ticket:
         self.started = threading.Event()
         self.joinable = False  # the save runs on a thread of torch's async executors
         self.staged = False  # a Stager has staged this save's state
+        self.abandoned = False  # its Writer was freed without saving
 
     def wait_until_finished(self) -> None:
-        if not self.started.wait(START_WAIT_S):
-            log.warning("ckptio: the previous Writer made in this process never started saving; not waiting for it")
+        ticket: Ticket | None = self
+        while ticket is not None:
+            if not ticket.started.wait(START_WAIT_S):
+                log.warning("ckptio: the previous Writer made in this process never started saving; not waiting")
+                return
+            if ticket.abandoned:  # its Writer was freed unused: the save before it is the one to wait for
+                ticket = ticket.previous
+                continue
+            # Only torch's async executor threads are waited for: any other thread ran a synchronous
+            # save, which returned before its caller could start another (and may be our caller).
+            if ticket.joinable and ticket.thread is not threading.current_thread():
+                ticket.thread.join()
             return
-        # Only torch's async executor threads are waited for: any other thread ran a synchronous
-        # save, which returned before its caller could start another (and may be our caller).
-        if self.joinable and self.thread is not threading.current_thread():
-            self.thread.join()
 
 
 def take() -> Ticket:
@@ -54,8 +61,11 @@ def take() -> Ticket:
 
 
 def abandon(ticket: Ticket) -> None:
-    """The Writer holding ``ticket`` was freed without saving: nothing to wait for."""
-    ticket.started.set()
+    """The Writer holding ``ticket`` was freed without saving: waiting for it means waiting for
+    the save before it."""
+    if not ticket.started.is_set():
+        ticket.abandoned = True
+        ticket.started.set()
 
 
 def claim_latest() -> Ticket | None:
