@@ -53,16 +53,23 @@ def from_torch_dcp(
     """Rewrite a checkpoint saved by torch DCP's own writers as a ckptio checkpoint, in one process
     holding the whole state; return the number of top-level keys. The source's objects are
     unpickled by torch's reader, so convert only checkpoints you trust."""
+    source = os.fspath(source)
+    state: dict[str, Any] = {}
+    with raising_checkpoint_errors(f"load from {source}"):
+        reader = torch_dcp_reader(source, storage_options)
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    save(state, destination, config, storage_options=storage_options)
+    return len(state)
+
+
+def torch_dcp_reader(url: str, storage_options: dict[str, Any] | None = None):
+    """torch's own reader for a checkpoint its writers saved: FileSystemReader for local paths,
+    FsspecReader (with ``storage_options``) for any other URL."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     from .storage import LocalStore, open_store
 
-    source = os.fspath(source)
-    local = isinstance(open_store(source, storage_options), LocalStore)
-    reader = FileSystemReader(source) if local else FsspecReader(source, **(storage_options or {}))
-    state: dict[str, Any] = {}
-    with raising_checkpoint_errors(f"load from {source}"):
-        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    save(state, destination, config, storage_options=storage_options)
-    return len(state)
+    if isinstance(open_store(url, storage_options), LocalStore):
+        return FileSystemReader(url)
+    return FsspecReader(url, **(storage_options or {}))

@@ -141,8 +141,14 @@ def collect_garbage(store: FsspecStore, garbage: Garbage) -> None:
     store.delete(garbage.files)
 
 
-#: Files whose presence makes a folder a loadable checkpoint (ckptio, torch DCP, Hugging Face).
-COMMIT_MARKERS = (METADATA_NAME, TORCH_DCP_METADATA_NAME, "model.safetensors.index.json")
+#: The file whose presence makes a folder a loadable checkpoint -> the format it is in.
+COMMIT_MARKERS = {METADATA_NAME: "ckptio", TORCH_DCP_METADATA_NAME: "torch_dcp", "model.safetensors.index.json": "hf"}
+
+
+def checkpoint_format(store: FsspecStore) -> str | None:
+    """``"ckptio"``, ``"torch_dcp"`` or ``"hf"`` for a committed checkpoint at ``store``; ``None``
+    if nothing there is loadable (absent, or a save that never committed)."""
+    return next((name for marker, name in COMMIT_MARKERS.items() if store.exists(marker)), None)
 
 
 def delete_checkpoint(store: FsspecStore) -> None:

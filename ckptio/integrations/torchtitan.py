@@ -28,8 +28,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torchtitan.components.checkpointer.base import DATALOADER, MODEL, purge_thread
 from torchtitan.components.checkpointer.dcp import AsyncMode
@@ -38,30 +36,20 @@ from torchtitan.tools.utils import GarbageCollection
 
 from ..api import raising_checkpoint_errors
 from ..config import WriterConfig
+from ..convert import torch_dcp_reader
 from ..errors import CheckpointNotFoundError, PerRankStateError
 from ..layout import METADATA_NAME, TORCH_DCP_METADATA_NAME
 from ..reader import Reader
-from ..report import COMMIT_MARKERS, delete_checkpoint
-from ..storage import LocalStore, open_store
+from ..report import checkpoint_format, delete_checkpoint
+from ..storage import open_store
 from ..writer import Writer
 
-__all__ = ["CheckpointManager", "checkpoint_format"]
+__all__ = ["CheckpointManager"]
 
 log = logging.getLogger(__name__)
 
 _STEP_FOLDER = re.compile(r"step-(\d+)")
 _SAVED_DP_RANK = re.compile(rf"{DATALOADER}\.dp_rank_(\d+)")
-
-
-def checkpoint_format(url: str, storage_options: dict[str, Any] | None = None) -> str | None:
-    """``"ckptio"``, ``"torch_dcp"`` or ``"hf"`` for a committed checkpoint at ``url``; ``None`` if
-    nothing there is loadable (absent, or a save that never committed)."""
-    store = open_store(url, storage_options)
-    formats = dict(zip(COMMIT_MARKERS, ("ckptio", "torch_dcp", "hf")))
-    for marker, name in formats.items():
-        if store.exists(marker):
-            return name
-    return None
 
 
 class CheckpointManager(TorchtitanCheckpointManager):
@@ -179,13 +167,12 @@ class CheckpointManager(TorchtitanCheckpointManager):
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
         if from_hf:
             return TorchtitanCheckpointManager.dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
-        found = checkpoint_format(checkpoint_id, self.storage_options)
+        found = checkpoint_format(open_store(checkpoint_id, self.storage_options))
         if found == "ckptio":
             reader = Reader(checkpoint_id, storage_options=self.storage_options)
         elif found == "torch_dcp":
             log.info("ckptio: %s was written by torch DCP; loading it with torch's reader", checkpoint_id)
-            local = isinstance(open_store(checkpoint_id, self.storage_options), LocalStore)
-            reader = FileSystemReader(checkpoint_id) if local else FsspecReader(checkpoint_id, **self.storage_options)
+            reader = torch_dcp_reader(checkpoint_id, self.storage_options)
         else:
             raise CheckpointNotFoundError(
                 f"{checkpoint_id} holds no committed checkpoint (no {METADATA_NAME} and no torch "
@@ -239,7 +226,7 @@ class CheckpointManager(TorchtitanCheckpointManager):
         folder = folder or self.folder
         steps = self._step_folders(folder)
         for step in steps:
-            if checkpoint_format(self._create_checkpoint_id(step, folder), self.storage_options) is not None:
+            if checkpoint_format(open_store(self._create_checkpoint_id(step, folder), self.storage_options)):
                 if step != steps[0]:
                     log.warning("ckptio: skipping unfinished checkpoints newer than step %d in %s", step, folder)
                 return step
