@@ -180,7 +180,10 @@ class CheckpointManager(TorchtitanCheckpointManager):
                 "(checkpoint.load_step) or remove the folder"
             )
         with raising_checkpoint_errors(f"loading {checkpoint_id}"):
-            saved_keys = set(reader.read_metadata().state_dict_metadata)
+            if isinstance(reader, Reader):  # read once: dcp.load below uses the prefetched metadata
+                saved_keys = set(reader.prefetch_metadata().metadata.state_dict_metadata)
+            else:
+                saved_keys = set(reader.read_metadata().state_dict_metadata)
             self._apply_dataloader_policy(state_dict, saved_keys, checkpoint_id)
             dcp.load(state_dict, storage_reader=reader)
         if MODEL in self.states:
