@@ -53,12 +53,12 @@ class Stager(AsyncStager):
         if user is None:  # not a ckptio.Writer's save: nothing tells when it is done with buffers
             log.warning("ckptio.Stager: this save's writer is not a new ckptio.Writer; staging into fresh memory")
             buffers = None
+        on_gpu = _on_gpu(state_dict)
         if buffers is None or not _check_state_dict_similarity(state_dict, buffers):
-            pin = torch.cuda.is_available() and _on_gpu(state_dict)
-            buffers = _create_cpu_state_dict(state_dict, pin_memory=pin)
+            buffers = _create_cpu_state_dict(state_dict, pin_memory=on_gpu)
             self._slots[slot] = buffers if user is not None else None
         staged = _copy_state_dict(state_dict, buffers, type_check=False)
-        if any(_on_gpu_tensor(t) for t in _tensors(state_dict)):
+        if on_gpu:
             torch.cuda.synchronize()
         return _copy_objects(staged)
 
@@ -81,13 +81,8 @@ def _tensors(value: Any):
             yield from _tensors(v)
 
 
-def _on_gpu_tensor(t: torch.Tensor) -> bool:
-    local = getattr(t, "_local_tensor", t)
-    return local.device.type == "cuda"
-
-
 def _on_gpu(state_dict: dict[str, Any]) -> bool:
-    return any(_on_gpu_tensor(t) for t in _tensors(state_dict))
+    return any(getattr(t, "_local_tensor", t).device.type == "cuda" for t in _tensors(state_dict))
 
 
 def _copy_objects(value: Any) -> Any:
