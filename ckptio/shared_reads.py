@@ -11,6 +11,7 @@ of that round from the bytes it now holds. A failure on any rank becomes the sam
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import os
@@ -207,6 +208,7 @@ class CachedBlocks:
     def __init__(self, store: FsspecStore, held: dict[str, list[tuple[int, memoryview]]]):
         self._store = store
         self._held = {name: sorted(spans, key=lambda s: s[0]) for name, spans in held.items()}
+        self._starts = {name: [start for start, _ in spans] for name, spans in self._held.items()}
 
     def __getattr__(self, name: str) -> Any:  # describe, size, exists: the real store's
         return getattr(self._store, name)
@@ -227,8 +229,10 @@ class CachedBlocks:
         return counts
 
     def _find(self, name: str, offset: int) -> memoryview:
-        for start, data in self._held.get(name, []):
-            if start <= offset < start + len(data):
+        at = bisect.bisect_right(self._starts.get(name, []), offset) - 1  # the last segment starting at or before
+        if at >= 0:
+            start, data = self._held[name][at]
+            if offset < start + len(data):
                 return data[offset - start :]
         raise CheckpointError(f"internal error: shared read of {name} at {offset} was not planned for this rank")
 
