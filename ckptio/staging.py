@@ -16,12 +16,10 @@ import logging
 from typing import Any
 
 import torch
-from torch.distributed._state_dict_utils import (
-    _check_state_dict_similarity,
-    _copy_state_dict,
-    _create_cpu_state_dict,
-)
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
 
 from . import ordering
 
@@ -54,7 +52,7 @@ class Stager(AsyncStager):
             log.warning("ckptio.Stager: this save's writer is not a new ckptio.Writer; staging into fresh memory")
             buffers = None
         on_gpu = _on_gpu(state_dict)
-        if buffers is None or not _check_state_dict_similarity(state_dict, buffers):
+        if buffers is None or not _same_layout(state_dict, buffers):
             buffers = _create_cpu_state_dict(state_dict, pin_memory=on_gpu)
             self._slots[slot] = buffers if user is not None else None
         staged = _copy_state_dict(state_dict, buffers, type_check=False)
@@ -68,6 +66,37 @@ class Stager(AsyncStager):
     def close(self) -> None:
         self._slots = [None] * len(self._slots)
         self._users = [None] * len(self._users)
+
+
+def _same_layout(value: Any, buffer: Any) -> bool:
+    """Whether ``buffer`` can take a copy of ``value``: the same keys, and tensors of the same
+    dtype and shape (and, for DTensors, the same mesh and placements, which the staged copy keeps).
+    torch's ``_check_state_dict_similarity`` copies every DTensor while it compares: a second copy."""
+    if isinstance(value, DTensor):
+        return (
+            isinstance(buffer, DTensor)
+            and value.placements == buffer.placements
+            and value.device_mesh == buffer.device_mesh
+            and value.shape == buffer.shape
+            and _same_layout(value._local_tensor, buffer._local_tensor)
+        )
+    if isinstance(value, ShardedTensor) or isinstance(buffer, (DTensor, ShardedTensor)):
+        return False  # legacy ShardedTensors are staged afresh each time
+    if isinstance(value, torch.Tensor):
+        return isinstance(buffer, torch.Tensor) and value.dtype == buffer.dtype and value.shape == buffer.shape
+    if isinstance(value, dict):
+        return (
+            isinstance(buffer, dict)
+            and value.keys() == buffer.keys()
+            and all(_same_layout(v, buffer[k]) for k, v in value.items())
+        )
+    if isinstance(value, (list, tuple)):
+        return (
+            isinstance(buffer, (list, tuple))
+            and len(value) == len(buffer)
+            and all(_same_layout(v, b) for v, b in zip(value, buffer))
+        )
+    return not isinstance(buffer, torch.Tensor)
 
 
 def _tensors(value: Any):

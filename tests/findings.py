@@ -116,3 +116,51 @@ def async_saves(base: str, executor: str, overlap: bool = False, stager: int = 0
         dcp.load(out, storage_reader=ckptio.Reader(url))
         wrong += [f"{url}:{k}" for k in out if not torch.equal(out[k], expected[k])]
     return wrong
+
+
+def stager_across_layout_changes(base: str, executor: str) -> list[str]:
+    """Four async saves through one single-slot ``ckptio.Stager`` while the state's layout changes:
+    the same local shape under another placement (Shard(0) -> Replicate()), a new key, a new dtype.
+    Staging into the buffers of the save before would keep the old placement or miss the new key."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    kind = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    rank = dist.get_rank()
+    local = torch.arange(16.0).reshape(4, 4) + 100 * rank
+    shared = torch.arange(16.0).reshape(4, 4)  # the same on every rank, as Replicate() requires
+    states = [
+        {"w": DTensor.from_local(local, mesh, [Shard(0)])},
+        {"w": DTensor.from_local(shared, mesh, [Replicate()])},
+        {"w": DTensor.from_local(shared + 1, mesh, [Replicate()]), "b": torch.ones(3)},
+        {"w": DTensor.from_local(shared + 2, mesh, [Replicate()]), "b": torch.ones(3, dtype=torch.float64)},
+    ]
+    stager = ckptio.Stager(slots=1)
+    for i, state in enumerate(states):
+        future = dcp.async_save(
+            state,
+            storage_writer=ckptio.Writer(f"{base}/{i}"),
+            async_checkpointer_type=kind,
+            async_stager=stager,
+        )
+        future.result()
+    stager.close()
+    wrong = []
+    for i, state in enumerate(states):
+        out = {
+            k: (
+                DTensor.from_local(torch.zeros(4, 4), mesh, v.placements)
+                if isinstance(v, DTensor)
+                else torch.zeros_like(v)
+            )
+            for k, v in state.items()
+        }
+        dcp.load(out, storage_reader=ckptio.Reader(f"{base}/{i}"))
+        wrong += [
+            f"save {i}: {k}"
+            for k, v in state.items()
+            if not torch.equal(getattr(out[k], "_local_tensor", out[k]), getattr(v, "_local_tensor", v))
+        ]
+    return wrong

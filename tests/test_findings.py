@@ -529,6 +529,11 @@ def test_async_saves_in_flight_together_run_one_after_the_other(tmp_path, execut
     assert spawn(2, findings.async_saves, str(tmp_path), executor, True, stager, timeout=180) == [[], []]
 
 
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_stager_restages_when_the_state_layout_changes(tmp_path, executor):
+    assert spawn(2, findings.stager_across_layout_changes, str(tmp_path), executor, timeout=180) == [[], []]
+
+
 @pytest.mark.timeout(120)
 def test_a_writer_made_but_never_used_does_not_hold_up_later_saves(tmp_path, monkeypatch):
     from ckptio import ordering
