@@ -24,6 +24,13 @@ from .writers import WRITERS, select
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = _parser().parse_args(argv)
+    text = args.plan_tensors.strip().lower()
+    try:
+        args.plan_tensors = [] if text in ("", "none", "0") else [int(n) for n in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--plan-tensors takes counts separated by commas, e.g. 100,10000; got {text!r}") from None
+    if args.async_saves < 0 or any(n < 1 for n in args.plan_tensors):
+        raise SystemExit("--async-saves and --plan-tensors take counts of at least 0 and 1")
     if args.compressible:
         args.data = "bf16-in-fp32"
     return args
@@ -61,6 +68,20 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also load each ckptio checkpoint on the saved mesh, Wx1 and 1xW with dedup_reads False/True/auto "
         "(torch FsspecWriter's with torch's reader): load time, bytes served, GETs",
+    )
+    p.add_argument(
+        "--async-saves",
+        type=int,
+        default=20,
+        metavar="N",
+        help="on the local/NFS target, N consecutive dcp.async_save calls per writer, stager and executor "
+        "with a training-step loop running beside them: blocking time, steps/s, host memory (default 20; 0: skip)",
+    )
+    p.add_argument(
+        "--plan-tensors",
+        default="100,10000",
+        help="plan time of save 1 vs saves 2+ (torch's plan cache on) for states of these many small tensors "
+        "(default 100,10000; 'none': skip)",
     )
     p.add_argument("--compare", help="a previous results.json: show deltas")
     p.add_argument("--no-charts", action="store_true")
@@ -137,7 +158,10 @@ def run(args: argparse.Namespace) -> dict:
         steps = sum(
             args.repeats for t in targets for w in select(args.writers, args.compressed) if t["kind"] in w.targets
         )
-        records = _spawn_with_progress(args, cfg, progress_file, steps, backend)
+        from . import runner
+
+        records = _spawn_with_progress(args, runner.run_rank, cfg, progress_file, steps, backend)
+        async_rows, plan_rows = _async_and_plan_sections(args, cfg, targets, progress_file, backend)
         listings = {r["url"]: r["listing"] for r in records if "listing" in r}
         sizes = workload.byte_counts(workload.tensor_specs(size_bytes, args.data), (replicas, shards))
         results = report.summarize(records, listings, args.ranks, sizes)
@@ -165,20 +189,52 @@ def run(args: argparse.Namespace) -> dict:
         },
         "results": results,
         "shared_reads": shared_reads,
+        "async_saves": async_rows,
+        "plan_time": plan_rows,
     }
 
 
-def _spawn_with_progress(args, cfg, progress_file: str, steps: int, backend: str) -> list[dict]:
+def _async_and_plan_sections(args, cfg: dict, targets: list[dict], progress_file: str, backend: str):
+    """``--async-saves`` on the first file-system target (torch's FileSystemWriter is a peer there) and
+    ``--plan-tensors``; each in processes of its own, so torch's PROCESS executor ends with them."""
+    from . import async_saves, plan_time
+
+    async_rows: list[dict] = []
+    local = next((t for t in targets if t["kind"] == "local"), None)
+    if args.async_saves and local is None:
+        print("note: --async-saves needs a local or NFS target (--path); skipped", file=sys.stderr)
+    elif args.async_saves:
+        setups = [s.name for s in async_saves.SETUPS if cfg["device"] == "cuda" or not s.needs_gpu]
+        section = {
+            **cfg,
+            "async_base": f"{local['base']}/async",
+            "async_saves": args.async_saves,
+            "async_setups": setups,
+        }
+        records = _spawn_with_progress(args, async_saves.run_rank, section, progress_file, 2 * len(setups), backend)
+        async_rows = async_saves.summarize(records)
+    plan_rows: list[dict] = []
+    if args.plan_tensors:
+        with contextlib.ExitStack() as stack:
+            base = local["base"] if local else stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptio-plan-"))
+            section = {**cfg, "plan_base": f"{base}/plan", "plan_tensors": args.plan_tensors}
+            steps = len(args.plan_tensors) * len(plan_time.WRITERS)
+            records = _spawn_with_progress(args, plan_time.run_rank, section, progress_file, steps, backend)
+        plan_rows = plan_time.summarize(records)
+    return async_rows, plan_rows
+
+
+def _spawn_with_progress(args, rank_fn, cfg, progress_file: str, steps: int, backend: str) -> list[dict]:
     from tqdm import tqdm
 
-    from . import runner
-
+    if os.path.exists(progress_file):
+        os.remove(progress_file)
     out: dict = {}
 
     def work() -> None:
         try:
             out["records"] = [
-                r for rank_records in launch(args.ranks, runner.run_rank, cfg, backend=backend) for r in rank_records
+                r for rank_records in launch(args.ranks, rank_fn, cfg, backend=backend) for r in rank_records
             ]
         except BaseException as exc:  # reported below, in the main thread
             out["error"] = exc
@@ -211,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                 "the table, JSON and Markdown are complete",
                 file=sys.stderr,
             )
+    if not args.no_charts and report.async_charts(doc["async_saves"], base + "-async.png"):
+        doc["async_charts"] = os.path.basename(base + "-async.png")
     with open(base + ".json", "w") as f:
         json.dump(doc, f, indent=2)
     with open(base + ".md", "w") as f:
@@ -225,14 +283,26 @@ def main(argv: list[str] | None = None) -> int:
     shared = report.shared_reads_table(doc.get("shared_reads", []))
     if shared:
         print("\nShared reads (loads on other meshes; served/stored and GETs on S3, all ranks):\n" + shared)
+    asynchronous = report.async_table(doc["async_saves"])
+    if asynchronous:
+        print("\nAsynchronous saves (training-step loop beside each; blocking = time in async_save):\n" + asynchronous)
+    plans = report.plan_table(doc["plan_time"])
+    if plans:
+        print("\nPlan time (dcp.save until write_data; torch's plan cache on):\n" + plans)
     if args.compare:
         print("\nagainst " + args.compare + ":\n" + report.compare(doc["results"], args.compare))
     print(
         f"\nresults: {base}.json, {base}.md"
         + (f", {base}.png" if "charts" in doc else "")
+        + (f", {base}-async.png" if "async_charts" in doc else "")
         + f"  ({time.time() - started:.0f}s)"
     )
     bad = [r for r in doc["results"] if not (r["load_bit_exact"] and r["reshard_bit_exact"])]
+    bad += [
+        {"writer": f"{r['setup']} ({r['executor']})", "target": "async"}
+        for r in doc["async_saves"]
+        if not r["bit_exact"]
+    ]
     if bad:
         print("LOAD MISMATCH for: " + ", ".join(f"{r['writer']} on {r['target']}" for r in bad), file=sys.stderr)
         return 1

@@ -99,7 +99,7 @@ class PeakRSS:
         self.interval_s = interval_s
 
     def __enter__(self) -> "PeakRSS":
-        self.start = self.peak = _rss()
+        self.start = self.peak = rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -107,19 +107,20 @@ class PeakRSS:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss())
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _rss())
+        self.peak = max(self.peak, rss())
 
     @property
     def peak_delta(self) -> int:
         return self.peak - self.start
 
 
-def _rss() -> int:
+def rss() -> int:
+    """This process's resident memory in bytes."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 

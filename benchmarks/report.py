@@ -133,6 +133,58 @@ def shared_reads_table(rows: list[dict], markdown: bool = False) -> str:
     return _grid(header, cells, markdown)
 
 
+def async_table(rows: list[dict], markdown: bool = False) -> str:
+    """``--async-saves``: blocking time against a synchronous save, training speed during the
+    background write against before, and host memory growth (process tree PSS) against the payload."""
+    if not rows:
+        return ""
+    header = [
+        "writer + stager",
+        "executor",
+        "sync s",
+        "blocking ms (min-max)",
+        "blocking/sync",
+        "background s",
+        "steps/s before -> during",
+        f"memory growth MiB (x payload), save 2 -> {rows[0]['saves']}",
+        "exact",
+    ]
+    cells = [
+        [
+            r["setup"],
+            r["executor"],
+            f"{r['sync_s_median']:.3f}",
+            f"{r['blocking_s_median'] * 1e3:.1f} ({r['blocking_s_min'] * 1e3:.0f}-{r['blocking_s_max'] * 1e3:.0f})",
+            f"{r['blocking_over_sync']:.2f}",
+            f"{r['background_s_median']:.2f}",
+            f"{r['steps_per_s_before']:.0f} -> {r['steps_per_s_during']:.0f} ({r['training_speed_during']:.2f})",
+            f"{r['tree_pss_growth_bytes'] / (1 << 20):+.0f} ({r['tree_pss_growth_over_payload']:+.2f})",
+            "yes" if r["bit_exact"] else "NO",
+        ]
+        for r in rows
+    ]
+    return _grid(header, cells, markdown)
+
+
+def plan_table(rows: list[dict], markdown: bool = False) -> str:
+    """``--plan-tensors``: plan time (dcp.save until write_data) of save 1 and of the later saves."""
+    if not rows:
+        return ""
+    header = ["writer", "tensors", "plan s, save 1", "plan s, saves 2+ (min-max)", "save s, save 1", "save s, saves 2+"]
+    cells = [
+        [
+            r["writer"],
+            str(r["tensors"]),
+            f"{r['first_plan_s']:.3f}",
+            f"{r['later_plan_s_median']:.3f} ({r['later_plan_s_min']:.3f}-{r['later_plan_s_max']:.3f})",
+            f"{r['first_save_s']:.3f}",
+            f"{r['later_save_s_median']:.3f}",
+        ]
+        for r in rows
+    ]
+    return _grid(header, cells, markdown)
+
+
 def _sum_counts(counts) -> dict[str, int]:
     total: dict[str, int] = defaultdict(int)
     for c in counts:
@@ -237,18 +289,70 @@ def markdown_report(doc: dict[str, Any]) -> str:
     shared = shared_reads_table(doc.get("shared_reads", []), markdown=True)
     if shared:
         parts += ["", "## Shared reads (loads of the saved checkpoint on other meshes)", "", shared]
-    if doc.get("charts"):
-        parts += ["", f"![charts]({doc['charts']})"]
+    asynchronous = async_table(doc.get("async_saves", []), markdown=True)
+    if asynchronous:
+        parts += [
+            "",
+            "## Asynchronous saves (a training-step loop beside each background save)",
+            "",
+            "Blocking: time in dcp.async_save, slowest rank, saves 2..N. Memory: PSS of each rank's process "
+            "tree (torch's PROCESS executor included), largest growth over the ranks.",
+            "",
+            asynchronous,
+        ]
+    plans = plan_table(doc.get("plan_time", []), markdown=True)
+    if plans:
+        parts += ["", "## Plan time (torch's plan cache on)", "", plans]
+    for chart in ("charts", "async_charts"):
+        if doc.get(chart):
+            parts += ["", f"![{chart}]({doc[chart]})"]
     return "\n".join(parts) + "\n"
 
 
-def charts(rows: list[dict], path: str) -> bool:
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def async_charts(rows: list[dict], path: str) -> bool:
+    """Three panels for ``--async-saves``: blocking/sync, training speed during/before, memory growth/payload."""
+    plt = _pyplot()
+    if plt is None or not rows:
+        return False
+    panels = [
+        ("blocking time / synchronous save", "blocking_over_sync"),
+        ("training steps/s during save / before", "training_speed_during"),
+        (f"memory growth save 2 -> {rows[0]['saves']} / payload", "tree_pss_growth_over_payload"),
+    ]
+    setups = list(dict.fromkeys(r["setup"] for r in rows))
+    executors = list(dict.fromkeys(r["executor"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    width = 0.8 / len(executors)
+    for ax, (title, key) in zip(axes, panels):
+        for i, executor in enumerate(executors):
+            by_setup = {r["setup"]: r[key] or 0 for r in rows if r["executor"] == executor}
+            xs = [k + i * width for k in range(len(setups))]
+            ax.bar(xs, [by_setup.get(s, 0) for s in setups], width, label=executor, color=f"C{i}")
+        ax.set_title(title)
+        ax.set_xticks([k + width * (len(executors) - 1) / 2 for k in range(len(setups))])
+        ax.set_xticklabels([s.replace(" + ", "\n+ ") for s in setups], fontsize=7, rotation=20, ha="right")
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def charts(rows: list[dict], path: str) -> bool:
+    plt = _pyplot()
+    if plt is None:
         return False
     panels = [
         ("save time (s)", lambda r: r["save_s_median"]),

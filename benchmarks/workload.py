@@ -146,3 +146,14 @@ def parse_size(text: str) -> int:
     t = text.strip().upper()
     number = t.rstrip("KMGIB")
     return int(float(number) * units[t[len(number) :]])
+
+
+def held_tensor_bytes(state) -> int:
+    """Bytes of the tensors this rank holds (its DTensors' local shards)."""
+    if isinstance(state, dict):
+        return sum(held_tensor_bytes(v) for v in state.values())
+    if isinstance(state, DTensor):
+        state = state.to_local()
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    return 0

@@ -46,6 +46,80 @@ def test_summary_figures_from_a_hand_computed_run():
     assert row["load_bit_exact"] and row["reshard_bit_exact"]
 
 
+def test_async_figures_from_hand_computed_records():
+    from ckptio.bench import async_saves
+
+    def save(blocking, background, steps, pss):
+        return {
+            "blocking_s": blocking,
+            "background_s": background,
+            "steps": steps,
+            "rss_bytes": pss,
+            "tree_pss_bytes": pss,
+        }
+
+    mib = 1 << 20
+    records = [
+        {
+            "setup": "s",
+            "executor": "THREAD",
+            "rank": rank,
+            "payload_bytes": 100 * mib,
+            "sync_s": [1.0, 2.0, 3.0 + rank],
+            "baseline_steps": 100,
+            "baseline_s": 1.0,
+            # save 1 (allocates) is left out of the blocking figures; growth is from save 2 to the last
+            "saves": [
+                save(0.9, 1.0, 10, 0),
+                save(0.1 + rank, 1.0, 50, 10 * mib),
+                save(0.3, 2.0, 100, (30 + rank) * mib),
+            ],
+            "mismatches": [],
+        }
+        for rank in (0, 1)
+    ]
+    (row,) = async_saves.summarize(records)
+    assert row["blocking_s_median"] == (1.1 + 0.3) / 2 and row["blocking_s_min"] == 0.3  # slowest rank per save
+    assert row["sync_s_median"] == 2.0 and row["blocking_over_sync"] == row["blocking_s_median"] / 2.0
+    assert row["steps_per_s_before"] == 100 and row["steps_per_s_during"] == 160 / 4.0
+    assert row["training_speed_during"] == 0.4
+    assert row["tree_pss_growth_bytes"] == 21 * mib and row["tree_pss_growth_over_payload"] == 0.21
+    assert row["bit_exact"]
+
+
+def test_plan_figures_from_hand_computed_records():
+    from ckptio.bench import plan_time
+
+    records = [
+        {"writer": "w", "tensors": 10, "save": k, "rank": rank, "plan_s": (5 - k) + rank, "save_s": 10.0 + k}
+        for k in range(4)
+        for rank in (0, 1)
+    ]
+    (row,) = plan_time.summarize(records)
+    assert row["first_plan_s"] == 6 and row["later_plan_s_median"] == 4 and row["later_plan_s_min"] == 3
+    assert row["first_save_s"] == 10.0 and row["later_save_s_median"] == 12.0
+
+
+def test_process_tree_memory_counts_a_child_process():
+    import subprocess
+    import sys
+
+    from ckptio.bench import async_saves
+
+    before = async_saves.process_tree_pss()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; b = bytearray(256 << 20); print('ok', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout.readline() == b"ok\n"
+        grown = async_saves.process_tree_pss() - before
+    finally:
+        child.communicate(b"")
+    assert 256 << 20 <= grown < 400 << 20  # the child's touched buffer plus its interpreter
+
+
 def _held_bytes_and_save(url: str, size: int) -> int:
     """Save the workload on a 2x2 mesh; return the bytes this rank holds (tensors + pickled objects)."""
     import torch.distributed as dist
@@ -112,6 +186,10 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
         "ckptio replica_group",
         "FileSystemWriter",
         "FsspecWriter",
+        "--async-saves",
+        "2",
+        "--plan-tensors",
+        "10",
     ]
     assert bench_main(args) == 0
     printed = capsys.readouterr().out
@@ -148,6 +226,23 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
         assert set(row["save_requests"]) == set(counting.REQUEST_KINDS)
         if row["writer"].startswith("ckptio") and row["target"] != "local":
             assert row["save_requests"]["COPY"] == row["save_requests"]["LIST"] == 0
-    assert os.path.exists(path.replace(".json", ".md")) and os.path.exists(path.replace(".json", ".png"))
-    assert bench_main(args + ["--compare", path, "--no-charts"]) == 0
-    assert "against" in capsys.readouterr().out
+    asynchronous = {(r["setup"], r["executor"]) for r in doc["async_saves"]}
+    assert asynchronous == {
+        (setup, executor)
+        for setup in ("ckptio + ckptio.Stager", "ckptio + torch default stager", "torch FileSystemWriter")
+        for executor in ("THREAD", "PROCESS")
+    }
+    for row in doc["async_saves"]:
+        assert row["bit_exact"] and row["saves"] == 2
+        assert 0 < row["blocking_s_median"] and 0 < row["steps_per_s_during"] and 0 < row["payload_bytes"]
+    assert {(r["writer"], r["tensors"]) for r in doc["plan_time"]} == {
+        ("ckptio all_ranks", 10),
+        ("torch FileSystemWriter", 10),
+    }
+    assert "Asynchronous saves" in printed and "Plan time" in printed
+    for made in (".md", ".png", "-async.png"):
+        assert os.path.exists(path.replace(".json", made))
+    skip_sections = ["--async-saves", "0", "--plan-tensors", "none"]
+    assert bench_main(args + ["--compare", path, "--no-charts", *skip_sections]) == 0
+    printed = capsys.readouterr().out
+    assert "against" in printed and "Asynchronous saves" not in printed and "Plan time" not in printed
