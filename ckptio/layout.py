@@ -19,6 +19,8 @@ import base64
 import binascii
 import dataclasses
 import enum
+import heapq
+import itertools
 import json
 import math
 import re
@@ -120,14 +122,11 @@ class StoredItem:
     @cached_property
     def block_offsets(self) -> list[int]:
         """Absolute file offset of each block, plus the end offset as a last entry."""
-        offsets = [self.offset]
-        for stored_len, _ in self.blocks:
-            offsets.append(offsets[-1] + stored_len)
-        return offsets
+        return list(itertools.accumulate((stored_len for stored_len, _ in self.blocks), initial=self.offset))
 
-    @property
+    @cached_property
     def stored_bytes(self) -> int:
-        return self.block_offsets[-1] - self.offset
+        return sum(stored_len for stored_len, _ in self.blocks)
 
     @property
     def itemsize(self) -> int:
@@ -142,10 +141,10 @@ class StoredItem:
             "file": self.file,
             "offset": self.offset,
             "logical_bytes": self.logical_bytes,
-            "kind": self.kind.value,
+            "kind": self.kind._value_,  # .value is a slow descriptor: millions of items at scale
             "dtype": self.dtype,
             "shape": list(self.shape) if self.shape is not None else None,
-            "codec": self.codec.value,
+            "codec": self.codec._value_,
             "block_size": self.block_size,
             # Packed little-endian uint32 arrays: 4 bytes per block instead of a JSON list.
             "crc32c": _pack([crc for _, crc in self.blocks]),
@@ -523,26 +522,46 @@ def _check_coverage(
                     f"as {item.dtype}"
                 )
             covered += math.prod(expected)
-        if covered != math.prod(md.size) or _chunks_overlap(md.chunks):
+        if covered != math.prod(md.size) or _chunks_overlap(md.chunks, fqn, where):
             raise CheckpointFormatError(
                 f"{where}: the chunks of key {fqn!r:.80} hold {covered} elements for a shape {list(md.size)} of "
                 f"{math.prod(md.size)}; the checkpoint does not cover the tensor"
             )
 
 
-# Pairwise overlap checks cost O(chunks^2); past this many chunks per key only the element count is checked.
-_MAX_CHUNKS_CHECKED_PAIRWISE = 64
-
-
-def _chunks_overlap(chunks: list[ChunkStorageMetadata]) -> bool:
-    if len(chunks) > _MAX_CHUNKS_CHECKED_PAIRWISE:
-        return False
+def _chunks_overlap(chunks: list[ChunkStorageMetadata], fqn: str, where: str) -> bool:
+    """Whether two non-empty chunks share an element. A sweep along the dimension with the most
+    distinct chunk starts compares a chunk only with those it meets there: about one per chunk for
+    FSDP, the other shards of its row for 2-D layouts. Layouts far from a grid are refused rather
+    than checked pair by pair (hostile metadata could ask for billions of comparisons)."""
     boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes)]
-    return any(
-        all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a_off, a_len, b_off, b_len))
-        for i, (a_off, a_len) in enumerate(boxes)
-        for b_off, b_len in boxes[i + 1 :]
-    )
+    if len(boxes) < 2:
+        return False
+    ndim = len(boxes[0][0])
+    sweep = max(range(ndim), key=lambda d: len({off[d] for off, _ in boxes}))
+    boxes.sort(key=lambda box: box[0][sweep])
+    budget = _OVERLAP_COMPARISONS_PER_CHUNK * len(boxes) + _OVERLAP_COMPARISONS_BASE
+    active: list[tuple[int, int]] = []  # heap of (end along the sweep dimension, box number)
+    for i, (off, size) in enumerate(boxes):
+        while active and active[0][0] <= off[sweep]:
+            heapq.heappop(active)
+        budget -= len(active)
+        if budget < 0:
+            raise CheckpointFormatError(
+                f"{where}: the {len(boxes)} chunks of key {fqn!r:.80} are too far from a grid to check for overlaps; "
+                "DCP never writes such a layout, so the metadata is damaged or crafted"
+            )
+        for _, j in active:
+            other_off, other_size = boxes[j]
+            if all(a < b + m and b < a + n for a, n, b, m in zip(off, size, other_off, other_size)):
+                return True
+        heapq.heappush(active, (off[sweep] + size[sweep], i))
+    return False
+
+
+# Work the overlap sweep may do before it gives up: a 2-D grid of C chunks costs about C x (chunks per row).
+_OVERLAP_COMPARISONS_PER_CHUNK = 512
+_OVERLAP_COMPARISONS_BASE = 1_000_000
 
 
 def _rank_of(text: Any, where: str) -> int:
@@ -597,10 +616,16 @@ def _check_item(item: StoredItem, key: str, files: dict[str, int], version: int)
             f"{key} spans bytes {item.offset}..{item.offset + item.stored_bytes} of {item.file}, "
             f"which the metadata says holds {files[item.file]} bytes"
         )
-    for i, (stored_len, _) in enumerate(item.blocks):
-        logical = item.block_logical_len(i)
-        if stored_len <= 0 or stored_len > logical or (item.codec == Codec.RAW and stored_len != logical):
-            raise CheckpointFormatError(f"{key} block {i} has stored length {stored_len} for {logical} logical bytes")
+    if expected_blocks:
+        logical = _block_logical_lengths(item.logical_bytes, item.block_size)
+        stored = [n for n, _ in item.blocks]
+        if item.codec == Codec.RAW and stored != logical or min(stored) <= 0 or any(map(int.__gt__, stored, logical)):
+            i = next(
+                i
+                for i, (n, m) in enumerate(zip(stored, logical))
+                if n <= 0 or n > m or item.codec == Codec.RAW and n != m
+            )
+            raise CheckpointFormatError(f"{key} block {i} has stored length {stored[i]} for {logical[i]} logical bytes")
     if item.kind == ItemKind.TENSOR:
         dtype = dtype_from_name(item.dtype)
         if math.prod(item.shape) * dtype.itemsize != item.logical_bytes:
@@ -631,13 +656,21 @@ def _decode_blocks(raw: dict[str, Any], where: str) -> tuple[tuple[int, int], ..
     size, block = _require_int(raw["logical_bytes"], "logical_bytes"), _require_int(raw["block_size"], "block_size")
     if "stored_lengths" in raw:
         lengths = _unpack(raw["stored_lengths"], where)
-    else:
+    elif block and len(crcs) == -(-size // block):
+        lengths = _block_logical_lengths(size, block)
+    else:  # the block count is wrong: _check_item says so
         lengths = [min(block, size - i * block) for i in range(len(crcs))] if block else []
     if len(lengths) != len(crcs):
         raise CheckpointFormatError(
             f"{where}: item {raw.get('fqn')!r:.80} has {len(crcs)} checksums but {len(lengths)} lengths"
         )
     return tuple(zip(lengths, crcs))
+
+
+def _block_logical_lengths(logical_bytes: int, block_size: int) -> list[int]:
+    """The logical length of each block of an item: full blocks, then the remainder."""
+    full, rest = divmod(logical_bytes, block_size)
+    return [block_size] * full + ([rest] if rest else [])
 
 
 def _decode_inline(value: Any, where: str) -> bytes | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -220,3 +221,51 @@ def test_format_version_2_only_when_byte_planes_are_used(tmp_path):
     open(os.path.join(url, "ckptio.json"), "w").write(json.dumps(doc))
     with pytest.raises(CheckpointFormatError, match="format version 1 lacks"):
         decode_metadata(json.dumps(doc).encode(), "x")
+
+
+def chunked_doc(shape: list[int], chunks: list[tuple[list[int], list[int]]]) -> dict:
+    """A float32 tensor ``w`` of ``shape`` stored as ``chunks`` (offsets, sizes), one data file."""
+    file = data_file_name("0123456789abcdef", 0)
+    items, at = [], 0
+    for offsets, sizes in chunks:
+        n = 4 * math.prod(sizes)
+        items.append(
+            dict(
+                minimal_doc()["items"][0],
+                chunk_offset=offsets,
+                offset=at,
+                logical_bytes=n,
+                shape=sizes,
+                crc32c=_pack([1]),
+            )
+        )
+        at += n
+    doc = minimal_doc(files={file: at}, items=items)
+    doc["state"]["w"].update(size=shape, chunks=[{"offsets": o, "sizes": s} for o, s in chunks])
+    return doc
+
+
+def test_decode_finds_overlapping_chunks_among_many():
+    # 200 one-element chunks; #6 grown onto #7 and #199 dropped: the element count is still right
+    chunks = [([i], [1]) for i in range(200)]
+    assert len(decode(chunked_doc([200], chunks)).items) == 200
+    chunks = chunks[:199]
+    chunks[6] = ([6], [2])
+    with pytest.raises(CheckpointFormatError, match="does not cover"):
+        decode(chunked_doc([200], chunks))
+    grid = [([r * 2, c * 3], [2, 3]) for r in range(16) for c in range(8)]  # 128 chunks of a 2-D layout
+    grid[5] = ([0, 1], [2, 3])  # shifted onto its neighbours; one column of cells uncovered elsewhere
+    grid[6] = ([0, 20], [2, 3])
+    with pytest.raises(CheckpointFormatError, match="does not cover"):
+        decode(chunked_doc([32, 24], grid))
+
+
+def test_decode_refuses_chunks_too_irregular_to_check(monkeypatch):
+    from ckptio import layout
+
+    grid = [([r, c], [1, 1]) for r in range(8) for c in range(8)]
+    assert len(decode(chunked_doc([8, 8], grid)).items) == 64
+    monkeypatch.setattr(layout, "_OVERLAP_COMPARISONS_PER_CHUNK", 0)
+    monkeypatch.setattr(layout, "_OVERLAP_COMPARISONS_BASE", 10)
+    with pytest.raises(CheckpointFormatError, match="too far from a grid"):
+        decode(chunked_doc([8, 8], grid))
