@@ -31,6 +31,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(f"--plan-tensors takes counts separated by commas, e.g. 100,10000; got {text!r}") from None
     if args.async_saves < 0 or any(n < 1 for n in args.plan_tensors):
         raise SystemExit("--async-saves and --plan-tensors take counts of at least 0 and 1")
+    if args.scale:
+        from .scale import parse_points
+
+        args.scale = parse_points(args.scale)
     if args.compressible:
         args.data = "bf16-in-fp32"
     return args
@@ -82,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
         default="100,10000",
         help="plan time of save 1 vs saves 2+ (torch's plan cache on) for states of these many small tensors "
         "(default 100,10000; 'none': skip)",
+    )
+    p.add_argument(
+        "--scale",
+        metavar="RANKS[:LAYERS],...",
+        help="also simulate the coordinator (global plan, finish, metadata decode) and the metadata size for "
+        "Llama-70B-like plans of this many ranks (LAYERS of its 80 layers, default all), HSDP/FSDP/FSDP+TP, "
+        "ckptio and torch's FileSystemWriter; e.g. 1024:8,8192:1 (off by default: minutes, GiBs of memory)",
     )
     p.add_argument("--compare", help="a previous results.json: show deltas")
     p.add_argument("--no-charts", action="store_true")
@@ -191,7 +202,19 @@ def run(args: argparse.Namespace) -> dict:
         "shared_reads": shared_reads,
         "async_saves": async_rows,
         "plan_time": plan_rows,
+        "scale": _scale_section(args),
     }
+
+
+def _scale_section(args) -> list[dict]:
+    if not args.scale:
+        return []
+    from tqdm import tqdm
+
+    from . import scale
+
+    with tqdm(total=len(args.scale) * len(scale.LAYOUTS) * 2, desc="scale", disable=args.quiet, file=sys.stderr) as bar:
+        return scale.run(args.scale, progress=lambda what: (bar.set_postfix_str(what), bar.update()))
 
 
 def _async_and_plan_sections(args, cfg: dict, targets: list[dict], progress_file: str, backend: str):
@@ -289,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     plans = report.plan_table(doc["plan_time"])
     if plans:
         print("\nPlan time (dcp.save until write_data; torch's plan cache on):\n" + plans)
+    scaled = report.scale_table(doc["scale"])
+    if scaled:
+        print(
+            "\nCoordinator and metadata at scale (simulated plans; us/item = all three phases per plan item):\n"
+            + scaled
+        )
     if args.compare:
         print("\nagainst " + args.compare + ":\n" + report.compare(doc["results"], args.compare))
     print(

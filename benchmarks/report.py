@@ -185,6 +185,47 @@ def plan_table(rows: list[dict], markdown: bool = False) -> str:
     return _grid(header, cells, markdown)
 
 
+def scale_table(rows: list[dict], markdown: bool = False) -> str:
+    """``--scale``: the coordinator's seconds and the metadata bytes, per layout, size and writer;
+    "us/item" divides the three phases by the items of all local plans (flat when growth is linear)."""
+    if not rows:
+        return ""
+    header = [
+        "layout",
+        "ranks x layers",
+        "items",
+        "writer",
+        "global plan s",
+        "finish s",
+        "decode s",
+        "us/item",
+        "metadata MiB",
+        "B/item",
+        "plans gathered MiB",
+        "peak RSS GiB",
+    ]
+    cells = []
+    for r in rows:
+        total = r["global_plan_s"] + r["finish_s"] + r["decode_s"]
+        cells.append(
+            [
+                r["layout"],
+                f"{r['ranks']} x {r['layers']}",
+                str(r["items"]),
+                r["writer"],
+                f"{r['global_plan_s']:.2f}",
+                f"{r['finish_s']:.2f}",
+                f"{r['decode_s']:.2f}",
+                f"{total / r['items'] * 1e6:.1f}",
+                _mib(r["metadata_bytes"]),
+                f"{r['metadata_bytes'] / r['items']:.0f}",
+                _mib(r["gathered_plan_bytes"]),
+                f"{r['peak_rss_bytes'] / (1 << 30):.2f}",
+            ]
+        )
+    return _grid(header, cells, markdown)
+
+
 def _sum_counts(counts) -> dict[str, int]:
     total: dict[str, int] = defaultdict(int)
     for c in counts:
@@ -303,6 +344,9 @@ def markdown_report(doc: dict[str, Any]) -> str:
     plans = plan_table(doc.get("plan_time", []), markdown=True)
     if plans:
         parts += ["", "## Plan time (torch's plan cache on)", "", plans]
+    scaled = scale_table(doc.get("scale", []), markdown=True)
+    if scaled:
+        parts += ["", "## Coordinator and metadata at scale (simulated plans, one process)", "", scaled]
     for chart in ("charts", "async_charts"):
         if doc.get(chart):
             parts += ["", f"![{chart}]({doc[chart]})"]

@@ -246,3 +246,37 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
     assert bench_main(args + ["--compare", path, "--no-charts", *skip_sections]) == 0
     printed = capsys.readouterr().out
     assert "against" in printed and "Asynchronous saves" not in printed and "Plan time" not in printed
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp", "fsdp_tp"])
+def test_scale_simulation_runs_both_writers_on_valid_plans(layout):
+    from ckptio.bench import scale
+
+    # 16 ranks, 1 layer: 12 parameters x (weight, 2 moments) shards + 12 steps + 5 param_groups + 1 loader
+    rows = [scale.simulate(writer, layout, 16, 1) for writer in ("ckptio", "torch")]
+    for row in rows:
+        assert row["items"] == 16 * 54
+        assert row["metadata_bytes"] > 0 and row["gathered_plan_bytes"] > 0
+        assert min(row["global_plan_s"], row["finish_s"], row["decode_s"]) > 0
+    # torch's planner validated the plans (exact cover) and ckptio decoded its own metadata back
+    assert rows[0]["writer"] == "ckptio" and rows[1]["writer"] == "torch"
+
+
+def test_scale_layouts_split_like_dtensor():
+    from ckptio.bench import scale
+
+    assert scale.chunk_of("layers.0.attention.wq.weight", (8192, 8192), "fsdp", 1024, 3) == ((24, 0), (8, 8192))
+    # column-wise TP shards rows 8 ways, FSDP (1024 / 8 = 128) splits each TP slice's rows again
+    assert scale.chunk_of("layers.0.attention.wq.weight", (8192, 8192), "fsdp_tp", 1024, 9) == ((1032, 0), (8, 8192))
+    # row-wise TP shards columns; a norm is not TP-sharded
+    assert scale.chunk_of("layers.0.feed_forward.w2.weight", (8192, 28672), "fsdp_tp", 1024, 9) == (
+        (64, 3584),
+        (64, 3584),
+    )
+    assert scale.chunk_of("norm.weight", (8192,), "fsdp_tp", 1024, 9) == ((64,), (64,))
+    # HSDP: 128-way shards, replica 1 holds what replica 0 does; FSDP's last ranks of a 32000-row tensor are empty
+    assert scale.chunk_of("output.weight", (32000, 8192), "hsdp", 1024, 128 + 5) == ((1250, 0), (250, 8192))
+    assert scale.chunk_of("output.weight", (32000, 8192), "fsdp", 1024, 1023) == ((32000, 0), (0, 8192))
+    assert scale.parse_points("1024:8, 8192") == [(1024, 8), (8192, 80)]
+    with pytest.raises(SystemExit, match="multiple of 8"):
+        scale.parse_points("1001")

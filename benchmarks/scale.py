@@ -1,0 +1,295 @@
+"""``--scale 1024,8192``: the coordinator's work and the metadata size at thousands of ranks,
+simulated in one process (no ranks, no data), for ckptio and torch's FileSystemWriter.
+
+Each rank's local save plan is built as torch's ``DefaultSavePlanner`` would build it for a
+Llama-70B-like training state (model, AdamW moments and step per parameter, a few replicated
+objects and one data-loader object per rank) under one of three layouts: ``hsdp`` (replicas of
+128-way shards), ``fsdp`` (every rank holds a slice of every tensor) and ``fsdp_tp`` (8-way tensor
+parallel inside FSDP, strided where both shard the same dimension). The write results are those
+the writers' ``write_data`` would return. Timed, on the same plans for both writers:
+
+- ``global plan``: torch's ``create_global_plan`` (dedup, metadata, validation) and the writer's
+  ``prepare_global_plan`` (ckptio: who writes what);
+- ``finish``: the writer's ``finish`` (ckptio: object checks, encoding, commit of ``ckptio.json``;
+  torch: pickling ``.metadata``), on a local directory;
+- ``decode``: reading the metadata back as a loader does (ckptio: parse and validate).
+
+``layers`` cuts the 80 transformer layers down so that a run fits in memory: every local plan is
+held at once, as the coordinator holds them (about 1 KiB per item).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import pickle
+import tempfile
+import time
+from typing import Callable
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+LAYOUTS = ("hsdp", "fsdp", "fsdp_tp")
+HSDP_SHARDS = 128
+TP = 8
+VOCAB, DIM, KV_DIM, FFN = 32000, 8192, 1024, 28672
+#: TP placement of each parameter (torchtitan's Llama plan): column-wise shards dim 0, row-wise dim 1.
+COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3", "output")
+ROWWISE = ("attention.wo", "feed_forward.w2", "tok_embeddings")
+
+
+def llama_parameters(layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    params = [("tok_embeddings.weight", (VOCAB, DIM))]
+    for i in range(layers):
+        p = f"layers.{i}."
+        params += [
+            (p + "attention.wq.weight", (DIM, DIM)),
+            (p + "attention.wk.weight", (KV_DIM, DIM)),
+            (p + "attention.wv.weight", (KV_DIM, DIM)),
+            (p + "attention.wo.weight", (DIM, DIM)),
+            (p + "feed_forward.w1.weight", (FFN, DIM)),
+            (p + "feed_forward.w2.weight", (DIM, FFN)),
+            (p + "feed_forward.w3.weight", (FFN, DIM)),
+            (p + "attention_norm.weight", (DIM,)),
+            (p + "ffn_norm.weight", (DIM,)),
+        ]
+    return params + [("norm.weight", (DIM,)), ("output.weight", (VOCAB, DIM))]
+
+
+def _split(length: int, parts: int, index: int) -> tuple[int, int]:
+    """DTensor's Shard split (torch.chunk: ceil-sized, trailing parts short or empty): (offset, size)."""
+    chunk = -(-length // parts)
+    start = min(index * chunk, length)
+    return start, min(start + chunk, length) - start
+
+
+def chunk_of(name: str, shape: tuple[int, ...], layout: str, ranks: int, rank: int) -> tuple[tuple, tuple]:
+    """(offsets, sizes) of the slice ``rank`` holds."""
+    offsets, sizes = [0] * len(shape), list(shape)
+    if layout == "hsdp":
+        offsets[0], sizes[0] = _split(shape[0], min(HSDP_SHARDS, ranks), rank % min(HSDP_SHARDS, ranks))
+    elif layout == "fsdp":
+        offsets[0], sizes[0] = _split(shape[0], ranks, rank)
+    else:
+        fsdp, tp_index, fsdp_index = ranks // TP, rank % TP, rank // TP
+        tp_dim = 0 if any(k in name for k in COLWISE) else 1 if any(k in name for k in ROWWISE) else None
+        if tp_dim is not None and tp_dim < len(shape):
+            offsets[tp_dim], sizes[tp_dim] = _split(shape[tp_dim], TP, tp_index)
+        # FSDP shards dim 0 of what TP left this rank (strided when TP split dim 0 too)
+        inner_offset, sizes[0] = _split(sizes[0], fsdp, fsdp_index)
+        offsets[0] += inner_offset
+    return tuple(offsets), tuple(sizes)
+
+
+def local_plans(layout: str, ranks: int, layers: int) -> list[SavePlan]:
+    """Every rank's local save plan, as torch's DefaultSavePlanner makes it."""
+    params = llama_parameters(layers)
+    fp32 = TensorProperties(dtype=torch.float32)
+    keyed = []
+    for name, shape in params:
+        for key in (f"model.{name}", f"optim.state.{name}.exp_avg", f"optim.state.{name}.exp_avg_sq"):
+            keyed.append((key, name, shape, torch.Size(shape)))
+    step_chunk = ChunkStorageMetadata(offsets=torch.Size(()), sizes=torch.Size(()))
+    shared_items = [
+        WriteItem(
+            index=MetadataIndex(f"optim.state.{name}.step", torch.Size(())),
+            type=WriteItemType.TENSOR,
+            tensor_data=TensorWriteData(chunk=step_chunk, properties=fp32, size=torch.Size(())),
+        )
+        for name, _ in params
+    ]
+    shared_items += [
+        WriteItem(index=MetadataIndex(f"optim.param_groups.0.{k}"), type=WriteItemType.BYTE_IO)
+        for k in ("lr", "betas", "eps", "weight_decay", "params")
+    ]
+    mappings = {key: tuple(key.split(".")) for key, *_ in keyed}
+    mappings.update({item.index.fqn: tuple(item.index.fqn.split(".")) for item in shared_items})
+    plans = []
+    for rank in range(ranks):
+        items = []
+        for key, name, shape, size in keyed:
+            offsets, sizes = chunk_of(name, shape, layout, ranks, rank)
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, chunk.offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=chunk, properties=fp32, size=size),
+                )
+            )
+        items += shared_items
+        items.append(WriteItem(index=MetadataIndex(f"dataloader.dp_rank_{rank}"), type=WriteItemType.BYTE_IO))
+        plans.append(SavePlan(items, planner_data=mappings))
+    return plans
+
+
+def _ckptio_result(item: WriteItem, rank: int, offset: int, block_size: int):
+    from ckptio.layout import Codec, ItemKind, StoredItem
+
+    if item.type == WriteItemType.BYTE_IO:
+        logical, kind, dtype, shape = 64, ItemKind.BYTES, None, None
+    else:
+        shape = tuple(item.tensor_data.chunk.sizes)
+        logical, kind, dtype = 4 * torch.Size(shape).numel(), ItemKind.TENSOR, "float32"
+    blocks = tuple((min(block_size, logical - k), 0x1234ABCD) for k in range(0, logical, block_size))
+    record = StoredItem(
+        f"data-0123456789abcdef-r{rank:05d}.ckio", offset, logical, kind, dtype, shape, Codec.RAW, block_size, blocks
+    )
+    return WriteResult(item.index, logical, record)
+
+
+def ckptio_results(plans: list[SavePlan], block_size: int) -> list[list[WriteResult]]:
+    """What each rank's ckptio ``write_data`` returns for its final plan (with its object report)."""
+    from ckptio.objects import ObjectReport, attach_report
+
+    out = []
+    for rank, plan in enumerate(plans):
+        results, offset = [], 0
+        for item in plan.items:
+            result = _ckptio_result(item, rank, offset, block_size)
+            offset += result.size_in_bytes
+            results.append(result)
+        digests = {f"optim.param_groups.0.{k}": ("object", 8, "same") for k in ("lr", "betas", "eps")}
+        digests[f"dataloader.dp_rank_{rank}"] = ("object", 8, f"r{rank}")
+        out.append(attach_report(results, ObjectReport(rank, digests)))
+    return out
+
+
+def torch_results(plans: list[SavePlan]) -> list[list[WriteResult]]:
+    """What each rank's torch FileSystemWriter ``write_data`` returns (one file per rank)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    out = []
+    for rank, plan in enumerate(plans):
+        results, offset = [], 0
+        for item in plan.items:
+            length = 64 if item.type == WriteItemType.BYTE_IO else 4 * item.tensor_data.chunk.sizes.numel()
+            results.append(WriteResult(item.index, length, _StorageInfo(f"__{rank}_0.distcp", offset, length)))
+            offset += length
+        out.append(results)
+    return out
+
+
+@dataclasses.dataclass
+class Timer:
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def __call__(self, phase: str):
+        return _Phase(self, phase)
+
+
+class _Phase:
+    def __init__(self, timer: Timer, phase: str):
+        self.timer, self.phase = timer, phase
+
+    def __enter__(self) -> None:
+        gc.collect()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.timer.seconds[self.phase] = time.perf_counter() - self.start
+
+
+def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
+    """Run the coordinator's steps for ``writer`` ("ckptio" or "torch") on synthetic plans."""
+    plans = local_plans(layout, ranks, layers)
+    items = sum(len(p.items) for p in plans)
+    timer = Timer()
+    with tempfile.TemporaryDirectory(prefix="ckptio-scale-") as root:
+        path = os.path.join(root, "ckpt")
+        if writer == "ckptio":
+            import ckptio
+            from ckptio.layout import decode_metadata
+
+            storage = ckptio.Writer(path)
+            storage.set_up_storage_writer(True, rank=0)
+            plans = [storage.prepare_local_plan(p) for p in plans]  # each rank's own step, not the coordinator's
+        else:
+            from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+            storage = FileSystemWriter(path)
+            storage.set_up_storage_writer(True, rank=0)
+            plans = [storage.prepare_local_plan(p) for p in plans]
+        gathered_bytes = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in _sample(plans))
+        gathered_bytes = gathered_bytes * len(plans) // len(_sample(plans))
+        planner = DefaultSavePlanner()
+        planner.is_coordinator = True
+        with timer("global_plan"):
+            global_plans, metadata = planner.create_global_plan(plans)
+            final = storage.prepare_global_plan(global_plans)
+        del plans, global_plans
+        results = ckptio_results(final, storage.config.max_block_size) if writer == "ckptio" else torch_results(final)
+        del final
+        with timer("finish"):
+            storage.finish(metadata, results)
+        del results, metadata
+        name = "ckptio.json" if writer == "ckptio" else ".metadata"
+        metadata_bytes = os.path.getsize(os.path.join(path, name))
+        with timer("decode"):
+            if writer == "ckptio":
+                with open(os.path.join(path, name), "rb") as f:
+                    decode_metadata(f.read(), name)
+            else:
+                FileSystemReader(path).read_metadata()
+    return {
+        "writer": writer,
+        "layout": layout,
+        "ranks": ranks,
+        "layers": layers,
+        "items": items,
+        "global_plan_s": timer.seconds["global_plan"],
+        "finish_s": timer.seconds["finish"],
+        "decode_s": timer.seconds["decode"],
+        "metadata_bytes": metadata_bytes,
+        "gathered_plan_bytes": gathered_bytes,
+    }
+
+
+def _sample(plans: list[SavePlan]) -> list[SavePlan]:
+    """A few plans to estimate what the plan gather carries (pickling all of them doubles the memory)."""
+    step = max(1, len(plans) // 16)
+    return plans[::step]
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """``"1024:8,8192:1"`` -> [(1024, 8), (8192, 1)]; layers default to all 80."""
+    out = []
+    for part in text.split(","):
+        ranks, _, layers = part.strip().partition(":")
+        try:
+            point = (int(ranks), int(layers or 80))
+        except ValueError:
+            raise SystemExit(f"--scale takes RANKS[:LAYERS] separated by commas, e.g. 1024:8,8192:1; got {part!r}")
+        if point[0] < TP or point[0] % TP or not 1 <= point[1] <= 80:
+            raise SystemExit(f"--scale {part}: ranks must be a multiple of {TP}, layers 1..80")
+        out.append(point)
+    return out
+
+
+def run(points: list[tuple[int, int]], progress: Callable[[str], None] = lambda _: None) -> list[dict]:
+    """Every layout and writer at every (ranks, layers), each in a fresh process (its peak memory is
+    the coordinator's)."""
+    import concurrent.futures
+    import multiprocessing
+
+    rows = []
+    for layout in LAYOUTS:
+        for ranks, layers in points:
+            for writer in ("ckptio", "torch"):
+                progress(f"{writer} {layout} {ranks} ranks x {layers} layers")
+                with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    rows.append(pool.submit(_simulate_with_peak, writer, layout, ranks, layers).result())
+    return rows
+
+
+def _simulate_with_peak(writer: str, layout: str, ranks: int, layers: int) -> dict:
+    import resource
+
+    row = simulate(writer, layout, ranks, layers)
+    row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return row
