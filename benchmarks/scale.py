@@ -82,7 +82,9 @@ def chunk_of(name: str, shape: tuple[int, ...], layout: str, ranks: int, rank: i
             offsets[tp_dim], sizes[tp_dim] = _split(shape[tp_dim], TP, tp_index)
         # FSDP shards dim 0 of what TP left this rank (strided when TP split dim 0 too)
         inner_offset, sizes[0] = _split(sizes[0], fsdp, fsdp_index)
-        offsets[0] += inner_offset
+        # an empty slice sits at the end of the dimension, as DTensor places empty shards: at the end
+        # of its TP slice it would share its index with the next slice's first chunk
+        offsets[0] = offsets[0] + inner_offset if sizes[0] else shape[0]
     return tuple(offsets), tuple(sizes)
 
 

@@ -277,6 +277,8 @@ def test_scale_layouts_split_like_dtensor():
     # HSDP: 128-way shards, replica 1 holds what replica 0 does; FSDP's last ranks of a 32000-row tensor are empty
     assert scale.chunk_of("output.weight", (32000, 8192), "hsdp", 1024, 128 + 5) == ((1250, 0), (250, 8192))
     assert scale.chunk_of("output.weight", (32000, 8192), "fsdp", 1024, 1023) == ((32000, 0), (0, 8192))
+    # an empty FSDP slice of TP slice 0 must not take the index of TP slice 1's first chunk
+    assert scale.chunk_of("output.weight", (32000, 8192), "fsdp_tp", 1024, 125 * 8) == ((32000, 0), (0, 8192))
     assert scale.parse_points("1024:8, 8192") == [(1024, 8), (8192, 80)]
     with pytest.raises(SystemExit, match="multiple of 8"):
         scale.parse_points("1001")
