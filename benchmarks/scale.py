@@ -8,8 +8,9 @@ objects and one data-loader object per rank) under one of three layouts: ``hsdp`
 parallel inside FSDP, strided where both shard the same dimension). The write results are those
 the writers' ``write_data`` would return. Timed, on the same plans for both writers:
 
-- ``global plan``: torch's ``create_global_plan`` (dedup, metadata, validation) and the writer's
-  ``prepare_global_plan`` (ckptio: who writes what);
+- ``global plan``: the planner's ``create_global_plan`` (dedup, metadata, validation; ckptio rows use
+  ``ckptio.SavePlanner``, torch rows ``DefaultSavePlanner``) and the writer's ``prepare_global_plan``
+  (ckptio: who writes what);
 - ``finish``: the writer's ``finish`` (ckptio: object checks, encoding, commit of ``ckptio.json``;
   torch: pickling ``.metadata``), on a local directory;
 - ``decode``: reading the metadata back as a loader does (ckptio: parse and validate).
@@ -219,7 +220,9 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
             plans = [storage.prepare_local_plan(p) for p in plans]
         gathered_bytes = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in _sample(plans))
         gathered_bytes = gathered_bytes * len(plans) // len(_sample(plans))
-        planner = DefaultSavePlanner()
+        # each writer with the planner its users get: ckptio.save and the torchtitan integration use
+        # ckptio.SavePlanner, torch's dcp.save the DefaultSavePlanner
+        planner = DefaultSavePlanner() if writer == "torch" else _ckptio_planner()
         planner.is_coordinator = True
         with timer("global_plan"):
             global_plans, metadata = planner.create_global_plan(plans)
@@ -250,6 +253,12 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
         "metadata_bytes": metadata_bytes,
         "gathered_plan_bytes": gathered_bytes,
     }
+
+
+def _ckptio_planner():
+    import ckptio
+
+    return ckptio.SavePlanner()
 
 
 def _sample(plans: list[SavePlan]) -> list[SavePlan]:

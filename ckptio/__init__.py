@@ -21,6 +21,7 @@ from .export import export_safetensors  # noqa: E402
 from .per_rank import PerRank  # noqa: E402
 from .reader import Reader  # noqa: E402
 from .safe_load import SafeLoadPlanner  # noqa: E402
+from .save_planner import SavePlanner  # noqa: E402
 from .staging import Stager  # noqa: E402
 from .writer import Writer  # noqa: E402
 
@@ -36,6 +37,7 @@ __all__ = [
     "PerRankStateError",
     "Reader",
     "SafeLoadPlanner",
+    "SavePlanner",
     "Stager",
     "StorageError",
     "UnsafeObjectError",

@@ -17,6 +17,7 @@ from .keys import canonicalize, copy_back
 from .per_rank import expand_for_save, prepare_for_load
 from .reader import Reader
 from .safe_load import SafeLoadPlanner
+from .save_planner import SavePlanner
 from .writer import Writer
 
 T = TypeVar("T")
@@ -35,11 +36,17 @@ def save(
 
     Keys are stored canonical (no ``_orig_mod`` / ``_checkpoint_wrapped_module`` segments;
     modules given as values are expanded with ``get_model_state_dict``), ``PerRank`` values get
-    one key per data-parallel rank, and the caller's dict is never modified."""
+    one key per data-parallel rank, and the caller's dict is never modified. The default planner is
+    ``ckptio.SavePlanner`` (torch's, with a linear-time plan check)."""
     state = expand_for_save(canonicalize(state_dict))
     writer = Writer(checkpoint_id, config, storage_options=storage_options)
     with raising_checkpoint_errors(f"save to {os.fspath(checkpoint_id)}"):
-        return dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
+        return dcp.save(
+            state,
+            storage_writer=writer,
+            planner=planner if planner is not None else SavePlanner(),
+            process_group=process_group,
+        )
 
 
 def load(

@@ -19,7 +19,6 @@ import base64
 import binascii
 import dataclasses
 import enum
-import heapq
 import itertools
 import json
 import math
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .chunks import TooIrregular, overlapping_pair
 from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
 
@@ -530,38 +530,13 @@ def _check_coverage(
 
 
 def _chunks_overlap(chunks: list[ChunkStorageMetadata], fqn: str, where: str) -> bool:
-    """Whether two non-empty chunks share an element. A sweep along the dimension with the most
-    distinct chunk starts compares a chunk only with those it meets there: about one per chunk for
-    FSDP, the other shards of its row for 2-D layouts. Layouts far from a grid are refused rather
-    than checked pair by pair (hostile metadata could ask for billions of comparisons)."""
-    boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in chunks if math.prod(c.sizes)]
-    if len(boxes) < 2:
-        return False
-    ndim = len(boxes[0][0])
-    sweep = max(range(ndim), key=lambda d: len({off[d] for off, _ in boxes}))
-    boxes.sort(key=lambda box: box[0][sweep])
-    budget = _OVERLAP_COMPARISONS_PER_CHUNK * len(boxes) + _OVERLAP_COMPARISONS_BASE
-    active: list[tuple[int, int]] = []  # heap of (end along the sweep dimension, box number)
-    for i, (off, size) in enumerate(boxes):
-        while active and active[0][0] <= off[sweep]:
-            heapq.heappop(active)
-        budget -= len(active)
-        if budget < 0:
-            raise CheckpointFormatError(
-                f"{where}: the {len(boxes)} chunks of key {fqn!r:.80} are too far from a grid to check for overlaps; "
-                "DCP never writes such a layout, so the metadata is damaged or crafted"
-            )
-        for _, j in active:
-            other_off, other_size = boxes[j]
-            if all(a < b + m and b < a + n for a, n, b, m in zip(off, size, other_off, other_size)):
-                return True
-        heapq.heappush(active, (off[sweep] + size[sweep], i))
-    return False
-
-
-# Work the overlap sweep may do before it gives up: a 2-D grid of C chunks costs about C x (chunks per row).
-_OVERLAP_COMPARISONS_PER_CHUNK = 512
-_OVERLAP_COMPARISONS_BASE = 1_000_000
+    try:
+        return overlapping_pair([(c.offsets, c.sizes) for c in chunks]) is not None
+    except TooIrregular:
+        raise CheckpointFormatError(
+            f"{where}: the {len(chunks)} chunks of key {fqn!r:.80} are too far from a grid to check for overlaps; "
+            "DCP never writes such a layout, so the metadata is damaged or crafted"
+        ) from None
 
 
 def _rank_of(text: Any, where: str) -> int:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import pytest
 import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+import ckptio
 from ckptio.planning import Holdings, item_size
 from ckptio.planning import assign_writers as assign_with_flags
 
@@ -94,3 +97,44 @@ def test_without_holdings_falls_back_to_the_plans():
     items = [tensor_item("a", 4), object_item("b")]
     assigned = assign_writers([SavePlan(items=items)], "all_ranks")
     assert [it.index.fqn for it in assigned[0]] == ["a", "b"]
+
+
+def _global_plan(planner_class, plans):
+    planner = planner_class()
+    planner.is_coordinator = True
+    return planner.create_global_plan(plans)
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp", "fsdp_tp"])
+def test_ckptio_save_planner_makes_torchs_global_plan(layout):
+    from ckptio.bench import scale
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    plans = scale.local_plans(layout, 64, 1)
+    ours, our_metadata = _global_plan(ckptio.SavePlanner, plans)
+    theirs, their_metadata = _global_plan(DefaultSavePlanner, plans)
+    assert [p.items for p in ours] == [p.items for p in theirs]
+    assert our_metadata.state_dict_metadata == their_metadata.state_dict_metadata
+    assert our_metadata.planner_data == their_metadata.planner_data
+
+
+@pytest.mark.parametrize("fault", ["overlap", "outside", "short"])
+def test_ckptio_save_planner_refuses_what_torch_refuses(fault):
+    from ckptio.bench import scale
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    plans = scale.local_plans("fsdp", 16, 1)
+    # rank 3's slice of a (1024, 8192) key/value weight: 64 rows at 192
+    item = next(it for it in plans[3].items if it.index.fqn == "model.layers.0.attention.wk.weight")
+    moved = {"overlap": (160, 64), "outside": (992, 64), "short": (192, 32)}[fault]
+    chunk = ChunkStorageMetadata(offsets=torch.Size((moved[0], 0)), sizes=torch.Size((moved[1], 8192)))
+    changed = dataclasses.replace(
+        item,
+        index=dataclasses.replace(item.index, offset=chunk.offsets),
+        tensor_data=dataclasses.replace(item.tensor_data, chunk=chunk),
+    )
+    plans[3].items[plans[3].items.index(item)] = changed
+    for planner_class in (ckptio.SavePlanner, DefaultSavePlanner):
+        with pytest.raises(ValueError, match="Failed to validate global plan"):
+            _global_plan(planner_class, plans)

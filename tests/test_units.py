@@ -261,11 +261,11 @@ def test_decode_finds_overlapping_chunks_among_many():
 
 
 def test_decode_refuses_chunks_too_irregular_to_check(monkeypatch):
-    from ckptio import layout
+    from ckptio import chunks
 
     grid = [([r, c], [1, 1]) for r in range(8) for c in range(8)]
     assert len(decode(chunked_doc([8, 8], grid)).items) == 64
-    monkeypatch.setattr(layout, "_OVERLAP_COMPARISONS_PER_CHUNK", 0)
-    monkeypatch.setattr(layout, "_OVERLAP_COMPARISONS_BASE", 10)
+    monkeypatch.setattr(chunks, "COMPARISONS_PER_CHUNK", 0)
+    monkeypatch.setattr(chunks, "COMPARISONS_BASE", 10)
     with pytest.raises(CheckpointFormatError, match="too far from a grid"):
         decode(chunked_doc([8, 8], grid))

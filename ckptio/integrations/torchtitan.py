@@ -41,6 +41,7 @@ from ..errors import CheckpointNotFoundError, PerRankStateError
 from ..layout import METADATA_NAME, TORCH_DCP_METADATA_NAME
 from ..reader import Reader
 from ..report import checkpoint_format, delete_checkpoint
+from ..save_planner import SavePlanner
 from ..storage import open_store
 from ..writer import Writer
 
@@ -148,18 +149,19 @@ class CheckpointManager(TorchtitanCheckpointManager):
             )
         writer = Writer(checkpoint_id, self.writer_config, storage_options=self.storage_options)
         if async_mode == AsyncMode.ASYNC:
-            result = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
+            result = dcp.async_save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=self.pg)
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             result = dcp.async_save(
                 state_dict,
                 storage_writer=writer,
+                planner=SavePlanner(),
                 process_group=self.pg,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 async_stager=self.stager,
             )
         else:
             with raising_checkpoint_errors(f"saving {checkpoint_id}"):
-                result = dcp.save(state_dict, storage_writer=writer)
+                result = dcp.save(state_dict, storage_writer=writer, planner=SavePlanner())
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result
