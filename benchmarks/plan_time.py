@@ -1,5 +1,6 @@
 """``--plan-tensors 100,10000``: how long a save plans, the first time and once torch's plan cache
-(``DefaultSavePlanner(enable_plan_caching=True)``) holds the plans, for ckptio and torch's writer.
+(``enable_plan_caching=True``) holds the plans, for ckptio (with ``ckptio.SavePlanner``) and torch's
+writer (with ``DefaultSavePlanner``).
 
 The state is many small DTensors, so planning (local plans, the gather of plans and of ckptio's
 Holdings, the global plan, the scatter) is most of a save. Plan time is measured from the call to
@@ -23,9 +24,10 @@ from . import counting
 
 SAVES = 5
 TENSOR_SHAPE = (16, 64)
+#: name -> (writer for a URL, the planner its users get)
 WRITERS = {
-    "ckptio all_ranks": lambda url: ckptio.Writer(url),
-    "torch FileSystemWriter": lambda url: dcp.FileSystemWriter(url),
+    "ckptio all_ranks": (lambda url: ckptio.Writer(url), ckptio.SavePlanner),
+    "torch FileSystemWriter": (lambda url: dcp.FileSystemWriter(url), DefaultSavePlanner),
 }
 
 
@@ -67,9 +69,9 @@ def run_rank(cfg: dict) -> list[dict]:
     records = []
     for count in cfg["plan_tensors"]:
         state = small_tensor_state(count, mesh)
-        for name, make_writer in WRITERS.items():
+        for name, (make_writer, planner_base) in WRITERS.items():
             # torch keys its plan cache by planner class: one class per run keeps the runs apart
-            planner_class = type(f"Planner_{name.split()[0]}_{count}", (DefaultSavePlanner,), {})
+            planner_class = type(f"Planner_{name.split()[0]}_{count}", (planner_base,), {})
             for k in range(SAVES):
                 url = f"{cfg['plan_base']}/{name.split()[0]}-{count}/save{k}"
                 plan_s, save_s = _timed_save(state, make_writer(url), planner_class(enable_plan_caching=True))
