@@ -99,7 +99,10 @@ def async_saves(base: str, executor: str, overlap: bool = False, stager: int = 0
         live["w"].copy_(state["w"])
         live["step"].copy_(state["step"])
         writer = ckptio.Writer(url, overwrite=overwrite)
-        futures.append(dcp.async_save(live, storage_writer=writer, async_checkpointer_type=kind, **staging))
+        planner = ckptio.SavePlanner(enable_plan_caching=True)  # pickled to the PROCESS executor; plans cached
+        futures.append(
+            dcp.async_save(live, storage_writer=writer, planner=planner, async_checkpointer_type=kind, **staging)
+        )
         if not overlap:
             futures[-1].result()
     expected = [(f"{base}/a", states[2]), (f"{base}/b", states[1])]
