@@ -8,6 +8,7 @@ loadable exactly when it is complete.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 import uuid
@@ -31,6 +32,8 @@ from .location import CheckpointLocation
 from .objects import ObjectReport, attach_report, own_copies, per_rank_values, split_reports, value_digests
 from .planning import Holdings, assign_writers
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class RankAssignment:
@@ -38,6 +41,7 @@ class RankAssignment:
     (its own per-rank state), which makes them candidates for inlining into the metadata."""
 
     private_only: bool = False
+    mode: str | None = None  # the save mode it was planned for (a cached plan may outlive a config)
 
 
 class Writer(CheckpointLocation, StorageWriter):
@@ -136,7 +140,7 @@ class Writer(CheckpointLocation, StorageWriter):
         self._superseded = check_target(self._open_store(), self.config.overwrite)
         assigned = assign_writers(plans, self.config.mode)
         return [
-            dataclasses.replace(plan, items=a.items, storage_data=RankAssignment(a.private_only))
+            dataclasses.replace(plan, items=a.items, storage_data=RankAssignment(a.private_only, self.config.mode))
             for plan, a in zip(plans, assigned)
         ]
 
@@ -146,6 +150,16 @@ class Writer(CheckpointLocation, StorageWriter):
         self._save_id = uuid.uuid4().hex[:16]
         file = data_file_name(self._save_id, self.rank)
         held = self._held if self._held is not None else canonical_write_items(_cached_local_items(planner))
+        planned_mode = getattr(plan.storage_data, "mode", None)
+        if planned_mode not in (None, self.config.mode) and self.rank == 0:
+            log.warning(
+                "ckptio: this save reuses a plan torch's plan cache kept from a save in mode %r, so it writes as "
+                "%r did, not as the configured %r. To switch modes, save with a planner without "
+                "enable_plan_caching (or of another class) once",
+                planned_mode,
+                planned_mode,
+                self.config.mode,
+            )
         assigned = {it.index: held.get(it.index, it) for it in plan.items}  # stored key -> item as the planner knows it
         # Every object this rank holds is pickled once: to compare it with the other ranks' values
         # under the same key, and (if this rank writes it) to store it.

@@ -167,3 +167,24 @@ def stager_across_layout_changes(base: str, executor: str) -> list[str]:
             if not torch.equal(getattr(out[k], "_local_tensor", out[k]), getattr(v, "_local_tensor", v))
         ]
     return wrong
+
+
+def switch_mode_under_plan_cache(base: str) -> tuple[list[str], bool]:
+    """A save in all_ranks mode, then one in replica_group mode of the same state with torch's plan
+    cache on: the warnings ckptio logs on this rank, and whether the second save loads back exactly."""
+    import logging
+
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logging.getLogger("ckptio.writer").addHandler(Collect())
+    state = {"w": torch.arange(2048.0).reshape(64, 32)}  # replicated on both ranks
+    for i, mode in enumerate(("all_ranks", "replica_group")):
+        writer = ckptio.Writer(f"{base}/{i}", ckptio.WriterConfig(mode=mode))
+        dcp.save(state, storage_writer=writer, planner=ckptio.SavePlanner(enable_plan_caching=True))
+    out = {"w": torch.zeros(64, 32)}
+    dcp.load(out, storage_reader=ckptio.Reader(f"{base}/1"))
+    return messages, torch.equal(out["w"], state["w"])

@@ -534,6 +534,14 @@ def test_stager_restages_when_the_state_layout_changes(tmp_path, executor):
     assert spawn(2, findings.stager_across_layout_changes, str(tmp_path), executor, timeout=180) == [[], []]
 
 
+def test_a_mode_change_under_torchs_plan_cache_is_reported(tmp_path):
+    # the cached plan is replayed as it was made (all_ranks); the save is right, and rank 0 says so
+    (messages0, exact0), (messages1, exact1) = spawn(2, findings.switch_mode_under_plan_cache, str(tmp_path))
+    assert exact0 and exact1
+    assert len(messages0) == 1 and "mode 'all_ranks'" in messages0[0] and "'replica_group'" in messages0[0]
+    assert messages1 == []
+
+
 @pytest.mark.timeout(120)
 def test_a_writer_made_but_never_used_does_not_hold_up_later_saves(tmp_path, monkeypatch):
     from ckptio import ordering
