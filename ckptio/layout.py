@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 from .chunks import TooIrregular, overlapping_pair
 from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
+from .gc_pause import paused_gc
 
 FORMAT_NAME = "ckptio"
 #: The newest format this ckptio reads and writes. Version 2 adds the ``zstd-byteplanes`` codec;
@@ -315,6 +316,7 @@ class Manifest:
         return dict(self.header.files)
 
 
+@paused_gc()
 def encode_metadata(
     metadata: Metadata,
     items: dict[MetadataIndex, StoredItem],
@@ -372,6 +374,7 @@ def _encode_planner_data(planner_data: Any) -> Any:
     return {k: list(v) for k, v in planner_data.items()}
 
 
+@paused_gc()
 def decode_metadata(raw: bytes, where: str) -> Manifest:
     doc = _parse_json(raw, where)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:

@@ -21,12 +21,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from .chunks import tiling_errors
+from .gc_pause import paused_gc
 
 
 class SavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` (same arguments, e.g. ``enable_plan_caching=True``) whose check of
     the global plan is linear in the number of chunks."""
 
+    @paused_gc()
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         global_plan, metadata = create_default_global_save_plan(
             dedup_save_plans(all_plans, self.dedup_save_to_lowest_rank)

@@ -26,6 +26,7 @@ from .commit import check_target, publish
 from .config import StorageConfig, WriterConfig
 from .encode import encode_items, item_bytes, pickled_objects
 from .errors import CheckpointError
+from .gc_pause import paused_gc
 from .keys import canonical_planner_data, canonical_write_items
 from .layout import Header, ItemKind, MeshRecord, SavedConfig, StoredItem, data_file_name, encode_metadata
 from .location import CheckpointLocation
@@ -135,6 +136,7 @@ class Writer(CheckpointLocation, StorageWriter):
         items = [it if idx is it.index else dataclasses.replace(it, index=idx) for idx, it in held.items()]
         return dataclasses.replace(plan, items=items, storage_data=Holdings(tuple(items), self.checkpoint_id))
 
+    @paused_gc()
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         _check_same_location(plans)
         self._superseded = check_target(self._open_store(), self.config.overwrite)
@@ -184,6 +186,7 @@ class Writer(CheckpointLocation, StorageWriter):
         future.set_result(attach_report(results, report))
         return future
 
+    @paused_gc()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         results, reports = split_reports(results)
         per_rank = per_rank_values(reports, self.config.differing_objects)

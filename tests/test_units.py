@@ -269,3 +269,22 @@ def test_decode_refuses_chunks_too_irregular_to_check(monkeypatch):
     monkeypatch.setattr(chunks, "COMPARISONS_BASE", 10)
     with pytest.raises(CheckpointFormatError, match="too far from a grid"):
         decode(chunked_doc([8, 8], grid))
+
+
+def test_paused_gc_restores_the_collector_as_it_was():
+    import gc
+
+    from ckptio.gc_pause import paused_gc
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), paused_gc():
+        assert not gc.isenabled()
+        raise RuntimeError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # the caller's choice stands
+    finally:
+        gc.enable()
