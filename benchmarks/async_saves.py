@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 import ckptio
 
 from . import counting, workload
+from .runner import mesh_of, remove_together, report_progress
 
 #: Side of the square fp32 matrices a training step multiplies (a few ms on one core).
 STEP_MATRIX = 384
@@ -100,9 +101,7 @@ def run_rank(cfg: dict) -> list[dict]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     if cfg["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    from .runner import _mesh
-
-    mesh = _mesh(tuple(cfg["mesh"]), cfg["device"])
+    mesh = mesh_of(tuple(cfg["mesh"]), cfg["device"])
     specs = workload.tensor_specs(cfg["size_bytes"], cfg["data"])
     state = workload.build_state(mesh, specs, cfg["data"], rank)
     step = TrainingStep()
@@ -112,9 +111,7 @@ def run_rank(cfg: dict) -> list[dict]:
         for setup in SETUPS:
             if setup.name in cfg["async_setups"] and (cfg["device"] == "cuda" or not setup.needs_gpu):
                 records.append(_measure(setup, executor, state, mesh, specs, step, cfg, rank))
-                if rank == 0 and cfg.get("progress_file"):
-                    with open(cfg["progress_file"], "a") as f:
-                        f.write(f"async\t{setup.name}\t{executor}\n")
+                report_progress(cfg, "async", setup.name, executor)
     return records
 
 
@@ -127,7 +124,7 @@ def _measure(setup: AsyncSetup, executor: str, state, mesh, specs, step: Trainin
         start = counting.now()
         dcp.save(state, storage_writer=setup.make_writer(url))
         sync_s.append(counting.now() - start)
-        _remove(url, rank)
+        remove_together(url)
     dist.barrier()
     baseline_steps, baseline_s = step.run_for(BASELINE_S)
     stager = setup.make_stager()
@@ -158,7 +155,7 @@ def _measure(setup: AsyncSetup, executor: str, state, mesh, specs, step: Trainin
                 }
             )
             if last_url is not None:
-                _remove(last_url, rank)
+                remove_together(last_url)
             last_url = url
     finally:
         if stager is not None:
@@ -166,7 +163,7 @@ def _measure(setup: AsyncSetup, executor: str, state, mesh, specs, step: Trainin
     loaded = workload.build_state(mesh, specs, cfg["data"], rank, empty=True)
     dcp.load(loaded, storage_reader=setup.make_reader(last_url))
     mismatches = workload.check_state(loaded, specs, cfg["data"], rank)
-    _remove(last_url, rank)
+    remove_together(last_url)
     return {
         "setup": setup.name,
         "executor": executor,
@@ -178,13 +175,6 @@ def _measure(setup: AsyncSetup, executor: str, state, mesh, specs, step: Trainin
         "saves": saves,
         "mismatches": mismatches,
     }
-
-
-def _remove(url: str, rank: int) -> None:
-    dist.barrier()
-    if rank == 0:
-        counting.remove(url, None)
-    dist.barrier()
 
 
 def process_tree_pss() -> int:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import ckptio
 
 from . import counting
+from .runner import mesh_of, remove_together, report_progress
 
 SAVES = 5
 TENSOR_SHAPE = (16, 64)
@@ -63,9 +64,7 @@ def _timed_save(state: dict, writer, planner) -> tuple[float, float]:
 
 def run_rank(cfg: dict) -> list[dict]:
     rank = dist.get_rank()
-    from .runner import _mesh
-
-    mesh = _mesh(tuple(cfg["mesh"]), cfg["device"])
+    mesh = mesh_of(tuple(cfg["mesh"]), cfg["device"])
     records = []
     for count in cfg["plan_tensors"]:
         state = small_tensor_state(count, mesh)
@@ -78,12 +77,8 @@ def run_rank(cfg: dict) -> list[dict]:
                 records.append(
                     {"writer": name, "tensors": count, "save": k, "rank": rank, "plan_s": plan_s, "save_s": save_s}
                 )
-                dist.barrier()
-                if rank == 0:
-                    counting.remove(url, None)
-            if rank == 0 and cfg.get("progress_file"):
-                with open(cfg["progress_file"], "a") as f:
-                    f.write(f"plan\t{name}\t{count}\n")
+                remove_together(url)
+            report_progress(cfg, "plan", name, count)
     return records
 
 

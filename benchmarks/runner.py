@@ -11,8 +11,24 @@ from . import counting, workload
 from .writers import WRITERS
 
 
-def _mesh(shape: tuple[int, int], device: str):
+def mesh_of(shape: tuple[int, int], device: str):
+    """The benchmark's ("replicate", "shard") device mesh."""
     return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def report_progress(cfg: dict, *fields: object) -> None:
+    """One line in the progress file the parent process counts (rank 0 only)."""
+    if dist.get_rank() == 0 and cfg.get("progress_file"):
+        with open(cfg["progress_file"], "a") as f:
+            f.write("\t".join(map(str, fields)) + "\n")
+
+
+def remove_together(url: str) -> None:
+    """Delete a local benchmark checkpoint once every rank is done with it (rank 0 deletes)."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        counting.remove(url, None)
+    dist.barrier()
 
 
 def _slug(writer_name: str) -> str:
@@ -47,11 +63,11 @@ def run_rank(cfg: dict) -> list[dict]:
     specs = workload.tensor_specs(cfg["size_bytes"], cfg["data"])
     if cfg["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    mesh = _mesh(tuple(cfg["mesh"]), cfg["device"])
-    reshard_mesh = _mesh((1, world), cfg["device"])
+    mesh = mesh_of(tuple(cfg["mesh"]), cfg["device"])
+    reshard_mesh = mesh_of((1, world), cfg["device"])
     state = workload.build_state(mesh, specs, cfg["data"], rank)
     if cfg.get("shared_reads"):  # built once: each mesh makes process groups
-        cfg = {**cfg, "load_meshes": {shape: _mesh(shape, cfg["device"]) for shape in _load_shapes(cfg["mesh"])}}
+        cfg = {**cfg, "load_meshes": {shape: mesh_of(shape, cfg["device"]) for shape in _load_shapes(cfg["mesh"])}}
     writers = {w.name: w for w in WRITERS}
     _warm_up(cfg, writers)
     records = []
@@ -61,9 +77,7 @@ def run_rank(cfg: dict) -> list[dict]:
             for name in cfg["writers"]:
                 if target["kind"] in writers[name].targets:
                     records.append(_measure(writers[name], target, rep, state, mesh, reshard_mesh, specs, cfg, rank))
-                    if rank == 0 and cfg.get("progress_file"):
-                        with open(cfg["progress_file"], "a") as f:
-                            f.write(f"{target['name']}\t{name}\t{rep}\n")
+                    report_progress(cfg, target["name"], name, rep)
     return records
 
 

@@ -137,23 +137,21 @@ def save_and_load_columns(url: str, compression, block_size: int) -> list[str]:
 
 
 # --- larger HSDP states, built by the benchmark's workload (multipart-sized objects) -------------
-def _bench_mesh(mesh_shape):
-    return init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=("replicate", "shard"))
-
-
 def bench_save(url: str, size: int, mesh_shape, mode: str, storage_options=None, **config) -> None:
     from ckptio.bench import workload
+    from ckptio.bench.runner import mesh_of
 
-    state = workload.build_state(_bench_mesh(mesh_shape), workload.tensor_specs(size), False, dist.get_rank())
+    state = workload.build_state(mesh_of(tuple(mesh_shape), "cpu"), workload.tensor_specs(size), False, dist.get_rank())
     ckptio.save(state, url, ckptio.WriterConfig(mode=mode, **config), storage_options=storage_options)
 
 
 def bench_load(url: str, size: int, mesh_shape, storage_options=None, **reader) -> tuple[list[str], int]:
     """Load on ``mesh_shape``; return (mismatching keys, tensor bytes this rank's plan needs)."""
     from ckptio.bench import workload
+    from ckptio.bench.runner import mesh_of
 
     specs = workload.tensor_specs(size)
-    state = workload.build_state(_bench_mesh(mesh_shape), specs, False, dist.get_rank(), empty=True)
+    state = workload.build_state(mesh_of(tuple(mesh_shape), "cpu"), specs, False, dist.get_rank(), empty=True)
     ckptio.load(state, url, storage_options=storage_options, **reader)
     needed = sum(v.to_local().numel() * v.to_local().element_size() for v in _dtensors(state))
     return workload.check_state(state, specs, False, dist.get_rank()), needed
