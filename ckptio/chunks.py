@@ -51,9 +51,14 @@ def overlapping_pair(boxes: Sequence[Box], bounded: bool = True) -> tuple[int, i
 
 
 def outside(shape: Sequence[int], box: Box) -> bool:
-    """Whether ``box`` reaches outside a tensor of ``shape`` (or has negative offsets or sizes)."""
+    """Whether ``box`` reaches outside a tensor of ``shape``: another number of dimensions,
+    negative offsets or sizes, or an end past the shape."""
     off, size = box
-    return len(off) != len(shape) or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(off, size, shape))
+    return (
+        len(off) != len(shape)
+        or len(size) != len(shape)
+        or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(off, size, shape))
+    )
 
 
 def tiling_errors(fqn: str, shape: Sequence[int], boxes: Sequence[Box], check_volume: bool) -> list[str]:

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .chunks import TooIrregular, overlapping_pair
+from .chunks import TooIrregular, outside, overlapping_pair
 from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
 from .gc_pause import paused_gc
@@ -316,7 +316,6 @@ class Manifest:
         return dict(self.header.files)
 
 
-@paused_gc()
 def encode_metadata(
     metadata: Metadata,
     items: dict[MetadataIndex, StoredItem],
@@ -479,11 +478,7 @@ def _decode_state_entry(entry: Any, fqn: str, where: str) -> Any:
     chunks = []
     for c in entry["chunks"]:
         offsets, sizes = _ints(c["offsets"]), _ints(c["sizes"])
-        if (
-            len(offsets) != len(size)
-            or len(sizes) != len(size)
-            or any(o + n > dim for o, n, dim in zip(offsets, sizes, size))
-        ):
+        if outside(size, (offsets, sizes)):
             raise CheckpointFormatError(
                 f"{where}: key {fqn!r:.80} has a chunk at {offsets} of size {sizes} outside its shape {list(size)}"
             )

@@ -288,3 +288,13 @@ def test_paused_gc_restores_the_collector_as_it_was():
         assert not gc.isenabled()  # the caller's choice stands
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(
+    "chunk", [([4], [1]), ([3], [2]), ([0, 0], [4, 1]), ([0], [2, 2])], ids=["past-end", "overrun", "rank", "sizes"]
+)
+def test_decode_refuses_a_chunk_outside_its_shape(chunk):
+    doc = chunked_doc([4], [([0], [4])])
+    doc["state"]["w"]["chunks"].append({"offsets": chunk[0], "sizes": chunk[1]})
+    with pytest.raises(CheckpointFormatError, match="outside its shape"):
+        decode(doc)

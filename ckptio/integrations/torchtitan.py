@@ -148,20 +148,21 @@ class CheckpointManager(TorchtitanCheckpointManager):
                 self, state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf
             )
         writer = Writer(checkpoint_id, self.writer_config, storage_options=self.storage_options)
+        planner = SavePlanner()
         if async_mode == AsyncMode.ASYNC:
-            result = dcp.async_save(state_dict, storage_writer=writer, planner=SavePlanner(), process_group=self.pg)
+            result = dcp.async_save(state_dict, storage_writer=writer, planner=planner, process_group=self.pg)
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             result = dcp.async_save(
                 state_dict,
                 storage_writer=writer,
-                planner=SavePlanner(),
+                planner=planner,
                 process_group=self.pg,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 async_stager=self.stager,
             )
         else:
             with raising_checkpoint_errors(f"saving {checkpoint_id}"):
-                result = dcp.save(state_dict, storage_writer=writer, planner=SavePlanner())
+                result = dcp.save(state_dict, storage_writer=writer, planner=planner)
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result
