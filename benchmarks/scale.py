@@ -21,13 +21,13 @@ held at once, as the coordinator holds them (about 1 KiB per item).
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import gc
 import os
 import pickle
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -178,31 +178,20 @@ def torch_results(plans: list[SavePlan]) -> list[list[WriteResult]]:
     return out
 
 
-@dataclasses.dataclass
-class Timer:
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-
-    def __call__(self, phase: str):
-        return _Phase(self, phase)
-
-
-class _Phase:
-    def __init__(self, timer: Timer, phase: str):
-        self.timer, self.phase = timer, phase
-
-    def __enter__(self) -> None:
-        gc.collect()
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.timer.seconds[self.phase] = time.perf_counter() - self.start
+@contextlib.contextmanager
+def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
+    """Record the seconds the block takes under ``phase`` (garbage collected before, as each phase starts alike)."""
+    gc.collect()
+    start = time.perf_counter()
+    yield
+    seconds[phase] = time.perf_counter() - start
 
 
 def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
     """Run the coordinator's steps for ``writer`` ("ckptio" or "torch") on synthetic plans."""
     plans = local_plans(layout, ranks, layers)
     items = sum(len(p.items) for p in plans)
-    timer = Timer()
+    seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="ckptio-scale-") as root:
         path = os.path.join(root, "ckpt")
         if writer == "ckptio":
@@ -224,18 +213,18 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
         # ckptio.SavePlanner, torch's dcp.save the DefaultSavePlanner
         planner = DefaultSavePlanner() if writer == "torch" else _ckptio_planner()
         planner.is_coordinator = True
-        with timer("global_plan"):
+        with _timed(seconds, "global_plan"):
             global_plans, metadata = planner.create_global_plan(plans)
             final = storage.prepare_global_plan(global_plans)
         del plans, global_plans
         results = ckptio_results(final, storage.config.max_block_size) if writer == "ckptio" else torch_results(final)
         del final
-        with timer("finish"):
+        with _timed(seconds, "finish"):
             storage.finish(metadata, results)
         del results, metadata
         name = "ckptio.json" if writer == "ckptio" else ".metadata"
         metadata_bytes = os.path.getsize(os.path.join(path, name))
-        with timer("decode"):
+        with _timed(seconds, "decode"):
             if writer == "ckptio":
                 with open(os.path.join(path, name), "rb") as f:
                     decode_metadata(f.read(), name)
@@ -247,9 +236,9 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
         "ranks": ranks,
         "layers": layers,
         "items": items,
-        "global_plan_s": timer.seconds["global_plan"],
-        "finish_s": timer.seconds["finish"],
-        "decode_s": timer.seconds["decode"],
+        "global_plan_s": seconds["global_plan"],
+        "finish_s": seconds["finish"],
+        "decode_s": seconds["decode"],
         "metadata_bytes": metadata_bytes,
         "gathered_plan_bytes": gathered_bytes,
     }
