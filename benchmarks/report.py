@@ -364,6 +364,29 @@ def _pyplot():
     return plt
 
 
+def _grouped_bars(ax, title: str, categories: list[str], series: list[str], height, tick_labels, rotation: int) -> None:
+    """One bar per (category, series) side by side; ``height(series, category)`` is None where a
+    series has no value (a series with none at all is left out)."""
+    width = 0.8 / max(len(series), 1)
+    for i, name in enumerate(series):
+        heights = [height(name, c) for c in categories]
+        if all(h is None for h in heights):
+            continue
+        xs = [k + i * width for k in range(len(categories))]
+        ax.bar(xs, [h or 0 for h in heights], width, label=name, color=f"C{i}")
+    ax.set_title(title)
+    ax.set_xticks([k + width * (len(series) - 1) / 2 for k in range(len(categories))])
+    ax.set_xticklabels(tick_labels, fontsize=7, rotation=rotation, ha="right")
+    ax.legend(fontsize=7)
+
+
+def _save(plt, fig, path: str) -> bool:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
 def async_charts(rows: list[dict], path: str) -> bool:
     """Three panels for ``--async-saves``: blocking/sync, training speed during/before, memory growth/payload."""
     plt = _pyplot()
@@ -376,22 +399,13 @@ def async_charts(rows: list[dict], path: str) -> bool:
     ]
     setups = list(dict.fromkeys(r["setup"] for r in rows))
     executors = list(dict.fromkeys(r["executor"] for r in rows))
+    by = {(r["executor"], r["setup"]): r for r in rows}
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
-    width = 0.8 / len(executors)
     for ax, (title, key) in zip(axes, panels):
-        for i, executor in enumerate(executors):
-            by_setup = {r["setup"]: r[key] or 0 for r in rows if r["executor"] == executor}
-            xs = [k + i * width for k in range(len(setups))]
-            ax.bar(xs, [by_setup.get(s, 0) for s in setups], width, label=executor, color=f"C{i}")
-        ax.set_title(title)
-        ax.set_xticks([k + width * (len(executors) - 1) / 2 for k in range(len(setups))])
-        ax.set_xticklabels([s.replace(" + ", "\n+ ") for s in setups], fontsize=7, rotation=20, ha="right")
+        labels = [s.replace(" + ", "\n+ ") for s in setups]
+        _grouped_bars(ax, title, setups, executors, lambda e, s: (by.get((e, s)) or {}).get(key) or 0, labels, 20)
         ax.axhline(0, color="black", linewidth=0.5)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
+    return _save(plt, fig, path)
 
 
 def charts(rows: list[dict], path: str) -> bool:
@@ -408,25 +422,15 @@ def charts(rows: list[dict], path: str) -> bool:
     ]
     targets = sorted({r["target"] for r in rows})
     writers = list(dict.fromkeys(r["writer"] for r in rows))
+    by = {(r["target"], r["writer"]): r for r in rows}
+    labels = [w.replace("torch ", "torch\n").replace("ckptio ", "ckptio\n") for w in writers]
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    width = 0.8 / max(len(targets), 1)
     for ax, (title, value) in zip(axes.flat, panels):
-        for i, target in enumerate(targets):
+
+        def height(target: str, writer: str, title=title, value=value):
             if title.startswith("S3") and target == "local":
-                continue
-            by_writer = {r["writer"]: value(r) for r in rows if r["target"] == target}
-            xs = [k + i * width for k in range(len(writers))]
-            ax.bar(xs, [by_writer.get(w, 0) for w in writers], width, label=target, color=f"C{i}")
-        ax.set_title(title)
-        ax.set_xticks([k + width * (len(targets) - 1) / 2 for k in range(len(writers))])
-        ax.set_xticklabels(
-            [w.replace("torch ", "torch\n").replace("ckptio ", "ckptio\n") for w in writers],
-            fontsize=7,
-            rotation=30,
-            ha="right",
-        )
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return True
+                return None
+            return value(by[(target, writer)]) if (target, writer) in by else 0
+
+        _grouped_bars(ax, title, writers, targets, height, labels, 30)
+    return _save(plt, fig, path)
