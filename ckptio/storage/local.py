@@ -1,4 +1,10 @@
-"""POSIX paths (local disks, NFS): fsync'd data files, rename-based atomic metadata, pread."""
+"""POSIX paths (local disks, NFS): fsync'd data files, rename-based atomic metadata, pread.
+
+Every system call here moves at most ``IOV_MAX`` buffers and ``MAX_SYSCALL_BYTES`` bytes
+(``syscall_batch``): Linux refuses a longer scatter list with EINVAL, and some systems refuse
+(rather than shorten) a larger transfer. Requests of any size and any number of pieces are
+carried by as many calls as these limits need.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,28 @@ from typing import Sequence
 
 from ..errors import StorageError
 from .base import FsspecStore, ReadRequest
+
+#: Buffers one readv/preadv/writev call takes (POSIX IOV_MAX; Linux's is 1024).
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+if IOV_MAX <= 0:  # "no limit" or unknown: POSIX's minimum guarantee is 16, Linux's value is safe in practice
+    IOV_MAX = 1024
+#: Bytes one read/write call moves on Linux (MAX_RW_COUNT); also below INT_MAX, where macOS stops.
+MAX_SYSCALL_BYTES = 0x7FFFF000
+
+
+def syscall_batch(buffers: Sequence[memoryview]) -> list[memoryview]:
+    """The leading buffers one system call may carry: at most ``IOV_MAX`` of them and
+    ``MAX_SYSCALL_BYTES`` bytes in all (the last one cut short if need be); never empty while
+    ``buffers`` holds a non-empty buffer."""
+    batch: list[memoryview] = []
+    room = MAX_SYSCALL_BYTES
+    for buffer in buffers:
+        if len(batch) == IOV_MAX or room == 0:
+            break
+        piece = buffer[:room]
+        batch.append(piece)
+        room -= len(piece)
+    return batch
 
 
 class LocalStore(FsspecStore):
@@ -62,9 +90,9 @@ class LocalStore(FsspecStore):
 
             def fill(request: ReadRequest) -> int:
                 done, total = 0, request.length
-                buffers = list(request.buffers)
+                buffers = [b for b in request.buffers if len(b)]
                 while done < total:
-                    n = os.preadv(fds[request.name], buffers, request.offset + done)
+                    n = os.preadv(fds[request.name], syscall_batch(buffers), request.offset + done)
                     if n == 0:
                         break
                     done += n
@@ -95,15 +123,15 @@ class LocalStore(FsspecStore):
 
 
 def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
-    """The buffers still to fill after ``n`` more bytes were read into them."""
-    while n and buffers:
-        if n >= len(buffers[0]):
-            n -= len(buffers[0])
-            buffers.pop(0)
-        else:
-            buffers[0] = buffers[0][n:]
-            n = 0
-    return buffers
+    """The buffers still to fill after ``n`` more bytes were read into them (and no empty ones)."""
+    done = 0
+    while done < len(buffers) and (n >= len(buffers[done])):
+        n -= len(buffers[done])
+        done += 1
+    rest = buffers[done:]  # one slice, not a pop(0) per buffer: a request may carry thousands
+    if rest and n:
+        rest[0] = rest[0][n:]
+    return rest
 
 
 class _LocalSink:
@@ -111,9 +139,10 @@ class _LocalSink:
         self.store, self.name, self.handle = store, name, handle
 
     def write(self, data: bytes | memoryview) -> None:
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         while view:
-            written = self.store._guard(self.name, "write", lambda v=view: self.handle.write(v))
+            piece = view[:MAX_SYSCALL_BYTES]
+            written = self.store._guard(self.name, "write", lambda: self.handle.write(piece))
             view = view[written:]
 
     def close(self) -> None:

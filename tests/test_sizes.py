@@ -1,0 +1,215 @@
+"""At the sizes real jobs have: thousands of tensors per rank, items above 2 GiB, and reads that
+merge more pieces than one system call takes (IOV_MAX, 1024 on Linux); raw and compressed,
+local, memory:// and S3, whole and resharded, through plain ``dcp.load`` and ``ckptio.load``."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptio
+from ckptio.storage import ReadRequest, open_store
+from ckptio.storage.local import IOV_MAX, MAX_SYSCALL_BYTES, syscall_batch
+
+from .harness import spawn
+
+#: Tensors per state: their reads merge into one request of this many pieces, about 3x IOV_MAX.
+MANY = 3000
+#: Elements of the large items: 2 GiB of fp32 and a row more, so offsets pass 2^31.
+BIG_ROWS, BIG_COLS = (1 << 15) + 1, 1 << 14
+
+
+def many_tensors(count: int = MANY) -> dict[str, torch.Tensor]:
+    """An optimizer-state-like dict: norms and biases of several dtypes and sizes, 0-d steps."""
+    state = {}
+    for i in range(count):
+        kind = i % 3
+        if kind == 0:
+            state[f"layers.{i}.norm.weight"] = torch.arange(64 + i % 7, dtype=torch.float32) * (i + 1)
+        elif kind == 1:
+            state[f"layers.{i}.bias"] = (torch.arange(32 + i % 5, dtype=torch.float32) - i).to(torch.bfloat16)
+        else:
+            state[f"layers.{i}.step"] = torch.tensor(float(i))
+    return state
+
+
+def zeros_like_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def assert_bit_exact(loaded: dict, expected: dict) -> None:
+    bad = [k for k in expected if not torch.equal(_bits(loaded[k]), _bits(expected[k]))]
+    assert not bad, f"{len(bad)} keys differ, e.g. {bad[:3]}"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def load_with(api: str, state: dict, url: str, options: dict | None) -> None:
+    if api == "ckptio":
+        ckptio.load(state, url, storage_options=options)
+    else:
+        dcp.load(state, storage_reader=ckptio.Reader(url, storage_options=options))
+
+
+def config(codec: str) -> ckptio.WriterConfig:
+    return ckptio.WriterConfig(compression=None if codec == "raw" else "zstd")
+
+
+# --- the limits themselves -------------------------------------------------------------
+
+
+def test_syscall_batch_stays_within_iov_max_and_the_byte_cap():
+    small = [memoryview(bytearray(3)) for _ in range(IOV_MAX * 3 + 5)]
+    assert len(syscall_batch(small)) == IOV_MAX
+    huge = memoryview(np.empty(MAX_SYSCALL_BYTES + 10, dtype=np.uint8))  # never touched: no memory used
+    batch = syscall_batch([memoryview(bytearray(10)), huge, memoryview(bytearray(5))])
+    assert [len(b) for b in batch] == [10, MAX_SYSCALL_BYTES - 10]
+
+
+def test_one_read_of_many_more_pieces_than_iov_max(tmp_path):
+    data = os.urandom(IOV_MAX * 5 * 7 + 11)
+    (tmp_path / "f").write_bytes(data)
+    store = open_store(str(tmp_path))
+    pieces = [memoryview(bytearray(7)) for _ in range(IOV_MAX * 5)] + [memoryview(bytearray(0)), memoryview(bytearray(11))]
+    assert store.read_into([ReadRequest("f", 0, tuple(pieces))]) == [len(data)]
+    assert b"".join(bytes(p) for p in pieces) == data
+
+
+# --- thousands of tensors ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+@pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.parametrize("api", ["ckptio", "dcp"])
+def test_thousands_of_small_tensors_load_bit_exact(tmp_path, codec, where, api):
+    state = many_tensors()
+    url = str(tmp_path / "ckpt") if where == "local" else f"memory://sizes-{uuid.uuid4().hex}"
+    if api == "ckptio":
+        ckptio.save(state, url, config(codec))
+    else:
+        dcp.save(state, storage_writer=ckptio.Writer(url, config(codec)))
+    loaded = zeros_like_state(state)
+    load_with(api, loaded, url, None)
+    assert_bit_exact(loaded, state)
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_thousands_of_small_tensors_on_s3(s3, codec):
+    base, options = s3
+    state = many_tensors()
+    url = f"{base}/many-{codec}"
+    ckptio.save(state, url, config(codec), storage_options=options)
+    for api in ("ckptio", "dcp"):
+        loaded = zeros_like_state(state)
+        load_with(api, loaded, url, options)
+        assert_bit_exact(loaded, state)
+
+
+def _save_many_sharded(url: str, options: dict | None, count: int) -> None:
+    """Each of 2 ranks holds row shards of ``count`` DTensors (uneven rows), saved raw and zstd."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    rank = dist.get_rank()
+    state = {}
+    for name, full in sharded_globals(count).items():
+        rows = full.shape[0]
+        lo = (rows + 1) // 2 * rank
+        local = full[lo : lo + (rows + 1) // 2 if rank == 0 else rows].contiguous()
+        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+    for codec in ("raw", "zstd"):
+        ckptio.save(state, f"{url}/{codec}", config(codec), storage_options=options)
+
+
+def sharded_globals(count: int) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.arange((3 + i % 4) * 8, dtype=torch.float32).reshape(-1, 8) + i for i in range(count)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_thousands_of_sharded_tensors_resharded_onto_one_process(tmp_path, s3, where):
+    """Saved on 2 ranks, loaded whole in one: each tensor's two chunks land in one destination."""
+    base, options = s3 if where == "s3" else (str(tmp_path), None)
+    count = 2 * IOV_MAX + 100
+    spawn(2, _save_many_sharded, f"{base}/sharded", options, count)
+    expected = sharded_globals(count)
+    for codec in ("raw", "zstd"):
+        for api in ("ckptio", "dcp"):
+            loaded = zeros_like_state(expected)
+            load_with(api, loaded, f"{base}/sharded/{codec}", options)
+            assert_bit_exact(loaded, expected)
+
+
+# --- items above 2 GiB ------------------------------------------------------------------
+
+
+def big_tensor() -> torch.Tensor:
+    """2 GiB + 64 KiB of fp32 whose every element differs (int32 bit patterns), cheap to make."""
+    return torch.arange(BIG_ROWS * BIG_COLS, dtype=torch.int32).view(torch.float32).reshape(BIG_ROWS, BIG_COLS)
+
+
+def _load_big_rows(url: str) -> bool:
+    """Load the big item as row shards on 2 ranks; each rank checks its own rows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    target = distribute_tensor(torch.empty(BIG_ROWS, BIG_COLS), mesh, [Shard(0)])
+    ckptio.load({"embed": target}, url)
+    local = target.to_local()
+    start = 0 if dist.get_rank() == 0 else (BIG_ROWS + 1) // 2
+    first = start * BIG_COLS
+    expected = torch.arange(first, first + local.numel(), dtype=torch.int32).view(torch.float32)
+    return torch.equal(local.reshape(-1).view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_an_item_above_2_gib_whole_and_resharded(tmp_path, codec):
+    url = str(tmp_path / codec)
+    big = big_tensor()
+    ckptio.save({"embed": big}, url, config(codec))
+    out = {"embed": torch.empty_like(big)}
+    dcp.load(out, storage_reader=ckptio.Reader(url))
+    assert torch.equal(out["embed"].view(torch.int32), big.view(torch.int32))
+    del out, big
+    assert spawn(2, _load_big_rows, url, timeout=400) == [True, True]
+
+
+@pytest.mark.slow
+def test_a_compressed_item_above_2_gib_on_s3(s3):
+    """Its stored blocks are tiny, so one read merges thousands of them; its logical offsets pass 2^31."""
+    base, options = s3
+    url = f"{base}/big-zstd"
+    big = torch.full((BIG_ROWS, BIG_COLS), 0.5)
+    big[-1, -1] = 2.0
+    ckptio.save({"embed": big}, url, config("zstd"), storage_options=options)
+    out = {"embed": torch.zeros_like(big)}
+    ckptio.load(out, url, storage_options=options)
+    assert torch.equal(out["embed"], big)
+
+
+@pytest.mark.slow
+def test_a_write_larger_than_one_system_call_moves(tmp_path):
+    """The sink cuts a write into pieces a single write(2) may take."""
+    store = open_store(str(tmp_path))
+    size = MAX_SYSCALL_BYTES + (1 << 20)
+    data = np.zeros(size, dtype=np.uint8)
+    data[-1] = 7
+    sink = store.open_sink("big")
+    sink.write(memoryview(data))
+    sink.close()
+    assert os.path.getsize(tmp_path / "big") == size
+    with open(tmp_path / "big", "rb") as f:
+        f.seek(size - 1)
+        assert f.read() == b"\x07"
