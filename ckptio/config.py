@@ -158,8 +158,11 @@ class WriterConfig:
                 f"max_block_size must be a positive multiple of 64 bytes up to {MAX_BLOCK_SIZE_LIMIT}, "
                 f"got {self.max_block_size}"
             )
-        if self.part_size < 5 * MiB:
-            raise ValueError(f"part_size must be at least 5 MiB (the S3 minimum), got {self.part_size}")
+        if not 5 * MiB <= self.part_size <= 4 << 30:
+            raise ValueError(
+                "part_size must be within 5 MiB (S3's smallest part) and 4 GiB (so that 1.25 parts, the most "
+                f"one request carries, stay within S3's 5 GiB per part and per PUT), got {self.part_size}"
+            )
         if self.inline_limit < 0:
             raise ValueError(f"inline_limit must be >= 0, got {self.inline_limit}")
         for name in ("max_concurrency", "retry_attempts"):

@@ -20,6 +20,19 @@ from .retry import with_retries
 
 log = logging.getLogger(__name__)
 
+#: S3's limits on one object: parts per multipart upload, bytes per part (and per single PUT).
+MAX_PARTS = 10_000
+MAX_PART_BYTES = 5 << 30
+#: Part sizes double every this many parts (up to MAX_PART_BYTES), so a streamed object of unknown
+#: size never needs more than MAX_PARTS: 10,000 parts hold 4.8 TiB even at the 5 MiB minimum part
+#: size, and the default part size reaches S3's 5 TiB object limit within them.
+PARTS_PER_SIZE_STEP = 1000
+
+
+def part_size_for(number: int, base: int) -> int:
+    """Size of part ``number`` (1-based) of an upload whose first parts are ``base`` bytes."""
+    return min(base << ((number - 1) // PARTS_PER_SIZE_STEP), MAX_PART_BYTES)
+
 
 def s3_storage_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """The user's options, with botocore's own retries off unless the user configured them."""
@@ -185,7 +198,8 @@ class MultipartSink:
     """Streams one object: a single PUT if it stays under 1.25 x ``part_size``, otherwise a
     multipart upload whose parts go up in parallel (at most ``max_concurrency`` in flight,
     bounding memory). A part leaves only once a quarter part more is buffered, so the tail
-    joins the last part instead of costing a request of its own (S3's last part may be any size)."""
+    joins the last part instead of costing a request of its own (S3's last part may be any size).
+    Part sizes grow with the part count (``part_size_for``) to stay within S3's limits."""
 
     def __init__(self, store: S3Store, name: str):
         self.store, self.name = store, name
@@ -196,11 +210,18 @@ class MultipartSink:
 
     def write(self, data: bytes | memoryview) -> None:
         self.buffer += data
-        while len(self.buffer) >= self.store.part_size + self.store.part_size // 4:
+        while len(self.buffer) >= self._send_threshold():
+            size = part_size_for(len(self.parts) + 1, self.store.part_size)
             with memoryview(self.buffer) as view:  # one copy of the part, not a slice and then a copy
-                part = bytes(view[: self.store.part_size])
-            del self.buffer[: self.store.part_size]
+                part = bytes(view[:size])
+            del self.buffer[:size]
             self._send_part(part)
+
+    def _send_threshold(self) -> int:
+        """Buffered bytes at which the next part leaves: its size plus a quarter (so a short tail
+        joins the last part), but never past what one part or one PUT may hold."""
+        size = part_size_for(len(self.parts) + 1, self.store.part_size)
+        return min(size + size // 4, MAX_PART_BYTES)
 
     def _send_part(self, body: bytes) -> None:
         if self.upload_id is None:
@@ -212,6 +233,11 @@ class MultipartSink:
         for done in (f for f in self.parts if f.done()):
             done.result()  # surface a failed part now, not at the end
         number = len(self.parts) + 1
+        if number > MAX_PARTS:
+            raise StorageError(
+                f"{self.store.describe(self.name)} needs more than S3's {MAX_PARTS} parts per upload: "
+                f"raise part_size (now {self.store.part_size} bytes) so that parts can hold this rank's data"
+            )
         coro = self.store._request(
             "upload_part", self.name, Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=body
         )
