@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 
-from . import report, workload
+from . import report, usage_error, workload
 from .launch import launch
 from .writers import WRITERS, select
 
@@ -28,9 +28,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.plan_tensors = [] if text in ("", "none", "0") else [int(n) for n in text.split(",")]
     except ValueError:
-        raise SystemExit(f"--plan-tensors takes counts separated by commas, e.g. 100,10000; got {text!r}") from None
+        usage_error(f"--plan-tensors takes counts separated by commas, e.g. 100,10000; got {text!r}")
     if args.async_saves < 0 or any(n < 1 for n in args.plan_tensors):
-        raise SystemExit("--async-saves and --plan-tensors take counts of at least 0 and 1")
+        usage_error("--async-saves and --plan-tensors take counts of at least 0 and 1")
+    try:
+        args.replicas, args.shards = (int(x) for x in args.mesh.lower().split("x"))
+    except ValueError:
+        usage_error(f"--mesh takes REPLICASxSHARDS, e.g. 2x2; got {args.mesh!r}")
+    if args.replicas < 1 or args.shards < 1 or args.replicas * args.shards != args.ranks:
+        usage_error(f"--mesh {args.mesh} has {args.replicas * args.shards} ranks but --ranks is {args.ranks}")
+    # Outputs and inputs are checked now, not after minutes of benchmarking.
+    for flag, value in (("--out", args.out), ("--path", args.path)):
+        if value and os.path.exists(value) and not os.path.isdir(value):
+            usage_error(f"{flag} {value} exists and is not a directory")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        usage_error(f"cannot create --out {args.out}: {exc}")
+    if args.compare and not os.path.isfile(args.compare):
+        usage_error(f"--compare {args.compare} is not a file (give a results .json of an earlier run)")
     if args.scale:
         from .scale import parse_points
 
@@ -143,9 +159,7 @@ def targets_for(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> dict:
 
-    replicas, shards = (int(x) for x in args.mesh.lower().split("x"))
-    if replicas * shards != args.ranks:
-        raise SystemExit(f"--mesh {args.mesh} has {replicas * shards} ranks but --ranks is {args.ranks}")
+    replicas, shards = args.replicas, args.shards
     writers = [w.name for w in select(args.writers, args.compressed)]
     import torch
 

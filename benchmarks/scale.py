@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from . import usage_error
+
 LAYOUTS = ("hsdp", "fsdp", "fsdp_tp")
 HSDP_SHARDS = 128
 TP = 8
@@ -264,9 +266,9 @@ def parse_points(text: str) -> list[tuple[int, int]]:
         try:
             point = (int(ranks), int(layers or 80))
         except ValueError:
-            raise SystemExit(f"--scale takes RANKS[:LAYERS] separated by commas, e.g. 1024:8,8192:1; got {part!r}")
+            usage_error(f"--scale takes RANKS[:LAYERS] separated by commas, e.g. 1024:8,8192:1; got {part!r}")
         if point[0] < TP or point[0] % TP or not 1 <= point[1] <= 80:
-            raise SystemExit(f"--scale {part}: ranks must be a multiple of {TP}, layers 1..80")
+            usage_error(f"--scale {part}: ranks must be a multiple of {TP}, layers 1..80")
         out.append(point)
     return out
 

@@ -11,6 +11,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import ckptio
 
+from . import usage_error
+
 
 @dataclass(frozen=True)
 class WriterSpec:
@@ -81,5 +83,5 @@ def select(names: list[str] | None, compressed: bool) -> list[WriterSpec]:
         chosen = [w for w in WRITERS if w.name.lower() in wanted or w.name.split()[-1].lower() in wanted]
         unknown = wanted - {w.name.lower() for w in chosen} - {w.name.split()[-1].lower() for w in chosen}
         if unknown:
-            raise SystemExit(f"unknown writer(s) {sorted(unknown)}; choose from {[w.name for w in WRITERS]}")
+            usage_error(f"unknown writer(s) {sorted(unknown)}; choose from {[w.name for w in WRITERS]}")
     return chosen

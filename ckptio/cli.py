@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import traceback
 
 from .errors import CheckpointError
 
@@ -15,6 +17,24 @@ def _storage_options(args: argparse.Namespace) -> dict:
     if getattr(args, "endpoint_url", None):
         options.setdefault("client_kwargs", {})["endpoint_url"] = args.endpoint_url
     return options
+
+
+def check_output(output: str, *, is_directory: bool) -> None:
+    """Refuse, before any work is done, a local output the command could not write: a file whose
+    directory does not exist, or a path of the other kind (file for directory). Remote URLs are
+    checked by the store when written."""
+    if "://" in output and not output.startswith("file://"):
+        return
+    path = os.path.abspath(output.removeprefix("file://"))
+    if is_directory:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise CheckpointError(f"output {output} exists and is not a directory; name a directory to write into")
+        return
+    if os.path.isdir(path):
+        raise CheckpointError(f"output {output} is a directory; name the file to write, e.g. {output}/model.pt")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"the directory of output {output} ({parent}) does not exist; create it first")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -73,6 +93,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    check_output(args.output, is_directory=args.format != "torch")
     if args.format == "safetensors":
         import time
 
@@ -152,8 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (CheckpointError, OSError, ValueError) as exc:  # ValueError: e.g. --storage-options is not JSON
-        print(f"ckptio: error: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
+    except Exception as exc:  # noqa: BLE001 - the promise: one line and exit 2, whatever failed
+        if args.verbose:
+            traceback.print_exc()
+        return _error(f"{type(exc).__name__}: {exc} (ckptio -v {args.command} ... shows the traceback)")
+
+
+def _error(message: str) -> int:
+    print(f"ckptio: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import fsspec
 import torch
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -37,9 +38,11 @@ def load_full(checkpoint_id: str | os.PathLike, *, storage_options: dict[str, An
 def to_torch_save(
     checkpoint_id: str | os.PathLike, output: str | os.PathLike, *, storage_options: dict[str, Any] | None = None
 ) -> int:
-    """Write the checkpoint as a single ``torch.save`` file; return the number of top-level keys."""
+    """Write the checkpoint as a single ``torch.save`` file (a path or fsspec URL, written with
+    ``storage_options`` too); return the number of top-level keys."""
     state = load_full(checkpoint_id, storage_options=storage_options)
-    torch.save(state, output)
+    with fsspec.open(os.fspath(output), "wb", **(storage_options or {})) as f:
+        torch.save(state, f)
     return len(state)
 
 

@@ -238,6 +238,32 @@ def test_inspect_and_verify_cli(tmp_path, capsys):
     assert help_exit.value.code == 0 and "--mesh" in capsys.readouterr().out
 
 
+def test_cli_refuses_bad_outputs_in_one_line_before_any_work(tmp_path, capsys):
+    url = saved(tmp_path)
+    (tmp_path / "a-file").write_text("x")
+    cases = [
+        (["convert", url, str(tmp_path / "no/such/dir/model.pt")], "does not exist"),
+        (["convert", url, str(tmp_path)], "is a directory"),
+        (["convert", url, str(tmp_path / "a-file"), "--format", "safetensors"], "is not a directory"),
+        (["convert", url, str(tmp_path / "a-file"), "--format", "ckptio"], "is not a directory"),
+        (["bench", "--out", str(tmp_path / "a-file")], "is not a directory"),
+        (["bench", "--path", str(tmp_path / "a-file")], "is not a directory"),
+        (["bench", "--compare", str(tmp_path / "none.json")], "is not a file"),
+        (["bench", "--mesh", "2y2"], "REPLICASxSHARDS"),
+        (["bench", "--mesh", "1x3"], "--ranks is 4"),
+        (["bench", "--writers", "nope"], "unknown writer"),
+    ]
+    for argv, expected in cases:
+        try:
+            code = cli_main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        err = capsys.readouterr().err
+        assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, (argv, code, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "no").exists()
+
+
 def test_a_metadata_failure_on_one_rank_fails_every_rank_promptly(tmp_path):
     url = str(tmp_path / "ok")
     spawn(2, scenarios.save, url, (1, 2), "all_ranks")
