@@ -22,7 +22,7 @@ from .per_rank import PerRank  # noqa: E402
 from .reader import Reader  # noqa: E402
 from .safe_load import SafeLoadPlanner  # noqa: E402
 from .save_planner import SavePlanner  # noqa: E402
-from .staging import Stager  # noqa: E402
+from .staging import Stager, release_staging_buffers  # noqa: E402
 from .writer import Writer  # noqa: E402
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "__version__",
     "export_safetensors",
     "load",
+    "release_staging_buffers",
     "save",
     "unwrap",
 ]

@@ -115,6 +115,11 @@ class WriterConfig:
     #: What to do when ranks hold different values under one non-tensor key:
     #: ``"error"`` fails the save naming the key and ranks; ``"keep_per_rank"`` stores one value per rank.
     differing_objects: str = "error"
+    #: ``dcp.async_save`` without an ``async_stager``: stage into host buffers this process keeps and
+    #: reuses across saves (one copy of the state's tensors while each save is awaited before the
+    #: next, two at most; ``ckptio.release_staging_buffers()`` frees them). ``False``: a fresh copy
+    #: per save, freed when the save is done, as torch's default stager does.
+    reuse_staging_buffers: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -36,6 +36,16 @@ class Ticket:
         self.staged = False  # a Stager has staged this save's state
         self.abandoned = False  # its Writer was freed without saving
 
+    def finished(self, wait_s: float = 0.0) -> bool:
+        """Whether this save has returned (waiting up to ``wait_s`` for it), without waiting for
+        the saves before it: what a stager asks before reusing the buffers this save read."""
+        if not self.started.wait(wait_s):
+            return False
+        if self.abandoned or not self.joinable or self.thread is threading.current_thread():
+            return True
+        self.thread.join(wait_s)
+        return not self.thread.is_alive()
+
     def wait_until_finished(self) -> None:
         ticket: Ticket | None = self
         while ticket is not None:
@@ -72,10 +82,15 @@ def claim_latest() -> Ticket | None:
     """The ticket of the Writer made last, if no stager has claimed it yet: ``ckptio.Stager`` is
     called by ``dcp.async_save`` right after that Writer was made, for that Writer's save."""
     with _lock:
-        if _last is None or _last.staged or _last.started.is_set():
-            return None
-        _last.staged = True
-        return _last
+        return claim(_last)
+
+
+def claim(ticket: Ticket | None) -> Ticket | None:
+    """Mark ``ticket``'s save as staged, if it has not started and no stager has claimed it."""
+    if ticket is None or ticket.staged or ticket.started.is_set():
+        return None
+    ticket.staged = True
+    return ticket
 
 
 def begin(ticket: Ticket | None, sending_to_process: bool = False) -> Ticket:

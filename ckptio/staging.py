@@ -1,18 +1,21 @@
-"""``ckptio.Stager``: staging for ``dcp.async_save`` into host buffers made once and reused.
+"""Staging for ``dcp.async_save`` into host buffers made once and reused: ``ckptio.Stager``,
+and the process-wide one every ``ckptio.Writer`` stages with when no ``async_stager`` is given.
 
 torch's default stager copies the state into freshly allocated memory on every save (and with
 the PROCESS executor pickles those bytes again into shared memory), so each save pays for page
-faults and host memory grows while old copies wait to be freed. ``Stager`` keeps ``slots`` sets
-of buffers (pinned when the state is on a GPU); a save reuses the set of the save ``slots``
-before it, once that save has returned (``ordering.py`` knows when), so at most ``slots`` saves
-are in flight and host memory stays at ``slots`` copies of the state. Tensors shared with the
-PROCESS executor's background process are moved to shared memory by torch once, on first use.
+faults and host memory grows while old copies wait to be freed. A ``Stager`` keeps up to
+``slots`` sets of buffers (pinned when the state is on a GPU). A save takes a set whose last
+save has returned (``ordering.py`` knows when), else makes a new set while fewer than ``slots``
+exist, else waits for the set used longest ago: saves awaited one by one keep one copy of the
+state, and at most ``slots`` copies ever exist. Tensors shared with the PROCESS executor's
+background process are moved to shared memory by torch once, on first use.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import threading
 from typing import Any
 
 import torch
@@ -25,10 +28,18 @@ from . import ordering
 
 log = logging.getLogger(__name__)
 
+#: Sets of buffers the Writer's own staging keeps at most (one while each save is awaited before
+#: the next, two when a save starts while the previous one still runs).
+WRITER_STAGING_SLOTS = 2
+#: How long a save waits for the previous one to return before it takes a new set of buffers
+#: instead (torch's executor thread exits just after the save's future completes).
+REUSE_WAIT_S = 0.05
+
 
 class Stager(AsyncStager):
     """Pass as ``dcp.async_save(state, storage_writer=ckptio.Writer(url), async_stager=stager)``,
-    the same stager for every save of the job; ``close()`` it at the end."""
+    the same stager for every save of the job; ``close()`` it at the end. Without it, a
+    ``ckptio.Writer`` stages into a process-wide ``Stager`` of its own (``Writer.stage``)."""
 
     _synchronize_after_execute = False
 
@@ -37,35 +48,92 @@ class Stager(AsyncStager):
             raise ValueError(f"Stager needs at least one slot, got {slots}")
         self._slots: list[dict[str, Any] | None] = [None] * slots
         self._users: list[ordering.Ticket | None] = [None] * slots
-        self._next = 0
+        self._last_use = [0] * slots
+        self._uses = 0
+        self._lock = threading.Lock()
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self.stage_for(state_dict, ordering.claim_latest())
 
     @torch.no_grad()
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        slot = self._next
-        self._next = (slot + 1) % len(self._slots)
-        previous_user = self._users[slot]
-        if previous_user is not None:
-            previous_user.wait_until_finished()  # the save that last used these buffers has returned
-        self._users[slot] = user = ordering.claim_latest()
-        buffers = self._slots[slot]
+    def stage_for(self, state_dict: dict[str, Any], user: ordering.Ticket | None) -> dict[str, Any]:
+        """Stage ``state_dict`` for the save holding ticket ``user`` (``None``: a save nothing
+        tells the end of, staged into fresh memory)."""
         if user is None:  # not a ckptio.Writer's save: nothing tells when it is done with buffers
             log.warning("ckptio.Stager: this save's writer is not a new ckptio.Writer; staging into fresh memory")
-            buffers = None
+            return stage_fresh(state_dict)
+        with self._lock:  # saves may be started from more than one thread
+            slot = self._pick_slot()
+            self._users[slot] = user
+            self._uses += 1
+            self._last_use[slot] = self._uses
         on_gpu = _on_gpu(state_dict)
+        buffers = self._slots[slot]
         if buffers is None or not _same_layout(state_dict, buffers):
-            buffers = _create_cpu_state_dict(state_dict, pin_memory=on_gpu)
-            self._slots[slot] = buffers if user is not None else None
+            buffers = self._slots[slot] = _create_cpu_state_dict(state_dict, pin_memory=on_gpu)
         staged = _copy_state_dict(state_dict, buffers, type_check=False)
         if on_gpu:
             torch.cuda.synchronize()
         return _copy_objects(staged)
 
+    def _pick_slot(self) -> int:
+        """A set whose save has returned, else one never made, else (after waiting) the oldest."""
+        made = [i for i, buffers in enumerate(self._slots) if buffers is not None]
+        oldest_first = sorted(made, key=lambda i: self._last_use[i])
+        for i in oldest_first:
+            user = self._users[i]
+            if user is None or user.finished(REUSE_WAIT_S if i == oldest_first[0] else 0.0):
+                return i
+        unmade = [i for i, buffers in enumerate(self._slots) if buffers is None]
+        if unmade:
+            return unmade[0]
+        self._users[oldest_first[0]].wait_until_finished()
+        return oldest_first[0]
+
+    @property
+    def buffer_sets(self) -> int:
+        """Sets of staging buffers held now (each one copy of a state's tensors)."""
+        return sum(buffers is not None for buffers in self._slots)
+
     def synchronize_staging(self) -> None:
         """Staging is synchronous: nothing to wait for."""
 
     def close(self) -> None:
-        self._slots = [None] * len(self._slots)
-        self._users = [None] * len(self._users)
+        """Drop the buffers (a save in flight keeps its own reference to what it reads)."""
+        with self._lock:
+            self._slots = [None] * len(self._slots)
+            self._users = [None] * len(self._users)
+
+
+def stage_fresh(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A host copy of ``state_dict`` in newly allocated memory (what torch's default stager makes)."""
+    on_gpu = _on_gpu(state_dict)
+    staged = _copy_state_dict(state_dict, _create_cpu_state_dict(state_dict, pin_memory=on_gpu), type_check=False)
+    if on_gpu:
+        torch.cuda.synchronize()
+    return _copy_objects(staged)
+
+
+_writer_stager: Stager | None = None
+_writer_stager_lock = threading.Lock()
+
+
+def writer_stager() -> Stager:
+    """The process-wide Stager that ``ckptio.Writer.stage`` uses (made on first use)."""
+    global _writer_stager
+    with _writer_stager_lock:
+        if _writer_stager is None:
+            _writer_stager = Stager(WRITER_STAGING_SLOTS)
+        return _writer_stager
+
+
+def release_staging_buffers() -> None:
+    """Free the host buffers ``ckptio.Writer`` keeps for ``dcp.async_save`` (up to two copies of
+    the state's tensors): call it when a job saves no more, or before memory is needed elsewhere.
+    The next async save allocates them again."""
+    with _writer_stager_lock:
+        if _writer_stager is not None:
+            _writer_stager.close()
 
 
 def _same_layout(value: Any, buffer: Any) -> bool:

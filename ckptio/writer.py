@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import __version__, ordering
+from . import __version__, ordering, staging
 from .commit import check_target, publish
 from .config import StorageConfig, WriterConfig
 from .encode import encode_items, item_bytes, pickled_objects
@@ -45,10 +46,12 @@ class RankAssignment:
     mode: str | None = None  # the save mode it was planned for (a cached plan may outlive a config)
 
 
-class Writer(CheckpointLocation, StorageWriter):
+class Writer(CheckpointLocation, StorageWriter, AsyncStager):
     """Save a DCP checkpoint to any fsspec URL.
 
-    DCP calls it in this order (torch's ``StorageWriter`` protocol):
+    ``dcp.async_save`` first calls ``stage()`` (torch's ``AsyncStager`` protocol, when no
+    ``async_stager`` is given): the state is copied into host buffers this process reuses across
+    saves (``staging.py``). Then DCP calls it in this order (torch's ``StorageWriter`` protocol):
 
     0. (all ranks) ``reset(checkpoint_id)``: the location of this save; nothing of the last one is kept.
     1. (all ranks) ``set_up_storage_writer()``: this rank's number and whether it coordinates.
@@ -66,6 +69,7 @@ class Writer(CheckpointLocation, StorageWriter):
     """
 
     _role = ("Writer", "dcp.save")
+    _synchronize_after_execute = False  # stage() returns once the copy is made
 
     def __init__(
         self,
@@ -96,6 +100,22 @@ class Writer(CheckpointLocation, StorageWriter):
         state = dict(self.__dict__)
         state["_ticket"] = None
         return state
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state's host copy for ``dcp.async_save``: into the process's reused buffers (see
+        ``WriterConfig.reuse_staging_buffers``), or fresh memory."""
+        if not self.config.reuse_staging_buffers:
+            return staging.stage_fresh(state_dict)
+        if self._ticket is None or self._ticket.started.is_set():  # this Writer saved before
+            self._ticket = ordering.take()
+            weakref.finalize(self, ordering.abandon, self._ticket)
+        return staging.writer_stager().stage_for(state_dict, ordering.claim(self._ticket))
+
+    def synchronize_staging(self) -> None:
+        """Staging is synchronous: nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing to release: the staging buffers are the process's (``ckptio.release_staging_buffers``)."""
 
     @property
     def storage_config(self) -> StorageConfig:

@@ -121,10 +121,48 @@ def async_saves(base: str, executor: str, overlap: bool = False, stager: int = 0
     return wrong
 
 
-def stager_across_layout_changes(base: str, executor: str) -> list[str]:
-    """Four async saves through one single-slot ``ckptio.Stager`` while the state's layout changes:
-    the same local shape under another placement (Shard(0) -> Replicate()), a new key, a new dtype.
-    Staging into the buffers of the save before would keep the old placement or miss the new key."""
+def plain_async_saves(base: str, executor: str) -> tuple[list[str], int]:
+    """The call torch documents, ``dcp.async_save(state, storage_writer=ckptio.Writer(url))``, four
+    times, each awaited before the next; the state changes as soon as each call returns, so a save
+    that read the live tensors (or buffers restaged by the next save) would store later values.
+    The second save's target already holds a checkpoint: it fails in the background, and the next
+    save must still go through. Returns what loaded wrong, and the staging buffer sets held."""
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    from ckptio import staging
+
+    kind = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
+    live = {"w": torch.zeros(256, 1024), "step": torch.tensor(0.0), "meta": {"epoch": 0}}
+    urls = [f"{base}/0", f"{base}/0", f"{base}/2", f"{base}/3"]  # the second one exists by then
+    expected, failures = {}, []
+    for i, url in enumerate(urls):
+        live["w"].fill_(float(i))
+        live["step"].fill_(float(i))
+        live["meta"]["epoch"] = i
+        future = dcp.async_save(live, storage_writer=ckptio.Writer(url), async_checkpointer_type=kind)
+        live["w"].fill_(-1.0)  # training goes on at once
+        live["step"].fill_(-1.0)
+        live["meta"]["epoch"] = -1
+        try:
+            future.result()
+            expected.setdefault(url, (float(i), float(i), i))
+        except BaseException as exc:  # noqa: BLE001 - torch raises CheckpointException, a BaseException
+            failures.append((i, type(exc).__name__, str(exc)))
+    wrong = [f"save {i} should have failed, got {f}" for i, *f in failures if i != 1]
+    wrong += [] if [i for i, *_ in failures] == [1] else [f"expected save 1 to fail, failures: {failures}"]
+    for url, (value, step, epoch) in expected.items():
+        out = {"w": torch.zeros(256, 1024), "step": torch.tensor(-2.0), "meta": {"epoch": None}}
+        dcp.load(out, storage_reader=ckptio.Reader(url))
+        if not (torch.all(out["w"] == value) and out["step"].item() == step and out["meta"]["epoch"] == epoch):
+            wrong.append(f"{url}: w={out['w'][0, 0].item()} step={out['step'].item()} meta={out['meta']}")
+    return wrong, staging.writer_stager().buffer_sets
+
+
+def stager_across_layout_changes(base: str, executor: str, plain: bool = False) -> list[str]:
+    """Four async saves through one single-slot ``ckptio.Stager`` (``plain``: the Writer's own
+    staging) while the state's layout changes: the same local shape under another placement
+    (Shard(0) -> Replicate()), a new key, a new dtype. Staging into the buffers of the save
+    before would keep the old placement or miss the new key."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -140,7 +178,7 @@ def stager_across_layout_changes(base: str, executor: str) -> list[str]:
         {"w": DTensor.from_local(shared + 1, mesh, [Replicate()]), "b": torch.ones(3)},
         {"w": DTensor.from_local(shared + 2, mesh, [Replicate()]), "b": torch.ones(3, dtype=torch.float64)},
     ]
-    stager = ckptio.Stager(slots=1)
+    stager = None if plain else ckptio.Stager(slots=1)
     for i, state in enumerate(states):
         future = dcp.async_save(
             state,
@@ -149,7 +187,8 @@ def stager_across_layout_changes(base: str, executor: str) -> list[str]:
             async_stager=stager,
         )
         future.result()
-    stager.close()
+    if stager is not None:
+        stager.close()
     wrong = []
     for i, state in enumerate(states):
         out = {

@@ -229,7 +229,12 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
     asynchronous = {(r["setup"], r["executor"]) for r in doc["async_saves"]}
     assert asynchronous == {
         (setup, executor)
-        for setup in ("ckptio + ckptio.Stager", "ckptio + torch default stager", "torch FileSystemWriter")
+        for setup in (
+            "ckptio plain call",
+            "ckptio + ckptio.Stager",
+            "ckptio + torch default stager",
+            "torch FileSystemWriter",
+        )
         for executor in ("THREAD", "PROCESS")
     }
     for row in doc["async_saves"]:

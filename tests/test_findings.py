@@ -529,9 +529,17 @@ def test_async_saves_in_flight_together_run_one_after_the_other(tmp_path, execut
     assert spawn(2, findings.async_saves, str(tmp_path), executor, True, stager, timeout=180) == [[], []]
 
 
+@pytest.mark.parametrize("plain", [False, True], ids=["ckptio-stager", "writer-staging"])
 @pytest.mark.parametrize("executor", ["thread", "process"])
-def test_stager_restages_when_the_state_layout_changes(tmp_path, executor):
-    assert spawn(2, findings.stager_across_layout_changes, str(tmp_path), executor, timeout=180) == [[], []]
+def test_stager_restages_when_the_state_layout_changes(tmp_path, executor, plain):
+    assert spawn(2, findings.stager_across_layout_changes, str(tmp_path), executor, plain, timeout=180) == [[], []]
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_plain_async_save_stages_into_reused_buffers(tmp_path, executor):
+    # Values at call time, a failed background save followed by a good one, and one set of
+    # staging buffers for saves awaited one by one.
+    assert spawn(2, findings.plain_async_saves, str(tmp_path), executor, timeout=180) == [([], 1), ([], 1)]
 
 
 def test_a_mode_change_under_torchs_plan_cache_is_reported(tmp_path):
