@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import logging
 import os
 import platform
 import sys
@@ -92,16 +93,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--async-saves",
         type=int,
-        default=20,
+        default=8,
         metavar="N",
         help="on the local/NFS target, N consecutive dcp.async_save calls per writer, stager and executor "
-        "with a training-step loop running beside them: blocking time, steps/s, host memory (default 20; 0: skip)",
+        "with a training-step loop running beside them: blocking time, steps/s, host memory (default 8; 0: skip)",
     )
     p.add_argument(
         "--plan-tensors",
-        default="100,10000",
-        help="plan time of save 1 vs saves 2+ (torch's plan cache on) for states of these many small tensors "
-        "(default 100,10000; 'none': skip)",
+        default="none",
+        help="plan time of save 1 vs saves 2+ (torch's plan cache on) for states of these many small tensors, "
+        "e.g. 100,10000 (default: skipped)",
     )
     p.add_argument(
         "--scale",
@@ -114,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-charts", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints written (default: delete each after use)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the ranks' warnings and logs here as they come (default: in bench-<time>.log beside the results)",
+    )
     return p
 
 
@@ -261,6 +267,24 @@ def _async_and_plan_sections(args, cfg: dict, targets: list[dict], progress_file
     return async_rows, plan_rows
 
 
+@contextlib.contextmanager
+def _warnings_to(log_path: str | None):
+    """This process's Python warnings and log records go to ``log_path`` too (None: unchanged)."""
+    if log_path is None:
+        yield
+        return
+    handler = logging.FileHandler(log_path)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(handler)
+        handler.close()
+
+
 def _spawn_with_progress(args, rank_fn, cfg, progress_file: str, steps: int, backend: str) -> list[dict]:
     from tqdm import tqdm
 
@@ -271,7 +295,9 @@ def _spawn_with_progress(args, rank_fn, cfg, progress_file: str, steps: int, bac
     def work() -> None:
         try:
             out["records"] = [
-                r for rank_records in launch(args.ranks, rank_fn, cfg, backend=backend) for r in rank_records
+                r
+                for rank_records in launch(args.ranks, rank_fn, cfg, backend=backend, log_path=args.log_path)
+                for r in rank_records
             ]
         except BaseException as exc:  # reported below, in the main thread
             out["error"] = exc
@@ -291,10 +317,11 @@ def _spawn_with_progress(args, rank_fn, cfg, progress_file: str, steps: int, bac
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
-    doc = run(args)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, f"bench-{stamp}")
+    args.log_path = None if args.verbose else base + ".log"
+    with _warnings_to(args.log_path):
+        doc = run(args)
     if not args.no_charts:
         if report.charts(doc["results"], base + ".png"):
             doc["charts"] = os.path.basename(base + ".png")
@@ -340,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         + (f", {base}-async.png" if "async_charts" in doc else "")
         + f"  ({time.time() - started:.0f}s)"
     )
+    if args.log_path and os.path.exists(args.log_path):
+        print(f"warnings and logs of the ranks: {args.log_path} (--verbose shows them live)")
     bad = [r for r in doc["results"] if not (r["load_bit_exact"] and r["reshard_bit_exact"])]
     bad += [
         {"writer": f"{r['setup']} ({r['executor']})", "target": "async"}

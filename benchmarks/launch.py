@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import os
 import socket
+import sys
 from typing import Any, Callable
 
 import torch
@@ -11,7 +13,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank: int, world_size: int, port: int, backend: str, results: Any, fn: Callable, args: tuple) -> None:
+def _rank_main(
+    rank: int, world_size: int, port: int, backend: str, log_path: str | None, results: Any, fn: Callable, args: tuple
+) -> None:
+    if log_path:
+        redirect_output(log_path, f"rank {rank}")
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
@@ -27,16 +33,29 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, results: Any
         dist.destroy_process_group()
 
 
-def launch(world_size: int, fn: Callable, *args: Any, backend: str = "gloo") -> list[Any]:
+def redirect_output(log_path: str, who: str) -> None:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, so torch's C++ warnings and
+    the processes it starts follow) to the end of ``log_path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.write(fd, f"==== {who} (pid {os.getpid()}) ====\n".encode())
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def launch(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", log_path: str | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks; return each rank's result in rank order.
-    A rank that fails raises here with its traceback (torch.multiprocessing reports it)."""
+    A rank that fails raises here with its traceback (torch.multiprocessing reports it).
+    ``log_path``: where the ranks' own output goes (warnings, logs); ``None``: this terminal."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.get_context("spawn").SimpleQueue()
     ranks = mp.start_processes(
         _rank_main,
-        args=(world_size, port, backend, results, fn, args),
+        args=(world_size, port, backend, log_path, results, fn, args),
         nprocs=world_size,
         join=False,
         start_method="spawn",
