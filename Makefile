@@ -8,15 +8,20 @@ $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[test,bench,torchtitan]'
+	$(PY) -m pip install -q -e '.[test,bench,torchtitan,lint]'
 	touch $@
 
-.PHONY: bench test test-fast
+.PHONY: bench test test-fast lint
 bench: $(VENV)/.installed
 	$(VENV)/bin/ckptio bench $(ARGS)
 
-test: $(VENV)/.installed
+# Lint and format checks first: seconds, and they fail before minutes of tests.
+test: lint
 	$(PY) -m pytest -q $(ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow" $(ARGS)

@@ -271,7 +271,7 @@ def _grid(header: list[str], rows: list[list[str]], markdown: bool) -> str:
         return "\n".join(out + ["| " + " | ".join(row) + " |" for row in rows])
     cells = [header, *rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells)
 
 
 def request_table(rows: list[dict], markdown: bool = False) -> str:
@@ -401,9 +401,11 @@ def async_charts(rows: list[dict], path: str) -> bool:
     executors = list(dict.fromkeys(r["executor"] for r in rows))
     by = {(r["executor"], r["setup"]): r for r in rows}
     fig, axes = plt.subplots(1, 3, figsize=(16, 5))
-    for ax, (title, key) in zip(axes, panels):
+    for ax, (title, key) in zip(axes, panels, strict=True):
         labels = [s.replace(" + ", "\n+ ") for s in setups]
-        _grouped_bars(ax, title, setups, executors, lambda e, s: (by.get((e, s)) or {}).get(key) or 0, labels, 20)
+        _grouped_bars(
+            ax, title, setups, executors, lambda e, s, key=key: (by.get((e, s)) or {}).get(key) or 0, labels, 20
+        )
         ax.axhline(0, color="black", linewidth=0.5)
     return _save(plt, fig, path)
 
@@ -425,7 +427,7 @@ def charts(rows: list[dict], path: str) -> bool:
     by = {(r["target"], r["writer"]): r for r in rows}
     labels = [w.replace("torch ", "torch\n").replace("ckptio ", "ckptio\n") for w in writers]
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
-    for ax, (title, value) in zip(axes.flat, panels):
+    for ax, (title, value) in zip(axes.flat, panels, strict=True):
 
         def height(target: str, writer: str, title=title, value=value):
             if title.startswith("S3") and target == "local":

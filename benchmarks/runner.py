@@ -141,7 +141,7 @@ def _shared_read_loads(spec, url: str, options, specs, cfg: dict, rank: int) -> 
                 reader = ckptio.Reader(url, storage_options=options, dedup_reads=mode)
             counting.take_counts()
             counting.take_served_bytes()
-            seconds = _timed(lambda: dcp.load(loaded, storage_reader=reader))
+            seconds = _timed(lambda loaded=loaded, reader=reader: dcp.load(loaded, storage_reader=reader))
             out.append(
                 {
                     "mesh": f"{shape[0]}x{shape[1]}",

@@ -44,7 +44,7 @@ def overlapping_pair(boxes: Sequence[Box], bounded: bool = True) -> tuple[int, i
             raise TooIrregular(f"{len(live)} chunks")
         for _, j in active:
             other_off, other_size = boxes[j]
-            if all(a < b + m and b < a + n for a, n, b, m in zip(off, size, other_off, other_size)):
+            if all(a < b + m and b < a + n for a, n, b, m in zip(off, size, other_off, other_size, strict=True)):
                 return j, i
         heapq.heappush(active, (off[sweep] + size[sweep], i))
     return None
@@ -57,7 +57,7 @@ def outside(shape: Sequence[int], box: Box) -> bool:
     return (
         len(off) != len(shape)
         or len(size) != len(shape)
-        or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(off, size, shape))
+        or any(o < 0 or n < 0 or o + n > s for o, n, s in zip(off, size, shape, strict=True))
     )
 
 

@@ -164,7 +164,7 @@ class _AssemblyPlanner:
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         tensor = self.full[read_item.dest_index.fqn]
-        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
             tensor = tensor.narrow(dim, offset, length)
         return tensor
 

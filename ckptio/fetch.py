@@ -252,7 +252,7 @@ class _Window:
             span[at : at + item.block_logical_len(b)] = blocks[b]
         flat = torch.frombuffer(span, dtype=torch.uint8).view(dtype)
         strides = row_major_strides(item.shape)
-        start = sum(o * s for o, s in zip(read_item.storage_offsets, strides))
+        start = sum(o * s for o, s in zip(read_item.storage_offsets, strides, strict=True))
         start -= first * item.block_size // dtype.itemsize
         return flat.as_strided(tuple(read_item.lengths), strides, start)
 
@@ -329,8 +329,8 @@ def _run_batch(
     with ThreadPoolExecutor(max(1, min(cpu_threads(workers), len(tasks)))) as pool:
         decoded = pool.map(lambda task: [w.decode(b, verify) for w, b in task], tasks)
         by_window: dict[int, dict[int, Any]] = {}
-        for task, results in zip(tasks, decoded):
-            for (w, b), data in zip(task, results):
+        for task, results in zip(tasks, decoded, strict=True):
+            for (w, b), data in zip(task, results, strict=True):
                 by_window.setdefault(id(w), {})[b] = data
     for w in windows:
         if w.direct:
@@ -366,7 +366,7 @@ def _read_all(store: FsspecStore, pieces: list[ReadPiece], recorded_sizes: dict[
             f"data file(s) {missing} listed in {store.describe(METADATA_NAME)} are missing; the checkpoint was "
             "damaged after it was written: restore the files or load an earlier checkpoint"
         ) from None
-    for request, count in zip(requests, counts):
+    for request, count in zip(requests, counts, strict=True):
         if count != request.length:
             raise CorruptCheckpointError(
                 f"{store.describe(request.name)} is truncated: bytes "

@@ -595,7 +595,7 @@ def _check_item(item: StoredItem, key: str, files: dict[str, int], version: int)
         if item.codec == Codec.RAW and stored != logical or min(stored) <= 0 or any(map(int.__gt__, stored, logical)):
             i = next(
                 i
-                for i, (n, m) in enumerate(zip(stored, logical))
+                for i, (n, m) in enumerate(zip(stored, logical, strict=True))
                 if n <= 0 or n > m or item.codec == Codec.RAW and n != m
             )
             raise CheckpointFormatError(f"{key} block {i} has stored length {stored[i]} for {logical[i]} logical bytes")
@@ -637,7 +637,7 @@ def _decode_blocks(raw: dict[str, Any], where: str) -> tuple[tuple[int, int], ..
         raise CheckpointFormatError(
             f"{where}: item {raw.get('fqn')!r:.80} has {len(crcs)} checksums but {len(lengths)} lengths"
         )
-    return tuple(zip(lengths, crcs))
+    return tuple(zip(lengths, crcs, strict=True))
 
 
 def _block_logical_lengths(logical_bytes: int, block_size: int) -> list[int]:

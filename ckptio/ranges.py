@@ -32,14 +32,14 @@ def box_runs(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int
     while split > 0 and offsets[split] == 0 and lengths[split] == shape[split]:
         split -= 1
     run_len = lengths[split] * strides[split]
-    base = sum(o * s for o, s in zip(offsets, strides))
+    base = sum(o * s for o, s in zip(offsets, strides, strict=True))
     outer = lengths[:split]
     if math.prod(outer) > _MAX_RUNS:
-        last = base + sum((n - 1) * s for n, s in zip(lengths, strides))
+        last = base + sum((n - 1) * s for n, s in zip(lengths, strides, strict=True))
         return [(base, last + 1)]
     runs = []
     for idx in _product(outer):
-        start = base + sum(i * s for i, s in zip(idx, strides))
+        start = base + sum(i * s for i, s in zip(idx, strides, strict=False))
         runs.append((start, start + run_len))
     return runs
 

@@ -95,7 +95,7 @@ def _sweep(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, frozenset[
     active: dict[int, int] = defaultdict(int)
     runs: list[tuple[int, int, frozenset[int]]] = []
     points = sorted(events)
-    for at, following in zip(points, points[1:] + [None]):
+    for at, following in zip(points, points[1:] + [None], strict=True):
         for rank, delta in events[at]:
             active[rank] += delta
         ranks = frozenset(r for r, n in active.items() if n > 0)
@@ -181,7 +181,7 @@ def _assign_readers(units: list[_Unassigned], items: Callable[[MetadataIndex], S
         sizes = [items(u.index).block_offsets[u.last] - items(u.index).block_offsets[u.first] for u in group]
         ranks = sorted(group[0].ranks, key=lambda r: (load[r], r))
         share, taken, k = sum(sizes) / len(ranks), 0, 0
-        for u, size in zip(group, sizes):
+        for u, size in zip(group, sizes, strict=True):
             if taken >= share * (k + 1) and k + 1 < len(ranks):
                 k += 1
             readers[id(u)] = ranks[k]

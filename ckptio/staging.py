@@ -162,7 +162,7 @@ def _same_layout(value: Any, buffer: Any) -> bool:
         return (
             isinstance(buffer, (list, tuple))
             and len(value) == len(buffer)
-            and all(_same_layout(v, b) for v, b in zip(value, buffer))
+            and all(_same_layout(v, b) for v, b in zip(value, buffer, strict=True))
         )
     return not isinstance(buffer, torch.Tensor)
 

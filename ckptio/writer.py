@@ -163,7 +163,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         assigned = assign_writers(plans, self.config.mode)
         return [
             dataclasses.replace(plan, items=a.items, storage_data=RankAssignment(a.private_only, self.config.mode))
-            for plan, a in zip(plans, assigned)
+            for plan, a in zip(plans, assigned, strict=True)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

@@ -95,7 +95,7 @@ def async_saves(base: str, executor: str, overlap: bool = False, stager: int = 0
     futures = []
     staging = {"async_stager": ckptio.Stager(stager)} if stager else {}
     live = {"w": torch.zeros(256, 1024), "step": torch.tensor(0.0)}  # one state, changed after each save
-    for (url, overwrite), state in zip(targets, states):
+    for (url, overwrite), state in zip(targets, states, strict=True):
         live["w"].copy_(state["w"])
         live["step"].copy_(state["step"])
         writer = ckptio.Writer(url, overwrite=overwrite)
@@ -114,10 +114,10 @@ def async_saves(base: str, executor: str, overlap: bool = False, stager: int = 0
     if staging:
         staging["async_stager"].close()
     wrong = []
-    for url, expected in expected:
+    for url, state in expected:
         out = {"w": torch.zeros(256, 1024), "step": torch.tensor(-1.0)}
         dcp.load(out, storage_reader=ckptio.Reader(url))
-        wrong += [f"{url}:{k}" for k in out if not torch.equal(out[k], expected[k])]
+        wrong += [f"{url}:{k}" for k in out if not torch.equal(out[k], state[k])]
     return wrong
 
 

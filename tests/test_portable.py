@@ -15,7 +15,7 @@ from .harness import spawn
 def test_fsdp2_hsdp_state_reshards_to_fsdp_hsdp_and_one_process(tmp_path):
     reference = str(tmp_path / "reference.pt")
     urls = [str(tmp_path / mode) for mode in ("all_ranks", "replica_group")]
-    for url, mode in zip(urls, ("all_ranks", "replica_group")):
+    for url, mode in zip(urls, ("all_ranks", "replica_group"), strict=True):
         spawn(4, models.save_trained, "hsdp:2x2", url, mode, reference)
     assert spawn(2, models.load_into, ["fsdp:2"], urls, reference) == [[], []]
     assert spawn(8, models.load_into, ["hsdp:2x4", "fsdp:8"], urls, reference, timeout=400) == [[]] * 8

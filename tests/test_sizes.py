@@ -77,7 +77,10 @@ def test_one_read_of_many_more_pieces_than_iov_max(tmp_path):
     data = os.urandom(IOV_MAX * 5 * 7 + 11)
     (tmp_path / "f").write_bytes(data)
     store = open_store(str(tmp_path))
-    pieces = [memoryview(bytearray(7)) for _ in range(IOV_MAX * 5)] + [memoryview(bytearray(0)), memoryview(bytearray(11))]
+    pieces = [memoryview(bytearray(7)) for _ in range(IOV_MAX * 5)] + [
+        memoryview(bytearray(0)),
+        memoryview(bytearray(11)),
+    ]
     assert store.read_into([ReadRequest("f", 0, tuple(pieces))]) == [len(data)]
     assert b"".join(bytes(p) for p in pieces) == data
 
@@ -125,7 +128,9 @@ def _save_many_sharded(url: str, options: dict | None, count: int) -> None:
         rows = full.shape[0]
         lo = (rows + 1) // 2 * rank
         local = full[lo : lo + (rows + 1) // 2 if rank == 0 else rows].contiguous()
-        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+        state[name] = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
     for codec in ("raw", "zstd"):
         ckptio.save(state, f"{url}/{codec}", config(codec), storage_options=options)
 

@@ -148,7 +148,7 @@ def test_fsdp_tp_and_hsdp_with_each_save_mode(tmp_path):
         assert dp_tp["next_batch"] == 8 * 2 + rank // 2  # sample 8 of this dp rank: step 5's batch
         assert replica_group["next_batch"] == all_ranks["next_batch"] == 8 * 4 + rank
         if rank == 0:
-            for run, got in zip(saved, (dp_tp, replica_group, all_ranks)):
+            for run, got in zip(saved, (dp_tp, replica_group, all_ranks), strict=True):
                 assert got["resumed"] == 4 and differences(run["snapshots"][4], got["loaded"]) == []
 
 

@@ -113,7 +113,7 @@ def test_compile_and_checkpoint_wrappers_never_reach_the_keys(tmp_path):
             loaded = _state(target, 0)
             ckptio.load(loaded, url)
             assert loaded["step"] == 7
-            assert all(torch.equal(a, b) for a, b in zip(_weights(target), _weights(model))), (src, dst)
+            assert all(torch.equal(a, b) for a, b in zip(_weights(target), _weights(model), strict=True)), (src, dst)
 
 
 def test_three_generations_keep_an_identical_key_set(tmp_path):
@@ -135,5 +135,5 @@ def test_three_generations_keep_an_identical_key_set(tmp_path):
         resumed = _state(model, None)
         ckptio.load(resumed, url)
         assert resumed["step"] == gen
-        assert all(torch.equal(a, b) for a, b in zip(_weights(model), reference))
+        assert all(torch.equal(a, b) for a, b in zip(_weights(model), reference, strict=True))
     assert keysets[0] == keysets[1] == keysets[2] == CANONICAL

@@ -11,8 +11,8 @@ import torch
 
 from ckptio import CheckpointFormatError, WriterConfig
 from ckptio.codec import BlockEncoder, block_size_for, checksum, decode_block
-from ckptio.layout import FORMAT_VERSION, _pack, data_file_name, decode_metadata, is_data_file_name
 from ckptio.config import MiB
+from ckptio.layout import FORMAT_VERSION, _pack, data_file_name, decode_metadata, is_data_file_name
 from ckptio.ranges import blocks_for_runs, box_runs, coalesce
 
 

@@ -73,7 +73,7 @@ def load_all(base: str) -> dict:
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     out["ddp_into_plain"] = all(
-        torch.equal(a, b) for a, b in zip(plain.state_dict().values(), reference.state_dict().values())
+        torch.equal(a, b) for a, b in zip(plain.state_dict().values(), reference.state_dict().values(), strict=True)
     )
     return out
 

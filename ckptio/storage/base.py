@@ -158,7 +158,7 @@ class FsspecStore:
         """Fill each request's buffers; return how many bytes each request got (fewer at end of
         file). Raises ``FileNotFoundError`` for a missing file."""
         counts = []
-        for request, data in zip(requests, self.read_ranges([_as_range(r) for r in requests])):
+        for request, data in zip(requests, self.read_ranges([_as_range(r) for r in requests]), strict=True):
             data, at = memoryview(data), 0
             for buffer in request.buffers:
                 piece = data[at : at + len(buffer)]

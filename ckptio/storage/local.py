@@ -142,7 +142,7 @@ class _LocalSink:
         view = memoryview(data).cast("B")
         while view:
             piece = view[:MAX_SYSCALL_BYTES]
-            written = self.store._guard(self.name, "write", lambda: self.handle.write(piece))
+            written = self.store._guard(self.name, "write", lambda piece=piece: self.handle.write(piece))
             view = view[written:]
 
     def close(self) -> None:
