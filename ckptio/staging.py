@@ -71,22 +71,17 @@ class Stager(AsyncStager):
         buffers = self._slots[slot]
         if buffers is None or not _same_layout(state_dict, buffers):
             buffers = self._slots[slot] = _create_cpu_state_dict(state_dict, pin_memory=on_gpu)
-        staged = _copy_state_dict(state_dict, buffers, type_check=False)
-        if on_gpu:
-            torch.cuda.synchronize()
-        return _copy_objects(staged)
+        return _copy_into(state_dict, buffers, on_gpu)
 
     def _pick_slot(self) -> int:
-        """A set whose save has returned, else one never made, else (after waiting) the oldest."""
-        made = [i for i, buffers in enumerate(self._slots) if buffers is not None]
-        oldest_first = sorted(made, key=lambda i: self._last_use[i])
+        """A set whose save has returned, else one never taken, else (after waiting) the oldest."""
+        taken = [i for i, user in enumerate(self._users) if user is not None]
+        oldest_first = sorted(taken, key=lambda i: self._last_use[i])
         for i in oldest_first:
-            user = self._users[i]
-            if user is None or user.finished(REUSE_WAIT_S if i == oldest_first[0] else 0.0):
+            if self._users[i].finished(REUSE_WAIT_S if i == oldest_first[0] else 0.0):
                 return i
-        unmade = [i for i, buffers in enumerate(self._slots) if buffers is None]
-        if unmade:
-            return unmade[0]
+        if len(taken) < len(self._slots):
+            return next(i for i, user in enumerate(self._users) if user is None)
         self._users[oldest_first[0]].wait_until_finished()
         return oldest_first[0]
 
@@ -105,12 +100,18 @@ class Stager(AsyncStager):
             self._users = [None] * len(self._users)
 
 
+@torch.no_grad()
 def stage_fresh(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A host copy of ``state_dict`` in newly allocated memory (what torch's default stager makes)."""
     on_gpu = _on_gpu(state_dict)
-    staged = _copy_state_dict(state_dict, _create_cpu_state_dict(state_dict, pin_memory=on_gpu), type_check=False)
+    return _copy_into(state_dict, _create_cpu_state_dict(state_dict, pin_memory=on_gpu), on_gpu)
+
+
+def _copy_into(state_dict: dict[str, Any], buffers: dict[str, Any], on_gpu: bool) -> dict[str, Any]:
+    """Copy the state's tensors into ``buffers``; the staged dict, with its own mutable objects."""
+    staged = _copy_state_dict(state_dict, buffers, type_check=False)
     if on_gpu:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the device-to-host copies must be done before training goes on
     return _copy_objects(staged)
 
 
