@@ -88,8 +88,8 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         self.checkpoint_id: str | None = None
         self.rank = 0
         self.is_coordinator = True
-        self._ticket: ordering.Ticket | None = ordering.take()  # made in the caller's thread: its order
-        weakref.finalize(self, ordering.abandon, self._ticket)
+        self._ticket: ordering.Ticket | None = None
+        self._take_ticket()  # in the caller's thread: its place in this process's order of saves
         self.reset(checkpoint_id)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -107,9 +107,13 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         if not self.config.reuse_staging_buffers:
             return staging.stage_fresh(state_dict)
         if self._ticket is None or self._ticket.started.is_set():  # this Writer saved before
-            self._ticket = ordering.take()
-            weakref.finalize(self, ordering.abandon, self._ticket)
+            self._take_ticket()
         return staging.writer_stager().stage_for(state_dict, ordering.claim(self._ticket))
+
+    def _take_ticket(self) -> None:
+        """A new place in this process's order of saves; freeing this Writer unused gives it up."""
+        self._ticket = ordering.take()
+        weakref.finalize(self, ordering.abandon, self._ticket)
 
     def synchronize_staging(self) -> None:
         """Staging is synchronous: nothing to wait for."""

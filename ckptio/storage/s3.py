@@ -210,18 +210,16 @@ class MultipartSink:
 
     def write(self, data: bytes | memoryview) -> None:
         self.buffer += data
-        while len(self.buffer) >= self._send_threshold():
+        while True:
+            # The next part leaves once a quarter more than it is buffered (a short tail joins the
+            # last part), but never past what one part or one PUT may hold.
             size = part_size_for(len(self.parts) + 1, self.store.part_size)
+            if len(self.buffer) < min(size + size // 4, MAX_PART_BYTES):
+                return
             with memoryview(self.buffer) as view:  # one copy of the part, not a slice and then a copy
                 part = bytes(view[:size])
             del self.buffer[:size]
             self._send_part(part)
-
-    def _send_threshold(self) -> int:
-        """Buffered bytes at which the next part leaves: its size plus a quarter (so a short tail
-        joins the last part), but never past what one part or one PUT may hold."""
-        size = part_size_for(len(self.parts) + 1, self.store.part_size)
-        return min(size + size // 4, MAX_PART_BYTES)
 
     def _send_part(self, body: bytes) -> None:
         if self.upload_id is None:
