@@ -99,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
         "with a training-step loop running beside them: blocking time, steps/s, host memory (default 8; 0: skip)",
     )
     p.add_argument(
+        "--all-stagers",
+        action="store_true",
+        help="async section: also ckptio + ckptio.Stager and ckptio + torch's DefaultStager (default: ckptio's "
+        "plain call and torch FileSystemWriter)",
+    )
+    p.add_argument(
         "--plan-tensors",
         default="none",
         help="plan time of save 1 vs saves 2+ (torch's plan cache on) for states of these many small tensors, "
@@ -247,7 +253,11 @@ def _async_and_plan_sections(args, cfg: dict, targets: list[dict], progress_file
     if args.async_saves and local is None:
         print("note: --async-saves needs a local or NFS target (--path); skipped", file=sys.stderr)
     elif args.async_saves:
-        setups = [s.name for s in async_saves.SETUPS if cfg["device"] == "cuda" or not s.needs_gpu]
+        setups = [
+            s.name
+            for s in async_saves.SETUPS
+            if (cfg["device"] == "cuda" or not s.needs_gpu) and (s.by_default or args.all_stagers)
+        ]
         section = {
             **cfg,
             "async_base": f"{local['base']}/async",

@@ -42,6 +42,7 @@ class AsyncSetup:
     make_stager: Callable[[], Any]  # None: the one dcp.async_save picks itself
     make_reader: Callable[[str], Any]
     needs_gpu: bool = False  # torch's cached staging pins its buffers, which needs an accelerator
+    by_default: bool = True  # in the default run; the others with --all-stagers
 
 
 def _ckptio_writer(url: str):
@@ -62,8 +63,12 @@ def _torch_default_stager(pinned_async: bool = False):
 
 SETUPS = [
     AsyncSetup("ckptio plain call", _ckptio_writer, lambda: None, _ckptio_reader),
-    AsyncSetup("ckptio + ckptio.Stager", _ckptio_writer, lambda: ckptio.Stager(slots=2), _ckptio_reader),
-    AsyncSetup("ckptio + torch default stager", _ckptio_writer, _torch_default_stager, _ckptio_reader),
+    AsyncSetup(
+        "ckptio + ckptio.Stager", _ckptio_writer, lambda: ckptio.Stager(slots=2), _ckptio_reader, by_default=False
+    ),
+    AsyncSetup(
+        "ckptio + torch default stager", _ckptio_writer, _torch_default_stager, _ckptio_reader, by_default=False
+    ),
     AsyncSetup(
         "ckptio + torch pinned async stager",
         _ckptio_writer,

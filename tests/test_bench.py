@@ -188,6 +188,7 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
         "FsspecWriter",
         "--async-saves",
         "2",
+        "--all-stagers",
         "--plan-tensors",
         "10",
     ]
