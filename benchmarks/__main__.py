@@ -172,7 +172,8 @@ def targets_for(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> dict:
 
     replicas, shards = args.replicas, args.shards
-    writers = [w.name for w in select(args.writers, args.compressed)]
+    chosen = select(args.writers, args.compressed)
+    writers = [w.name for w in chosen]
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -187,14 +188,13 @@ def run(args: argparse.Namespace) -> dict:
             "mesh": [replicas, shards],
             "data": args.data,
             "writers": writers,
+            "writer_targets": {w.name: w.targets for w in chosen},
             "repeats": args.repeats,
             "targets": targets,
             "progress_file": progress_file,
             "shared_reads": args.shared_reads,
         }
-        steps = sum(
-            args.repeats for t in targets for w in select(args.writers, args.compressed) if t["kind"] in w.targets
-        )
+        steps = sum(args.repeats for t in targets for w in chosen if t["kind"] in w.targets)
         from . import runner
 
         records = _spawn_with_progress(args, runner.run_rank, cfg, progress_file, steps, backend)
@@ -222,6 +222,7 @@ def run(args: argparse.Namespace) -> dict:
             "compressible": args.data == "bf16-in-fp32",
             "repeats": args.repeats,
             "writers": writers,
+            "writer_targets": {w.name: w.targets for w in chosen},
             "targets": [{k: v for k, v in t.items() if k != "storage_options"} for t in targets],
         },
         "results": results,

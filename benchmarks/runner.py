@@ -50,7 +50,7 @@ def _warm_up(cfg: dict, writers: dict) -> None:
     for target in cfg["targets"]:
         for name in cfg["writers"]:
             spec = writers[name]
-            if target["kind"] in spec.targets:
+            if target["kind"] in cfg["writer_targets"][name]:
                 url = f"{target['base']}/warmup/{_slug(name)}"
                 dcp.save(tiny, storage_writer=spec.make_writer(url, target.get("storage_options")))
                 dcp.load(tiny, storage_reader=spec.make_reader(url, target.get("storage_options")))
@@ -75,7 +75,7 @@ def run_rank(cfg: dict) -> list[dict]:
     for rep in range(cfg["repeats"]):
         for target in cfg["targets"]:
             for name in cfg["writers"]:
-                if target["kind"] in writers[name].targets:
+                if target["kind"] in cfg["writer_targets"][name]:
                     records.append(_measure(writers[name], target, rep, state, mesh, reshard_mesh, specs, cfg, rank))
                     report_progress(cfg, target["name"], name, rep)
     return records

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch.distributed.checkpoint as dcp
@@ -21,6 +21,7 @@ class WriterSpec:
     make_writer: Callable[[str, dict | None], object]
     make_reader: Callable[[str, dict | None], object]
     make_planner: Callable[[], object | None] = lambda: None
+    default_targets: tuple[str, ...] | None = None  # where it runs unless named with --writers (None: targets)
 
 
 def _ckptio(mode: str, compression: str | None = None) -> WriterSpec:
@@ -65,6 +66,7 @@ WRITERS = [
         ("local", "s3"),
         lambda url, opts: FsspecWriter(url, **(opts or {})),
         lambda url, opts: FsspecReader(url, **(opts or {})),
+        default_targets=("s3",),  # locally, FileSystemWriter is torch's writer
     ),
     WriterSpec(
         "torch dedup_save_to_lowest_rank",
@@ -72,12 +74,19 @@ WRITERS = [
         _torch_writer,
         _torch_reader,
         lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+        default_targets=("s3",),  # replica_group's peer where object counts matter
     ),
 ]
 
 
 def select(names: list[str] | None, compressed: bool) -> list[WriterSpec]:
-    chosen = [w for w in WRITERS if compressed or "zstd" not in w.name]  # --compressed adds every +zstd writer
+    """The writers to run, each with the targets to run it on: writers named in ``names`` on all of
+    theirs; by default every writer (the +zstd ones with ``compressed``) on its default targets."""
+    chosen = [
+        replace(w, targets=w.default_targets or w.targets)
+        for w in WRITERS
+        if compressed or "zstd" not in w.name  # --compressed adds every +zstd writer
+    ]
     if names:
         wanted = {n.lower() for n in names}
         chosen = [w for w in WRITERS if w.name.lower() in wanted or w.name.split()[-1].lower() in wanted]
