@@ -22,6 +22,7 @@ Codecs, chosen per item from a sample of its bytes (``BlockEncoder.codec_for``):
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,13 @@ from .layout import Codec
 SAMPLE_BYTES = 64 << 10
 WORTH_COMPRESSING = 0.97
 PLANE_ITEMSIZES = (2, 4, 8)
+#: zstd settings for byte planes at the fast levels (1-3). A plane that shrinks (a float's exponent
+#: byte) holds skewed symbols but few repeats, so level 1's match search costs time and finds little:
+#: with the fast strategy, 7-byte minimum matches and tiny match tables zstd spends its time on
+#: entropy coding. On randn bf16 the exponent plane compressed 3x faster, decoded 2x faster and came
+#: out 12% smaller (0.336 instead of 0.380 of its size); plain zstd frames, so readers are unchanged.
+FAST_PLANE_LEVELS = range(1, 4)
+PLANE_PARAMETERS = dict(min_match=7, hash_log=6, chain_log=6, search_log=1, window_log=17)
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
@@ -81,11 +89,15 @@ class BlockEncoder:
         if not self.compress or not len(data):
             return Codec.RAW, ()
         sample = data[: max(itemsize, SAMPLE_BYTES // itemsize * itemsize)]
+        whole = len(self._zstd(sample))
         if itemsize in PLANE_ITEMSIZES:
-            planes = _split_planes(sample, itemsize)
-            mask = tuple(len(self._zstd(p)) < WORTH_COMPRESSING * len(p) for p in planes)
-            return (Codec.ZSTD_BYTEPLANES, mask) if any(mask) else (Codec.RAW, ())
-        if len(self._zstd(sample)) < WORTH_COMPRESSING * len(sample):
+            packed = [len(self._zstd_plane(p)) for p in _split_planes(sample, itemsize)]
+            plane_len = len(sample) // itemsize
+            mask = tuple(n < WORTH_COMPRESSING * plane_len for n in packed)
+            by_planes = sum(n if keep else plane_len for n, keep in zip(packed, mask, strict=True))
+            if any(mask) and by_planes <= whole:  # small integers: whole-block zstd finds their runs
+                return Codec.ZSTD_BYTEPLANES, mask
+        if whole < WORTH_COMPRESSING * len(sample):
             return Codec.ZSTD, ()
         return Codec.RAW, ()
 
@@ -114,6 +126,17 @@ class BlockEncoder:
             compressor = self._local.compressor = zstandard.ZstdCompressor(level=self._level)
         return compressor.compress(data)
 
+    def _zstd_plane(self, plane) -> bytes:
+        compressor = getattr(self._local, "plane_compressor", None)
+        if compressor is None:
+            if self._level in FAST_PLANE_LEVELS:
+                parameters = zstandard.ZstdCompressionParameters(strategy=zstandard.STRATEGY_FAST, **PLANE_PARAMETERS)
+                compressor = zstandard.ZstdCompressor(compression_params=parameters)
+            else:  # a level chosen for ratio gets zstd's own settings for it
+                compressor = zstandard.ZstdCompressor(level=self._level)
+            self._local.plane_compressor = compressor
+        return compressor.compress(plane)
+
     def _pack(self, block: memoryview, codec: Codec, mask: tuple[bool, ...]) -> tuple[bytes | memoryview, int]:
         packed = None
         if codec == Codec.ZSTD:
@@ -134,7 +157,7 @@ class BlockEncoder:
         at = header
         for p, compress in enumerate(mask):
             plane = elements[:, p]
-            packed = self._zstd(np.ascontiguousarray(plane)) if compress else b""
+            packed = self._zstd_plane(np.ascontiguousarray(plane)) if compress else b""
             source = np.frombuffer(packed, dtype=np.uint8) if 0 < len(packed) < len(plane) else plane
             out[at : at + len(source)] = source
             lengths[p] = len(source)
@@ -201,11 +224,22 @@ def _join_planes(stored: memoryview, logical_len: int, itemsize: int, out: memor
     if len(lengths) != itemsize or header + int(sum(int(n) for n in lengths)) != len(stored):
         raise BlockSizeError(f"the byte-plane lengths do not add up to the block's {len(stored)} stored bytes")
     out = out if out is not None else bytearray(logical_len)
-    elements = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
-    at = header
-    for p, n in enumerate(int(n) for n in lengths):
+    planes, at = [], header
+    for n in (int(n) for n in lengths):
         piece = stored[at : at + n]
-        plane = piece if n == plane_len else _unzstd(piece, plane_len)
-        elements[:, p] = np.frombuffer(plane, dtype=np.uint8)
+        planes.append(np.frombuffer(piece if n == plane_len else _unzstd(piece, plane_len), dtype=np.uint8))
         at += n
+    _interleave(planes, out)
     return out
+
+
+def _interleave(planes: list[np.ndarray], out: Any) -> None:
+    """Write byte ``p`` of every element from ``planes[p]`` into ``out``."""
+    if len(planes) == 2 and sys.byteorder == "little":  # low | high << 8: twice the speed of two strided copies
+        pairs = np.frombuffer(out, dtype=np.uint16)
+        np.left_shift(planes[1], 8, out=pairs, dtype=np.uint16)
+        np.bitwise_or(pairs, planes[0], out=pairs)
+        return
+    elements = np.frombuffer(out, dtype=np.uint8).reshape(-1, len(planes))
+    for p, plane in enumerate(planes):
+        elements[:, p] = plane

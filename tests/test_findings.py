@@ -91,9 +91,13 @@ def _replace_first_block(url: str, key: str, stored: bytes) -> None:
 
 
 def _saved_zeros(tmp_path, codec: str) -> tuple[str, torch.Tensor, int]:
-    """A compressed checkpoint of one zeros tensor stored with ``codec``; its block size."""
+    """A compressed checkpoint of one tensor stored with ``codec`` (zeros for zstd; fp32 values
+    for byte planes: on zeros whole-block zstd is smaller and chosen); the tensor, its block size."""
     url = str(tmp_path / "ckpt")
-    zeros = torch.zeros(256, 1024, dtype=torch.uint8 if codec == "zstd" else torch.float32)
+    if codec == "zstd":
+        zeros = torch.zeros(256, 1024, dtype=torch.uint8)
+    else:
+        zeros = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
     config = ckptio.WriterConfig(compression="zstd", inline_limit=0)
     dcp.save({"w": zeros}, storage_writer=ckptio.Writer(url, config))
     (item,) = _read_doc(url)["items"]
