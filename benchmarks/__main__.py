@@ -198,10 +198,19 @@ def run(args: argparse.Namespace) -> dict:
         from . import runner
 
         records = _spawn_with_progress(args, runner.run_rank, cfg, progress_file, steps, backend)
+        by_state = {args.data: records}
+        training_state = _training_state_pass(args, cfg, chosen, targets)
+        if training_state is not None:
+            state_cfg, state_steps = training_state
+            by_state[state_cfg["data"]] = _spawn_with_progress(
+                args, runner.run_rank, state_cfg, progress_file, state_steps, backend
+            )
         async_rows, plan_rows = _async_and_plan_sections(args, cfg, targets, progress_file, backend)
-        listings = {r["url"]: r["listing"] for r in records if "listing" in r}
-        sizes = workload.byte_counts(workload.tensor_specs(size_bytes, args.data), (replicas, shards))
-        results = report.summarize(records, listings, args.ranks, sizes)
+        listings = {r["url"]: r["listing"] for rows in by_state.values() for r in rows if "listing" in r}
+        results = []
+        for data, rows in by_state.items():  # each state's byte counts are its own
+            sizes = workload.byte_counts(workload.tensor_specs(size_bytes, data), (replicas, shards))
+            results += report.summarize(rows, listings, args.ranks, sizes)
         shared_reads = report.shared_reads(records, listings)
     import torch
 
@@ -242,6 +251,30 @@ def _scale_section(args) -> list[dict]:
 
     with tqdm(total=len(args.scale) * len(scale.LAYOUTS) * 2, desc="scale", disable=args.quiet, file=sys.stderr) as bar:
         return scale.run(args.scale, progress=lambda what: (bar.set_postfix_str(what), bar.update()))
+
+
+#: The state a --compressed run also saves with the compressed writers (locally) when --data is
+#: another: a training state's bf16 weights compress differently from fp32, and loads of them are
+#: where compression has cost the most.
+TRAINING_STATE = "bf16-weights"
+
+
+def _training_state_pass(args, cfg: dict, chosen: list, targets: list[dict]) -> tuple[dict, int] | None:
+    """The config (and progress steps) of the extra pass over ``TRAINING_STATE``, or None."""
+    compressed = [w for w in chosen if "zstd" in w.name and "local" in w.targets]
+    local = next((t for t in targets if t["kind"] == "local"), None)
+    if not args.compressed or args.data == TRAINING_STATE or not compressed or local is None:
+        return None
+    target = {**local, "name": f"{local['name']} {TRAINING_STATE}", "base": f"{local['base']}/{TRAINING_STATE}"}
+    state_cfg = {
+        **cfg,
+        "data": TRAINING_STATE,
+        "writers": [w.name for w in compressed],
+        "writer_targets": {w.name: ("local",) for w in compressed},
+        "targets": [target],
+        "shared_reads": False,
+    }
+    return state_cfg, args.repeats * len(compressed)
 
 
 def _async_and_plan_sections(args, cfg: dict, targets: list[dict], progress_file: str, backend: str):

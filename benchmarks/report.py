@@ -12,6 +12,11 @@ from . import counting
 SCHEMA_VERSION = 1
 
 
+def on_s3(row: dict) -> bool:
+    """Whether a result row is of an object-store target (rows of older runs: by the target's name)."""
+    return row.get("target_kind", "local" if row["target"] == "local" else "s3") != "local"
+
+
 def summarize(records: list[dict], files: dict[str, dict[str, int]], world: int, sizes: dict[str, int]) -> list[dict]:
     """One row per (target, writer). ``files`` maps a repeat-0 URL to its listing."""
     grouped: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -32,6 +37,7 @@ def summarize(records: list[dict], files: dict[str, dict[str, int]], world: int,
         written = sum(listing.values())
         row = {
             "target": target,
+            "target_kind": recs[0].get("target_kind", "local" if target == "local" else "s3"),
             "writer": writer,
             "save_s_median": statistics.median(save),
             "save_s_min": min(save),
@@ -253,8 +259,8 @@ COLUMNS = [
     ("write amp", lambda r: f"{r['write_amplification']:.3f}"),
     ("objects (empty)", lambda r: f"{r['objects']} ({r['empty_objects']})"),
     ("max/mean rank MiB", lambda r: f"{_mib(r['largest_rank_bytes'])}/{_mib(r['mean_rank_bytes'])}"),
-    ("save req", lambda r: str(total_requests(r["save_requests"])) if r["target"] != "local" else "-"),
-    ("load req", lambda r: str(total_requests(r["load_requests"])) if r["target"] != "local" else "-"),
+    ("save req", lambda r: str(total_requests(r["save_requests"])) if on_s3(r) else "-"),
+    ("load req", lambda r: str(total_requests(r["load_requests"])) if on_s3(r) else "-"),
     ("peak RSS MiB", lambda r: _mib(r["peak_rss_save_bytes"])),
     ("bit-exact", lambda r: "yes" if r["load_bit_exact"] and r["reshard_bit_exact"] else "NO"),
 ]
@@ -276,7 +282,7 @@ def _grid(header: list[str], rows: list[list[str]], markdown: bool) -> str:
 
 def request_table(rows: list[dict], markdown: bool = False) -> str:
     kinds = [k for k in counting.REQUEST_KINDS if any(r["save_requests"][k] or r["load_requests"][k] for r in rows)]
-    s3_rows = [r for r in rows if r["target"] != "local"]
+    s3_rows = [r for r in rows if on_s3(r)]
     if not s3_rows or not kinds:
         return ""
     cells = []
@@ -430,7 +436,7 @@ def charts(rows: list[dict], path: str) -> bool:
     for ax, (title, value) in zip(axes.flat, panels, strict=True):
 
         def height(target: str, writer: str, title=title, value=value):
-            if title.startswith("S3") and target == "local":
+            if title.startswith("S3") and not any(on_s3(r) for (t, _), r in by.items() if t == target):
                 return None
             return value(by[(target, writer)]) if (target, writer) in by else 0
 

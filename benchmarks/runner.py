@@ -85,7 +85,14 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
     options = target.get("storage_options")
     compressible = cfg["data"]
     url = f"{target['base']}/{_slug(spec.name)}/rep{rep}"
-    record = {"target": target["name"], "writer": spec.name, "repeat": rep, "rank": rank, "url": url}
+    record = {
+        "target": target["name"],
+        "target_kind": target["kind"],
+        "writer": spec.name,
+        "repeat": rep,
+        "rank": rank,
+        "url": url,
+    }
     counting.take_counts()
     with counting.PeakRSS() as rss:
         record["save_s"] = _timed(
@@ -101,7 +108,7 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
     record["load_rss_bytes"] = rss.peak_delta
     record["load_mismatches"] = workload.check_state(loaded, specs, compressible, rank)
 
-    if cfg.get("shared_reads") and (spec.name.startswith("ckptio") or "Fsspec" in spec.name):
+    if cfg.get("shared_reads"):  # every writer's checkpoint, torch's with torch's reader
         record["shared_reads"] = _shared_read_loads(spec, url, options, specs, cfg, rank)
     if rep == 0:
         resharded = workload.build_state(reshard_mesh, specs, compressible, rank, empty=True)

@@ -289,3 +289,24 @@ def test_scale_layouts_split_like_dtensor(capsys):
     with pytest.raises(SystemExit) as refused:
         scale.parse_points("1001")
     assert refused.value.code == 2 and "multiple of 8" in capsys.readouterr().err
+
+
+def test_compressed_runs_also_save_the_training_state_with_the_zstd_writers():
+    from ckptio.bench.__main__ import _training_state_pass, parse_args
+    from ckptio.bench.writers import select
+
+    targets = [{"name": "local", "kind": "local", "base": "/x"}, {"name": "s3 (moto)", "kind": "s3", "base": "s3://b"}]
+
+    def pass_for(*argv):
+        args = parse_args(["--out", "/tmp/ckptio-bench-test-out", *argv])
+        cfg = {"data": args.data, "targets": targets, "shared_reads": True}
+        return _training_state_pass(args, cfg, select(args.writers, args.compressed), targets)
+
+    state_cfg, steps = pass_for("--compressed", "--repeats", "3")
+    zstd = ["ckptio all_ranks+zstd", "ckptio replica_group+zstd", "torch FileSystemWriter+zstd"]
+    assert state_cfg["data"] == "bf16-weights" and state_cfg["writers"] == zstd and steps == 9
+    assert [t["name"] for t in state_cfg["targets"]] == ["local bf16-weights"] and not state_cfg["shared_reads"]
+    assert state_cfg["targets"][0]["base"] == "/x/bf16-weights"
+    assert pass_for() is None  # not compressed
+    assert pass_for("--compressed", "--data", "bf16-weights") is None  # the run's own state already
+    assert pass_for("--compressed", "--writers", "ckptio all_ranks") is None  # no compressed writer chosen
