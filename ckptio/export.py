@@ -32,28 +32,9 @@ from .errors import CheckpointError
 from .fetch import load_items
 from .layout import Manifest
 from .reader import Reader
+from .safetensors_format import DTYPE_NAMES, INDEX_NAME
 from .storage import FsspecStore, open_store
 
-INDEX_NAME = "model.safetensors.index.json"
-# safetensors' names for the dtypes it can hold
-_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.complex64: "C64",
-}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*$", re.IGNORECASE)
 
 
@@ -93,7 +74,7 @@ def plan_shards(manifest: Manifest, keys: str | None, max_shard_size: int) -> li
         if not isinstance(md, TensorStorageMetadata) or (keys and not key.startswith(keys)):
             continue
         name = key[len(keys) :] if keys else key
-        if md.properties.dtype not in _DTYPES:
+        if md.properties.dtype not in DTYPE_NAMES:
             raise CheckpointError(f"key {key!r} is {md.properties.dtype}, which safetensors cannot hold")
         tensors.append(ExportedTensor(key, name, md.properties.dtype, tuple(md.size)))
     if not tensors:
@@ -203,7 +184,7 @@ def _write_shard(
     offset = 0
     for t in shard:
         header[t.name] = {
-            "dtype": _DTYPES[t.dtype],
+            "dtype": DTYPE_NAMES[t.dtype],
             "shape": list(t.shape),
             "data_offsets": [offset, offset + t.nbytes],
         }
