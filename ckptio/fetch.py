@@ -41,7 +41,7 @@ def load_items(
     batch: list[_Window] = []
     size = 0
     actual_sizes = _ActualSizes(store)
-    staging = _Staging()
+    staging = StagingArea()
     for read_item, item in pairs:
         job = _Job.build(read_item, item)
         job.prepare(planner)
@@ -178,7 +178,7 @@ class _Window:
     def fetch_bytes(self) -> int:
         return sum(self.job.item.blocks[b][0] for b in self.blocks)
 
-    def pieces(self, staging: "_Staging") -> list[ReadPiece]:
+    def pieces(self, staging: "StagingArea") -> list[ReadPiece]:
         item = self.job.item
         if self.direct:
             return self._direct_pieces()
@@ -280,7 +280,7 @@ class _ActualSizes:
             )
 
 
-class _Staging:
+class StagingArea:
     """Memory for stored bytes on their way to being checked and decoded: one buffer of
     ``READ_BATCH_BYTES``, allocated on first use and reused by every batch of a load (fresh
     memory costs a page fault per page; a window larger than it gets a buffer of its own)."""
@@ -312,7 +312,7 @@ def _run_batch(
     verify: bool,
     recorded_sizes: dict[str, int],
     workers: int,
-    staging: _Staging,
+    staging: StagingArea,
 ) -> None:
     _read_all(store, [piece for w in windows for piece in w.pieces(staging)], recorded_sizes)
     # Checksums and zstd release the GIL: check and decode all staged blocks on a few threads,

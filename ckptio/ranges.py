@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Iterable, NamedTuple, Sequence
 
+import numpy as np
+
 from .storage.base import ReadRequest
 
 # Past this many separate row runs, a sub-box touches (nearly) every block in its span anyway.
@@ -42,6 +44,24 @@ def box_runs(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int
         start = base + sum(i * s for i, s in zip(idx, strides, strict=False))
         runs.append((start, start + run_len))
     return runs
+
+
+def exact_box_runs(shape: Sequence[int], offsets: Sequence[int], lengths: Sequence[int]) -> tuple[np.ndarray, int]:
+    """The sub-box as ascending element runs of one common length: ``(starts, run length)``,
+    with no cap on their number (for files without blocks, read run by run)."""
+    if not shape:
+        return np.zeros(1, dtype=np.int64), 1
+    if any(n == 0 for n in lengths):
+        return np.zeros(0, dtype=np.int64), 0
+    strides = row_major_strides(shape)
+    split = len(shape) - 1
+    while split > 0 and offsets[split] == 0 and lengths[split] == shape[split]:
+        split -= 1
+    starts = np.array([sum(o * s for o, s in zip(offsets, strides, strict=True))], dtype=np.int64)
+    for dim in range(split):  # outer to inner, so the starts come out in ascending order
+        steps = np.arange(lengths[dim], dtype=np.int64) * strides[dim]
+        starts = (starts[:, None] + steps[None, :]).reshape(-1)
+    return starts, lengths[split] * strides[split]
 
 
 def _product(lengths: Sequence[int]) -> Iterable[tuple[int, ...]]:

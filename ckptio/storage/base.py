@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import fsspec
 
-from ..config import StorageConfig
+from ..config import REMOTE_READ_GAP_BYTES, StorageConfig
 from ..errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,9 @@ class ReadRequest(NamedTuple):
 
 class FsspecStore:
     """Any fsspec filesystem: plain opens, puts and ``cat_ranges``."""
+
+    #: Reads of one file at most this many bytes apart are worth one request (``box_reads.py``).
+    read_gap_bytes = REMOTE_READ_GAP_BYTES
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
         self.fs = fs

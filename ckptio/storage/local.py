@@ -14,6 +14,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+from ..config import LOCAL_READ_GAP_BYTES
 from ..errors import StorageError
 from .base import FsspecStore, ReadRequest
 
@@ -41,6 +42,8 @@ def syscall_batch(buffers: Sequence[memoryview]) -> list[memoryview]:
 
 
 class LocalStore(FsspecStore):
+    read_gap_bytes = LOCAL_READ_GAP_BYTES
+
     def open_sink(self, name: str) -> "_LocalSink":
         path = self.path(name)
         handle = self._guard(name, "open", lambda: open(path, "wb", buffering=0))
@@ -99,9 +102,16 @@ class LocalStore(FsspecStore):
                     buffers = _advance(buffers, n)
                 return done
 
+            def fill_all(group: Sequence[ReadRequest]) -> list[int]:
+                return [self._guard(r.name, "read", lambda r=r: fill(r)) for r in group]
+
+            # Thousands of small requests (one per row of a column shard) go to the threads in
+            # groups: a task per pread would cost more in scheduling than the read itself.
             workers = max(1, min(len(requests), self.config.max_concurrency))
+            per_task = max(1, len(requests) // (workers * 4))
+            groups = [requests[i : i + per_task] for i in range(0, len(requests), per_task)]
             with ThreadPoolExecutor(workers) as pool:
-                return list(pool.map(lambda r: self._guard(r.name, "read", lambda: fill(r)), requests))
+                return [count for counts in pool.map(fill_all, groups) for count in counts]
         finally:
             for fd in fds.values():
                 os.close(fd)
