@@ -136,11 +136,9 @@ class Reader(CheckpointLocation, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         store, files = self._open_store(), self.manifest.files if self.manifest else {}
-        workers = self.storage_config.max_concurrency
         shared = plan.storage_data if isinstance(plan.storage_data, SharedReadPlan) else None
         if shared is None:
-            pairs = [(read_item, self._item_for(read_item)) for read_item in plan.items]
-            load_items(store, pairs, planner, self.verify, files, workers)
+            self._deliver(store, [(read_item, self._item_for(read_item)) for read_item in plan.items], planner)
         else:
             triples, failure = [], None
             try:  # a failure here must still reach the other ranks, which wait in the exchange
@@ -148,14 +146,23 @@ class Reader(CheckpointLocation, StorageReader):
             except Exception as exc:  # noqa: BLE001
                 failure = exc
             keys = {segment.index for segments in shared.rounds for segment in segments}
-            load_shared(
-                store, shared, [t for t in triples if t[0] in keys], planner, self.verify, files, workers, failure
-            )
-            rest = [(ri, item) for key, ri, item in triples if key not in keys]
-            load_items(store, rest, planner, self.verify, files, workers)
+
+            def deliver(source: FsspecStore, pairs: list[tuple[ReadItem, Any]]) -> None:
+                self._deliver(source, pairs, planner, from_memory=True)
+
+            shared_triples = [t for t in triples if t[0] in keys]
+            load_shared(store, shared, shared_triples, self._items.__getitem__, deliver, self.verify, files, failure)
+            self._deliver(store, [(ri, item) for key, ri, item in triples if key not in keys], planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _deliver(
+        self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner, from_memory: bool = False
+    ) -> None:
+        """Fetch, check and hand ``(read item, source)`` pairs to the planner (``fetch.py``)."""
+        files = self.manifest.files if self.manifest else {}
+        load_items(store, pairs, planner, self.verify, files, self.storage_config.max_concurrency)
 
     def _shared_read_plan(self, plans: list[LoadPlan]) -> SharedReadPlan | None:
         """Coordinator: whether the ranks share reads (``dedup_reads``), and who reads what."""
@@ -268,6 +275,11 @@ def _missing_metadata_error(store: FsspecStore) -> CheckpointError:
         return NotCkptioCheckpointError(
             f"{store.url} holds a torch DCP checkpoint (it has '.metadata', not '{METADATA_NAME}'); load it with "
             "torch.distributed.checkpoint.FileSystemReader / FsspecReader, then save it again with ckptio.Writer"
+        )
+    if any(n.endswith(".safetensors") for n in names):
+        return NotCkptioCheckpointError(
+            f"{store.url} holds safetensors files (Hugging Face weights), not a ckptio checkpoint: load them with "
+            "ckptio.HFReader"
         )
     partial = [n for n in names if parse_data_file_name(n)]
     if partial:

@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from . import errors
 from .config import MAX_REQUEST_BYTES, SHARED_READ_MIN_REPLICATION, SHARED_READ_MIN_SAVED_BYTES
 from .errors import CheckpointError
-from .fetch import _Job, _read_all, load_items, verify_block
+from .fetch import _Job, _read_all, verify_block
 from .layout import StoredItem
 from .ranges import ReadPiece
 from .storage import FsspecStore, ReadRequest
@@ -254,26 +254,27 @@ _GLOO_GROUP = None
 def load_shared(
     store: FsspecStore,
     plan: SharedReadPlan,
-    triples: list[tuple[MetadataIndex, ReadItem, StoredItem]],
-    planner: LoadPlanner,
+    triples: list[tuple[MetadataIndex, ReadItem, Any]],
+    records: Callable[[MetadataIndex], StoredItem],
+    deliver: Callable[[Any, list[tuple[ReadItem, Any]]], None],
     verify: bool,
     recorded_sizes: dict[str, int],
-    workers: int,
     failure: BaseException | None = None,
 ) -> None:
-    """Run the rounds of ``plan`` on this rank, delivering its shared ``(stored key, read item,
-    record)`` triples to ``planner``. ``failure``: what already went wrong on this rank (it still
-    takes part in the first agreement, so every rank raises instead of waiting)."""
+    """Run the rounds of ``plan`` on this rank: read its segments (checked against ``records``'
+    checksums when ``verify``), exchange, then ``deliver(store, pairs)`` its shared ``(stored key,
+    read item, source)`` triples from the bytes held, through a stand-in for the store.
+    ``failure``: what already went wrong on this rank (it still takes part in the first
+    agreement, so every rank raises instead of waiting)."""
     rank, group = dist.get_rank(), exchange_group()
-    items = {key: item for key, _, item in triples}
-    by_index: dict[MetadataIndex, list[tuple[ReadItem, StoredItem]]] = defaultdict(list)
-    for key, read_item, item in triples:
-        by_index[key].append((read_item, item))
+    by_index: dict[MetadataIndex, list[tuple[ReadItem, Any]]] = defaultdict(list)
+    for key, read_item, source in triples:
+        by_index[key].append((read_item, source))
     for segments in plan.rounds:
         own: dict[Segment, memoryview] = {}
         if failure is None:
             try:
-                own = _read_segments(store, [s for s in segments if s.reader == rank], items, recorded_sizes)
+                own = _read_segments(store, [s for s in segments if s.reader == rank], records, verify, recorded_sizes)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
                 failure = exc
         _agree(failure, rank, group)
@@ -283,21 +284,25 @@ def load_shared(
             spans[segment.file].append((segment.start, data))
         mine = [pair for index in dict.fromkeys(s.index for s in segments) for pair in by_index.pop(index, [])]
         try:
-            load_items(CachedBlocks(store, spans), mine, planner, verify, recorded_sizes, workers)
+            deliver(CachedBlocks(store, spans), mine)
         except Exception as exc:  # noqa: BLE001
             failure = exc
     _agree(failure, rank, group)
 
 
 def _read_segments(
-    store: FsspecStore, segments: list[Segment], items: dict[MetadataIndex, StoredItem], recorded_sizes: dict[str, int]
+    store: FsspecStore,
+    segments: list[Segment],
+    records: Callable[[MetadataIndex], StoredItem],
+    verify: bool,
+    recorded_sizes: dict[str, int],
 ) -> dict[Segment, memoryview]:
     """Read this rank's segments and check every block (the rank that reads is the one that names
     a damaged block first)."""
     out = {s: memoryview(np.empty(s.size, dtype=np.uint8)).cast("B") for s in segments}
     _read_all(store, [ReadPiece(s.file, s.start, out[s]) for s in segments], recorded_sizes)
-    for s, data in out.items():
-        item = items[s.index]  # a reader is always one of the ranks that need the segment
+    for s, data in out.items() if verify else ():
+        item = records(s.index)
         for b in range(s.first, s.last):
             lo, hi = item.block_offsets[b] - s.start, item.block_offsets[b + 1] - s.start
             verify_block(item, b, [data[lo:hi]], f"key {s.index.fqn!r} in {s.file}")
