@@ -18,6 +18,7 @@ from .errors import (  # noqa: E402
     UnsafeObjectError,
 )
 from .export import export_safetensors  # noqa: E402
+from .hf_reader import HFReader  # noqa: E402
 from .per_rank import PerRank  # noqa: E402
 from .reader import Reader  # noqa: E402
 from .safe_load import SafeLoadPlanner  # noqa: E402
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "HFReader",
     "IncompleteCheckpointError",
     "NotCkptioCheckpointError",
     "PerRank",

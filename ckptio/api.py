@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .config import WriterConfig
 from .errors import CheckpointError, recall_metadata_error
+from .hf_reader import HFReader, report_hf_matches
 from .keys import canonicalize, copy_back
 from .per_rank import expand_for_save, prepare_for_load
 from .reader import Reader
@@ -51,7 +52,7 @@ def save(
 
 def load(
     state_dict: dict[str, Any],
-    checkpoint_id: str | os.PathLike,
+    checkpoint_id: str | os.PathLike | HFReader,
     *,
     storage_options: dict[str, Any] | None = None,
     planner=None,
@@ -61,7 +62,12 @@ def load(
 ) -> None:
     """Load into ``state_dict`` in place (tensors in place, objects replaced under the caller's keys).
     Objects are restored safely unless ``planner`` says otherwise; keys match canonically.
-    ``dedup_reads``: see ``Reader``."""
+    ``dedup_reads``: see ``Reader``.
+
+    ``checkpoint_id`` may be a ``ckptio.HFReader`` (Hugging Face safetensors weights): the state
+    keys it holds are loaded, the others (optimizer state, step) are left as they are."""
+    if isinstance(checkpoint_id, HFReader):
+        return _load_hf(state_dict, checkpoint_id, planner, process_group)
     reader = Reader(checkpoint_id, storage_options=storage_options, verify=verify, dedup_reads=dedup_reads)
     manifest = _agreed(reader.prefetch_metadata, process_group)
     state = canonicalize(state_dict)
@@ -76,6 +82,38 @@ def load(
     for restore in restore_per_rank:
         restore()
     copy_back(state_dict, state)
+
+
+def _load_hf(state_dict: dict[str, Any], reader: HFReader, planner, process_group) -> None:
+    """Hugging Face weights into the state keys they hold; the headers are read by one rank."""
+    catalog = _read_once(reader.prefetch_metadata, process_group)
+    reader.use_catalog(catalog)
+    state = canonicalize(state_dict)
+    report_hf_matches(state, reader.state_keys(catalog), reader.checkpoint_id)
+    with raising_checkpoint_errors(f"load from {reader.checkpoint_id}"):
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=planner if planner is not None else SafeLoadPlanner(allow_partial_load=True),
+            process_group=process_group,
+        )
+    copy_back(state_dict, state)
+
+
+def _read_once(read: Callable[[], T], process_group) -> T:
+    """``read`` on the group's first rank, its result (or its ckptio error) sent to every rank."""
+    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
+        return read()
+    box: list = [None]
+    if dist.get_rank(process_group) == 0:
+        try:
+            box[0] = read()
+        except CheckpointError as exc:
+            box[0] = exc
+    dist.broadcast_object_list(box, group=process_group, group_src=0)
+    if isinstance(box[0], CheckpointError):
+        raise box[0]
+    return box[0]
 
 
 def _agreed(read: Callable[[], T], process_group) -> T:
