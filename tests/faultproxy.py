@@ -139,7 +139,9 @@ class FaultProxy:
                 for name, value in headers:
                     if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                         self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD answer has no body, but its Content-Length is the object's size
+                length = dict((k.lower(), v) for k, v in headers).get("content-length", "0")
+                self.send_header("Content-Length", length if self.command == "HEAD" else str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

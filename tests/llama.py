@@ -48,27 +48,33 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
 
-def build(layout: str) -> nn.Module:
-    """``layout``: "single", "hsdp:2x2" or "dp_tp:2x2" (FSDP2 over dp, TP inside: strided shards)."""
+def build(layout: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+    """``layout``: "single", "fsdp:N", "tp:N", "hsdp:RxS" or "dp_tp:DxT" (FSDP2 over dp, TP inside:
+    strided shards). Parameters are drawn from ``seed``, in bf16, then cast to ``dtype``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = CausalLM().to(torch.bfloat16)
     for p in model.parameters():  # non-trivial norms too
         nn.init.normal_(p)
+    model = model.to(dtype)
     kind, _, shape = layout.partition(":")
     dims = tuple(int(x) for x in shape.split("x")) if shape else ()
-    if kind == "hsdp":
+    plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+    plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel()}
+    plan |= {"mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    if kind == "fsdp":
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("shard",))
+    elif kind == "hsdp":
         mesh = init_device_mesh("cpu", dims, mesh_dim_names=("replicate", "shard"))
-    elif kind == "dp_tp":
-        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp", "tp"))
-        plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
-        plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel()}
-        plan |= {"mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+    elif kind in ("tp", "dp_tp"):
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("tp",) if kind == "tp" else ("dp", "tp"))
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tp"], plan)
+        if kind == "tp":
+            return model
         mesh = mesh["dp"]
     elif kind == "single":
         return model
