@@ -186,3 +186,19 @@ def test_switch_from_torch_dcp_checkpoints(tmp_path):
     assert latest["resumed"] == 6 and differences(switched[0]["snapshots"][6], latest["loaded"]) == []
     assert unfinished["error"].startswith("CheckpointNotFoundError: ")
     assert "step-8 holds no committed checkpoint" in unfinished["error"]
+
+
+def test_initial_load_of_hugging_face_weights_from_s3(s3, moto_server, tmp_path):
+    from . import hf
+    from .models import build_model
+
+    base, options = s3
+    weights = {f"model.{k}": v.detach().clone() for k, v in build_model("single", seed=3).state_dict().items()}
+    hf.write_reference(f"{base}/hf-weights", weights, shards=2, storage_options=options)
+    env = {"AWS_ENDPOINT_URL": moto_server}  # torchtitan checks the folder with fsspec's defaults
+    loaded = spawn(2, titan.initial_hf_load, str(tmp_path / "run"), "fsdp:2", f"{base}/hf-weights", options, env=env)
+    model = loaded[0]["model"]
+    assert set(model) == {k.removeprefix("model.") for k in weights}
+    for key, value in weights.items():
+        assert torch.equal(model[key.removeprefix("model.")], value), key
+    assert not os.path.exists(tmp_path / "run")  # nothing saved: a load only

@@ -70,7 +70,9 @@ def _full(value: Any) -> Any:
 class Run:
     """One job: build the trainer's parts, resume, train ``steps``, checkpointing on the way."""
 
-    def __init__(self, folder: str, layout: str, *, manager: str = "ckptio", compile: bool = False, **options):
+    def __init__(
+        self, folder: str, layout: str, *, manager: str = "ckptio", compile: bool = False, sd_adapter=None, **options
+    ):
         self.layout = layout
         self.model = build_model(layout.split("+")[0])
         parts = [torch.compile(self.model, backend="eager")] if compile else [self.model]
@@ -92,7 +94,7 @@ class Run:
             optimizers=self.optimizers,
             lr_schedulers=self.lr_schedulers,
             states={"train_state": self.train_state},
-            sd_adapter=None,
+            sd_adapter=sd_adapter,
         )
         self.parts = parts
         self.load_step = options.get("load_step", -1)  # what torchtitan's Trainer passes to load()
@@ -164,3 +166,41 @@ def train_with(folder: str, layout: str, last: int, options: dict) -> dict:
 def each(*calls: tuple) -> list:
     """Run several of the functions above one after the other in one spawned job."""
     return [fn(*args, **kwargs) for fn, args, kwargs in calls]
+
+
+class PrefixAdapter:
+    """A torchtitan state dict adapter whose Hugging Face names are the model's under ``model.``."""
+
+    fqn_to_index_mapping = None
+
+    def __init__(self, hf_assets_path: str | None = None):
+        self.hf_assets_path = hf_assets_path
+
+    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {f"model.{k}": v for k, v in state_dict.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return {k.removeprefix("model."): v for k, v in hf_state_dict.items()}
+
+    def get_hf_storage_reader(self, path: str, from_quantized: bool = False):
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        return HuggingFaceStorageReader(path)
+
+
+def initial_hf_load(folder: str, layout: str, hf_url: str, storage_options: dict) -> Any:
+    """A fresh job whose first load is Hugging Face weights at ``hf_url``; the model it then holds."""
+    run = Run(
+        folder,
+        layout,
+        sd_adapter=PrefixAdapter(),
+        initial_load_path=hf_url,
+        initial_load_in_hf=True,
+        initial_load_model_only=True,
+        storage_options=storage_options,
+    )
+    try:
+        run.resume()
+        return run.snapshot()
+    finally:
+        run.close()

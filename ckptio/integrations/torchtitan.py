@@ -8,6 +8,10 @@ Change the checkpoint line of a trainer config (tested with torchtitan 0.3)::
 Everything else is torchtitan's own manager: its save policy, async modes (their process group
 and stager), Hugging Face export and initial loads. What differs:
 
+- Hugging Face initial loads (``initial_load_in_hf``) read through ``ckptio.HFReader``: from any
+  fsspec URL, ``s3://`` included (torch's reader opens local paths only), each rank reading
+  only its slices; quantized checkpoints keep the model's own reader;
+
 - saves go through ``ckptio.Writer`` (atomic commit, checksums, ``save_mode``, compression);
 - resume finds the newest committed ``step-N`` folder, whether ckptio wrote it or torch DCP did
   before the switch (loaded with torch's reader), and never an unfinished one;
@@ -38,6 +42,7 @@ from ..api import raising_checkpoint_errors
 from ..config import WriterConfig
 from ..convert import torch_dcp_reader
 from ..errors import CheckpointNotFoundError, PerRankStateError
+from ..hf_reader import HFReader
 from ..layout import METADATA_NAME, TORCH_DCP_METADATA_NAME
 from ..reader import Reader
 from ..report import checkpoint_format, delete_checkpoint
@@ -81,7 +86,16 @@ class CheckpointManager(TorchtitanCheckpointManager):
         restarts the data loaders (model, optimizer, schedule and step are still restored)."""
 
         def __post_init__(self) -> None:
-            TorchtitanCheckpointManager.Config.__post_init__(self)
+            # torchtitan refuses Hugging Face initial loads from remote URLs, because torch's HF reader
+            # opens local paths only; ckptio.HFReader reads any fsspec URL, so only its own checks apply.
+            path = self.initial_load_path
+            remote_hf = self.initial_load_in_hf and not self.initial_load_in_hf_quantized and path and "://" in path
+            if remote_hf:
+                self.initial_load_path = "/"
+            try:
+                TorchtitanCheckpointManager.Config.__post_init__(self)
+            finally:
+                self.initial_load_path = path
             if self.dataloader_on_resize not in ("error", "skip"):
                 raise ValueError(f"dataloader_on_resize must be 'error' or 'skip', got {self.dataloader_on_resize!r}")
             self.writer_config()  # unknown or invalid writer options fail here, not at the first save
@@ -168,8 +182,11 @@ class CheckpointManager(TorchtitanCheckpointManager):
         return result
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        if from_hf:
+        if from_hf and from_quantized:  # the model's own quantized reader (dequantizes on load)
             return TorchtitanCheckpointManager.dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
+        if from_hf:
+            self._load_hf(state_dict, checkpoint_id)
+            return
         found = checkpoint_format(open_store(checkpoint_id, self.storage_options))
         if found == "ckptio":
             reader = Reader(checkpoint_id, storage_options=self.storage_options)
@@ -191,6 +208,17 @@ class CheckpointManager(TorchtitanCheckpointManager):
             dcp.load(state_dict, storage_reader=reader)
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
+
+    def _load_hf(self, state_dict: dict[str, Any], checkpoint_id: str) -> None:
+        """Hugging Face weights through ``ckptio.HFReader``: any fsspec URL (``s3://`` included, with
+        this manager's ``storage_options``), each rank reading only its slices."""
+        if self.sd_adapter is None:
+            raise ValueError("loading Hugging Face safetensors needs the model's state dict adapter (sd_adapter)")
+        hf_state_dict = self.sd_adapter.to_hf(state_dict)
+        reader = HFReader(checkpoint_id, storage_options=self.storage_options)
+        with raising_checkpoint_errors(f"loading Hugging Face weights from {checkpoint_id}"):
+            dcp.load(hf_state_dict, storage_reader=reader)
+        self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state_dict))
 
     def _apply_dataloader_policy(self, state_dict: dict[str, Any], saved_keys: set[str], checkpoint_id: str) -> None:
         """torchtitan stores one ``dataloader.dp_rank_<r>`` per data-parallel rank; on another
