@@ -23,7 +23,7 @@ from .config import MAX_REQUEST_BYTES, READ_BATCH_BYTES
 from .errors import CheckpointFormatError, CorruptCheckpointError, StorageError
 from .fetch import StagingArea
 from .ranges import ReadPiece, exact_box_runs, plan_requests, row_major_strides
-from .storage import FsspecStore
+from .storage import FsspecStore, LocalStore, ReadRequest
 
 
 class RawTensor(Protocol):
@@ -118,22 +118,31 @@ class _BoxJob:
             return int(self.starts[-1] - self.starts[0]) * self.tensor.dtype.itemsize + self.run_bytes
         return len(self.starts) * self.run_bytes
 
+    @property
+    def many_runs(self) -> bool:
+        """Read run by run (not as one span), in runs no longer than one request."""
+        return not self.span and len(self.starts) > 1 and self.run_bytes <= MAX_REQUEST_BYTES
+
+    def output(self, staging: StagingArea) -> memoryview:
+        """Where the runs land, one after the other: the destination itself, or staging."""
+        if self.direct:
+            return memoryview(self.target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        self.area = staging.take(self.staged_bytes)
+        return self.area
+
+    def file_offsets(self) -> list[int]:
+        return (self.starts * self.tensor.dtype.itemsize + self.tensor.start).tolist()
+
     def pieces(self, staging: StagingArea) -> list[ReadPiece]:
         if not len(self.starts):
             return []
-        itemsize, base = self.tensor.dtype.itemsize, self.tensor.start
         if self.span:
-            self.area = staging.take(self.staged_bytes)
-            return [ReadPiece(self.tensor.file, base + int(self.starts[0]) * itemsize, self.area)]
-        if self.direct:
-            out = memoryview(self.target.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        else:
-            out = self.area = staging.take(self.staged_bytes)
-        n = self.run_bytes
-        return [
-            ReadPiece(self.tensor.file, base + start * itemsize, out[k * n : (k + 1) * n])
-            for k, start in enumerate(self.starts.tolist())
-        ]
+            out = self.output(staging)
+            return [
+                ReadPiece(self.tensor.file, self.tensor.start + int(self.starts[0]) * self.tensor.dtype.itemsize, out)
+            ]
+        out, n = self.output(staging), self.run_bytes
+        return [ReadPiece(self.tensor.file, at, out[k * n : (k + 1) * n]) for k, at in enumerate(self.file_offsets())]
 
     def finish(self, planner: LoadPlanner) -> None:
         if self.area is not None and self.target.numel():
@@ -166,7 +175,18 @@ def _jobs(read_item: ReadItem, tensor: RawTensor, target: torch.Tensor, gap_byte
 
 
 def _run(store: FsspecStore, jobs: list[_BoxJob], planner: LoadPlanner, staging: StagingArea) -> None:
-    pieces = [piece for job in jobs for piece in job.pieces(staging)]
+    pieces = []
+    for job in jobs:
+        if isinstance(store, LocalStore) and job.many_runs:  # a pread per run, without a request object each
+            offsets = job.file_offsets()
+            got = store.read_runs(job.tensor.file, offsets, job.run_bytes, job.output(staging))
+            if got != len(offsets) * job.run_bytes:
+                raise CorruptCheckpointError(
+                    f"{store.describe(job.tensor.file)} is shorter than its header says: runs up to byte "
+                    f"{offsets[-1] + job.run_bytes} were needed (the file was truncated or replaced while loading)"
+                )
+        else:
+            pieces += job.pieces(staging)
     read_exactly(store, pieces)
     for job in jobs:
         job.finish(planner)
@@ -177,7 +197,14 @@ def read_exactly(store: FsspecStore, pieces: list[ReadPiece]) -> None:
     """Fill every piece, or raise naming the file that is missing or shorter than it should be."""
     if not pieces:
         return
-    requests = plan_requests(pieces, MAX_REQUEST_BYTES)
+    # A box's runs never touch: only pieces that touch another one, or are too long, need planning.
+    starts = {(p.name, p.offset) for p in pieces}
+    ends = {(p.name, p.offset + len(p.buffer)) for p in pieces}
+    planned, alone = [], []
+    for p in pieces:
+        touches = (p.name, p.offset) in ends or (p.name, p.offset + len(p.buffer)) in starts
+        (planned if touches or len(p.buffer) > MAX_REQUEST_BYTES else alone).append(p)
+    requests = [ReadRequest(p.name, p.offset, (p.buffer,)) for p in alone] + plan_requests(planned, MAX_REQUEST_BYTES)
     try:
         counts = store.read_into(requests)
     except FileNotFoundError as exc:

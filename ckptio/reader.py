@@ -171,10 +171,13 @@ class Reader(CheckpointLocation, StorageReader):
             if self.dedup_reads is True and world > 1:
                 log.warning("ckptio: dedup_reads needs dcp.load over the default process group; reading directly")
             return None
-        needs = needed_blocks(plans, self._shareable)
         if self.dedup_reads == "auto":
             store = self._open_store()
             remote = not isinstance(store, LocalStore) or on_network_filesystem(store.root)
+            if not remote:  # never worth it from a local disk: skip planning the needs
+                return None
+        needs = needed_blocks(plans, self._shareable)
+        if self.dedup_reads == "auto":
             needed, distinct = needed_bytes(needs, self._items.__getitem__)
             share = worth_sharing(remote, needed, distinct)
             _log_choice(

@@ -83,10 +83,10 @@ def load_plain(layout: str, url: str, storage_options=None):
     return _full(model)
 
 
-def exported_from(layout: str, checkpoint: str, out: str) -> dict | None:
+def exported_from(layout: str, checkpoint: str, out: str, out_options=None) -> dict | None:
     """Save the model under ``layout`` with ckptio, export it to safetensors; its full state on rank 0."""
     full = llama.save(layout, checkpoint)
-    ckptio.export_safetensors(checkpoint, out, keys="model.")
+    ckptio.export_safetensors(checkpoint, out, keys="model.", output_storage_options=out_options)
     return full
 
 

@@ -231,6 +231,57 @@ def test_a_file_cut_short_after_its_header_was_read_is_a_named_error(files, weig
     assert isinstance(error, CorruptCheckpointError) and f"{victim.file} is shorter than its header says" in str(error)
 
 
+class _Boxes:
+    """Stands in for torch's load planner: each read item's box lands in its own tensor."""
+
+    def __init__(self, dtype):
+        self.dtype, self.out = dtype, {}
+
+    def resolve_tensor(self, read_item):
+        return self.out.setdefault(read_item.dest_index, torch.empty(tuple(read_item.lengths), dtype=self.dtype))
+
+    def commit_tensor(self, read_item, tensor):
+        pass
+
+
+@pytest.mark.parametrize("gap", [0, 1 << 20], ids=["run-by-run", "one-span"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["direct", "converted"])
+def test_column_and_block_boxes_read_exactly_from_local_files(tmp_path, gap, dtype):
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from ckptio.box_reads import load_boxes
+    from ckptio.hf_reader import read_catalog
+    from ckptio.storage import open_store
+
+    full = torch.randn(37, 3, 50).to(torch.bfloat16)
+    save_file({"pad": torch.ones(7, dtype=torch.bfloat16), "w": full}, str(tmp_path / "model.safetensors"))
+    store = open_store(str(tmp_path))
+    (tensor,) = [t for t in read_catalog(store) if t.name == "w"]
+    boxes = [((0, 0, 10), (37, 3, 20)), ((5, 1, 0), (30, 2, 50)), ((36, 2, 49), (1, 1, 1)), ((0, 0, 0), (0, 3, 50))]
+    items = [
+        ReadItem(
+            LoadItemType.TENSOR,
+            MetadataIndex("w", torch.Size(o)),
+            torch.Size([0, 0, 0]),
+            MetadataIndex("w"),
+            torch.Size(o),
+            torch.Size(n),
+        )
+        for o, n in boxes
+    ]
+    planner = _Boxes(dtype)
+    load_boxes(store, [(item, tensor) for item in items], planner, gap)
+    for (o, n), item in zip(boxes, items, strict=True):
+        expected = full[o[0] : o[0] + n[0], o[1] : o[1] + n[1], o[2] : o[2] + n[2]]
+        assert torch.equal(planner.out[item.dest_index], expected.to(dtype)), (o, n)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: tensor.start + 1000])
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors is shorter than its header says"):
+        load_boxes(store, [(items[0], tensor)], _Boxes(dtype), gap)
+
+
 # --- ranks: FSDP2(4), TP(4), HSDP 2x2, FSDP2+TP --------------------------------------------------
 @pytest.mark.parametrize("layout", ["fsdp:4", "tp:4", "hsdp:2x2", "dp_tp:2x2"])
 def test_reference_files_load_into_each_layout_bit_exact(files, weights, layout):
@@ -270,3 +321,11 @@ def test_s3_loads_read_each_needed_byte_once(s3_proxy, s3, weights, layout, read
     else:  # each rank reads its column shards row by row, and the replicated norms/embeddings whole
         needed = sum(n for _, n in results)
         assert needed > data and served <= 1.05 * needed + _probes(sizes), (served, needed)
+
+
+def test_the_exporters_files_on_s3_load_into_fsdp(s3, tmp_path):
+    base, options = s3
+    out = f"{base}/exported"
+    full = spawn(4, hf.exported_from, "dp_tp:2x2", str(tmp_path / "ck"), out, options)[0]
+    assert "model.safetensors.index.json" in hf.file_names(out, options)
+    assert_loaded(spawn(4, hf.load_layout, "fsdp:4", out, options)[0][0], full)

@@ -24,6 +24,8 @@ if IOV_MAX <= 0:  # "no limit" or unknown: POSIX's minimum guarantee is 16, Linu
     IOV_MAX = 1024
 #: Bytes one read/write call moves on Linux (MAX_RW_COUNT); also below INT_MAX, where macOS stops.
 MAX_SYSCALL_BYTES = 0x7FFFF000
+#: Bytes of requests one reading thread takes at a time (see ``read_into``).
+READ_TASK_BYTES = 4 << 20
 
 
 def syscall_batch(buffers: Sequence[memoryview]) -> list[memoryview]:
@@ -92,10 +94,16 @@ class LocalStore(FsspecStore):
                     fds[request.name] = self._open_regular(request.name)
 
             def fill(request: ReadRequest) -> int:
-                done, total = 0, request.length
-                buffers = [b for b in request.buffers if len(b)]
+                fd, buffers = fds[request.name], request.buffers
+                done = 0
+                if len(buffers) == 1 and len(buffers[0]) <= MAX_SYSCALL_BYTES:  # the common case: one call
+                    done = os.preadv(fd, buffers, request.offset)
+                    if done in (0, len(buffers[0])):
+                        return done
+                total = request.length
+                buffers = _advance([b for b in buffers if len(b)], done)
                 while done < total:
-                    n = os.preadv(fds[request.name], syscall_batch(buffers), request.offset + done)
+                    n = os.preadv(fd, syscall_batch(buffers), request.offset + done)
                     if n == 0:
                         break
                     done += n
@@ -105,16 +113,50 @@ class LocalStore(FsspecStore):
             def fill_all(group: Sequence[ReadRequest]) -> list[int]:
                 return [self._guard(r.name, "read", lambda r=r: fill(r)) for r in group]
 
-            # Thousands of small requests (one per row of a column shard) go to the threads in
-            # groups: a task per pread would cost more in scheduling than the read itself.
-            workers = max(1, min(len(requests), self.config.max_concurrency))
-            per_task = max(1, len(requests) // (workers * 4))
-            groups = [requests[i : i + per_task] for i in range(0, len(requests), per_task)]
+            # A task per pread costs more in scheduling than a small read itself (thousands of them
+            # for a column shard, one per row): requests go to the threads in groups of at least
+            # READ_TASK_BYTES, so small reads share few threads and large ones still spread.
+            groups: list[list[ReadRequest]] = [[]]
+            size = 0
+            for request in requests:
+                if groups[-1] and size >= READ_TASK_BYTES:
+                    groups.append([])
+                    size = 0
+                groups[-1].append(request)
+                size += sum(len(b) for b in request.buffers)
+            workers = max(1, min(len(groups), self.config.max_concurrency))
             with ThreadPoolExecutor(workers) as pool:
                 return [count for counts in pool.map(fill_all, groups) for count in counts]
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def read_runs(self, name: str, offsets: Sequence[int], run_bytes: int, out: memoryview) -> int:
+        """Read ``run_bytes`` at each of ``offsets`` of one file into consecutive parts of ``out``, a
+        pread each in one tight loop (a column shard is one run per row: thousands of small reads,
+        for which a request object and a thread task each would cost more than the read); returns
+        the bytes read, fewer only when the file is shorter. ``run_bytes`` <= ``MAX_SYSCALL_BYTES``."""
+        fd = self._open_regular(name)
+
+        def read_all() -> int:
+            done = 0
+            for k, offset in enumerate(offsets):
+                view = out[k * run_bytes : (k + 1) * run_bytes]
+                got = os.preadv(fd, [view], offset)
+                while 0 < got < run_bytes:
+                    n = os.preadv(fd, [view[got:]], offset + got)
+                    if n == 0:
+                        break
+                    got += n
+                done += got
+                if got < run_bytes:
+                    break
+            return done
+
+        try:
+            return self._guard(name, "read", read_all)
+        finally:
+            os.close(fd)
 
     def _open_regular(self, name: str) -> int:
         """Open for reading without blocking (a FIFO would hang a plain open or read) and refuse
