@@ -207,6 +207,7 @@ def scale_table(rows: list[dict], markdown: bool = False) -> str:
         "us/item",
         "metadata MiB",
         "B/item",
+        "read per load MiB",
         "plans gathered MiB",
         "peak RSS GiB",
     ]
@@ -225,6 +226,7 @@ def scale_table(rows: list[dict], markdown: bool = False) -> str:
                 f"{total / r['items'] * 1e6:.1f}",
                 _mib(r["metadata_bytes"]),
                 f"{r['metadata_bytes'] / r['items']:.0f}",
+                _mib(r.get("metadata_read_bytes", r["metadata_bytes"])),
                 _mib(r["gathered_plan_bytes"]),
                 f"{r['peak_rss_bytes'] / (1 << 30):.2f}",
             ]

@@ -13,7 +13,8 @@ the writers' ``write_data`` would return. Timed, on the same plans for both writ
   (ckptio: who writes what);
 - ``finish``: the writer's ``finish`` (ckptio: object checks, encoding, commit of ``ckptio.json``;
   torch: pickling ``.metadata``), on a local directory;
-- ``decode``: reading the metadata back as a loader does (ckptio: parse and validate).
+- ``decode``: reading the metadata back as one loading rank does (ckptio: parse and validate);
+  the metadata bytes one load reads in all: once (ckptio), or once per rank (torch).
 
 ``layers`` cuts the 80 transformer layers down so that a run fits in memory: every local plan is
 held at once, as the coordinator holds them (about 1 KiB per item).
@@ -242,6 +243,9 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
         "finish_s": seconds["finish"],
         "decode_s": seconds["decode"],
         "metadata_bytes": metadata_bytes,
+        # what one load of all ranks reads: ckptio's lowest rank reads and shares it (read_once.py),
+        # torch's readers read it on every rank
+        "metadata_read_bytes": metadata_bytes * (1 if writer == "ckptio" else ranks),
         "gathered_plan_bytes": gathered_bytes,
     }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -20,8 +20,6 @@ from .reader import Reader
 from .safe_load import SafeLoadPlanner
 from .save_planner import SavePlanner
 from .writer import Writer
-
-T = TypeVar("T")
 
 
 def save(
@@ -69,7 +67,7 @@ def load(
     if isinstance(checkpoint_id, HFReader):
         return _load_hf(state_dict, checkpoint_id, planner, process_group)
     reader = Reader(checkpoint_id, storage_options=storage_options, verify=verify, dedup_reads=dedup_reads)
-    manifest = _agreed(reader.prefetch_metadata, process_group)
+    manifest = reader.prefetch_metadata(process_group)  # one rank reads, every rank gets it (or its error)
     state = canonicalize(state_dict)
     restore_per_rank = prepare_for_load(state, list(manifest.metadata.state_dict_metadata))
     with raising_checkpoint_errors(f"load from {os.fspath(checkpoint_id)}"):
@@ -85,9 +83,8 @@ def load(
 
 
 def _load_hf(state_dict: dict[str, Any], reader: HFReader, planner, process_group) -> None:
-    """Hugging Face weights into the state keys they hold; the headers are read by one rank."""
-    catalog = _read_once(reader.prefetch_metadata, process_group)
-    reader.use_catalog(catalog)
+    """Hugging Face weights into the state keys they hold."""
+    catalog = reader.prefetch_metadata(process_group)
     state = canonicalize(state_dict)
     report_hf_matches(state, reader.state_keys(catalog), reader.checkpoint_id)
     with raising_checkpoint_errors(f"load from {reader.checkpoint_id}"):
@@ -98,41 +95,6 @@ def _load_hf(state_dict: dict[str, Any], reader: HFReader, planner, process_grou
             process_group=process_group,
         )
     copy_back(state_dict, state)
-
-
-def _read_once(read: Callable[[], T], process_group) -> T:
-    """``read`` on the group's first rank, its result (or its ckptio error) sent to every rank."""
-    if not dist.is_initialized() or dist.get_world_size(process_group) == 1:
-        return read()
-    box: list = [None]
-    if dist.get_rank(process_group) == 0:
-        try:
-            box[0] = read()
-        except CheckpointError as exc:
-            box[0] = exc
-    dist.broadcast_object_list(box, group=process_group, group_src=0)
-    if isinstance(box[0], CheckpointError):
-        raise box[0]
-    return box[0]
-
-
-def _agreed(read: Callable[[], T], process_group) -> T:
-    """Run ``read`` on every rank; if it fails anywhere, raise on every rank (a rank that raised
-    alone would leave the others waiting in dcp.load's first collective until the timeout)."""
-    try:
-        value, error = read(), None
-    except CheckpointError as exc:
-        value, error = None, exc
-    if dist.is_initialized():
-        errors: list = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(errors, error, group=process_group)
-        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-        if failed and error is None:
-            rank, first = failed[0]
-            raise type(first)(f"rank {rank}: {first}")
-    if error is not None:
-        raise error
-    return value
 
 
 @contextlib.contextmanager

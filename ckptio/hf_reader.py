@@ -33,6 +33,7 @@ from .config import MiB
 from .errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, remember_metadata_error
 from .keys import CanonicalKeyDict
 from .layout import METADATA_NAME, Codec, ItemKind, StoredItem, dtype_name
+from .read_once import DIRECT, load_group, read_once
 from .reader import Reader
 from .safetensors_format import (
     HEADER_PROBE_BYTES,
@@ -118,22 +119,23 @@ class HFReader(Reader):
     def read_metadata(self, *args: Any) -> Metadata:
         prefetched, self._prefetched = self._prefetched, None
         try:
-            catalog = prefetched if prefetched is not None else read_catalog(self._open_store(), self._entry)
+            catalog = prefetched if prefetched is not None else self._read_catalog(load_group())
             metadata = self._metadata_for(catalog)
         except CheckpointError as exc:
             remember_metadata_error(exc)
             raise
         return metadata
 
-    def prefetch_metadata(self) -> list[FileTensor]:
+    def prefetch_metadata(self, process_group: Any = DIRECT) -> list[FileTensor]:
         """Read and check the index and headers now, raising directly; the next
-        ``read_metadata`` uses them instead of reading again."""
-        self._prefetched = read_catalog(self._open_store(), self._entry)
+        ``read_metadata`` uses them instead of reading again. Given a ``process_group``
+        (``None``: the default group), one of its ranks reads and the others receive them."""
+        self._prefetched = self._read_catalog(process_group)
         return self._prefetched
 
-    def use_catalog(self, catalog: list[FileTensor]) -> None:
-        """Load with this catalog (``prefetch_metadata``'s, read by another rank) instead of reading."""
-        self._prefetched = catalog
+    def _read_catalog(self, group: Any) -> list[FileTensor]:
+        store = self._open_store()
+        return read_once(lambda: read_catalog(store, self._entry), group, f"{store.url} {self._entry}")
 
     def state_keys(self, catalog: list[FileTensor]) -> dict[str, FileTensor]:
         """The state key each tensor of ``catalog`` loads into (``key_map`` applied)."""

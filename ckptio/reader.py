@@ -36,6 +36,7 @@ from .layout import (
     parse_data_file_name,
 )
 from .location import CheckpointLocation
+from .read_once import DIRECT, load_group, read_once
 from .shared_reads import (
     SharedReadPlan,
     load_shared,
@@ -59,7 +60,8 @@ class Reader(CheckpointLocation, StorageReader):
     DCP calls it in this order (torch's ``StorageReader`` protocol):
 
     0. (all ranks) ``reset(checkpoint_id)``: the location of this load.
-    1. (all ranks) ``read_metadata()``: read and validate ``ckptio.json`` (``layout.py``).
+    1. (all ranks) ``read_metadata()``: ``ckptio.json``, read by the lowest rank of the load's
+       process group and sent to the others (``read_once.py``), validated (``layout.py``).
     2. (all ranks) ``set_up_storage_reader()``: keep the item records.
     3. (all ranks) ``prepare_local_plan()``: unchanged.
     4. (coordinator) ``prepare_global_plan()``: decide ``dedup_reads`` and, when reads are shared,
@@ -103,9 +105,10 @@ class Reader(CheckpointLocation, StorageReader):
 
     # No **kwargs: torch would then retry a failed read as "rank-local metadata" and hide our error.
     def read_metadata(self, *args: Any) -> Metadata:
+        """``ckptio.json``, read by one rank of the ``dcp.load`` and shared over its group (``read_once.py``)."""
         prefetched, self._prefetched = self._prefetched, None
         try:
-            self.manifest = prefetched or read_manifest(self._open_store())
+            self.manifest = prefetched or self._read_manifest(load_group())
         except CheckpointError as exc:
             remember_metadata_error(exc)
             raise
@@ -116,11 +119,18 @@ class Reader(CheckpointLocation, StorageReader):
         )
         return metadata
 
-    def prefetch_metadata(self) -> Manifest:
+    def prefetch_metadata(self, process_group: Any = DIRECT) -> Manifest:
         """Read and validate the metadata now, raising ckptio errors directly (dcp.load would
-        wrap them); the next ``read_metadata`` call uses it instead of reading again."""
-        self._prefetched = read_manifest(self._open_store())
+        wrap them); the next ``read_metadata`` call uses it instead of reading again. Given a
+        ``process_group`` (``None``: the default group), which every rank of it calls this with,
+        one rank reads and the others receive the bytes."""
+        self._prefetched = self._read_manifest(process_group)
         return self._prefetched
+
+    def _read_manifest(self, group: Any) -> Manifest:
+        store = self._open_store()
+        raw = read_once(lambda: read_metadata_bytes(store), group, store.url)
+        return decode_metadata(raw, store.describe(METADATA_NAME))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._items: dict[MetadataIndex, StoredItem] = metadata.storage_data
@@ -236,11 +246,15 @@ def _log_choice(message: str) -> None:
 
 def read_manifest(store: FsspecStore) -> Manifest:
     """Read and validate ``ckptio.json``, explaining precisely why a checkpoint cannot be opened."""
+    return decode_metadata(read_metadata_bytes(store), store.describe(METADATA_NAME))
+
+
+def read_metadata_bytes(store: FsspecStore) -> bytes:
+    """``ckptio.json`` as stored, or the error that says why there is none."""
     try:
-        raw = store.read(METADATA_NAME)
+        return store.read(METADATA_NAME)
     except FileNotFoundError:
         raise _missing_metadata_error(store) from None
-    return decode_metadata(raw, store.describe(METADATA_NAME))
 
 
 def file_size_problems(store: FsspecStore, manifest: Manifest) -> dict[str, str]:

@@ -98,6 +98,21 @@ def load(url: str, mesh_shape, storage_options=None, via_checkpoint_id: bool = F
     return mismatches(state)
 
 
+def load_with_ckptio(url: str, mesh_shape, storage_options=None) -> list[str]:
+    state = make_state(make_mesh(mesh_shape), empty=True)
+    ckptio.load(state, url, storage_options=storage_options)
+    return mismatches(state)
+
+
+def load_in_pairs(url: str, storage_options=None) -> list[str]:
+    """Ranks {0, 1} and {2, 3} each load the whole state, with dcp.load over their pair."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both, as torch requires
+    state = make_state(None, empty=True)
+    reader = ckptio.Reader(url, storage_options=storage_options)
+    dcp.load(state, storage_reader=reader, process_group=pairs[dist.get_rank() // 2])
+    return mismatches(state)
+
+
 def load_shared(url: str, mesh_shape, storage_options, dedup_reads) -> list[str]:
     """``load`` with ``Reader(dedup_reads=...)``; a small round budget, so several rounds run."""
     return load(url, mesh_shape, storage_options, dedup_reads=dedup_reads, dedup_round_bytes=20_000)

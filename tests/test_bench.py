@@ -266,6 +266,8 @@ def test_scale_simulation_runs_both_writers_on_valid_plans(layout):
         assert min(row["global_plan_s"], row["finish_s"], row["decode_s"]) > 0
     # torch's planner validated the plans (exact cover) and ckptio decoded its own metadata back
     assert rows[0]["writer"] == "ckptio" and rows[1]["writer"] == "torch"
+    assert rows[0]["metadata_read_bytes"] == rows[0]["metadata_bytes"]  # one rank reads, for all 16
+    assert rows[1]["metadata_read_bytes"] == 16 * rows[1]["metadata_bytes"]
 
 
 def test_scale_layouts_split_like_dtensor(capsys):

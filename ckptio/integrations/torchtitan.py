@@ -201,7 +201,7 @@ class CheckpointManager(TorchtitanCheckpointManager):
             )
         with raising_checkpoint_errors(f"loading {checkpoint_id}"):
             if isinstance(reader, Reader):  # read once: dcp.load below uses the prefetched metadata
-                saved_keys = set(reader.prefetch_metadata().metadata.state_dict_metadata)
+                saved_keys = set(reader.prefetch_metadata(process_group=None).metadata.state_dict_metadata)
             else:
                 saved_keys = set(reader.read_metadata().state_dict_metadata)
             self._apply_dataloader_policy(state_dict, saved_keys, checkpoint_id)
