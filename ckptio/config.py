@@ -79,6 +79,7 @@ class StorageConfig:
     max_concurrency: int = 8
     retry_attempts: int = 8
     retry_deadline_s: float = 120.0
+    read_gap_bytes: int | None = None
 
 
 @dataclasses.dataclass
@@ -115,6 +116,9 @@ class WriterConfig:
     retry_attempts: int = 8
     #: Upper bound in seconds on the time spent retrying one request.
     retry_deadline_s: float = 120.0
+    #: Loads: reads of one file at most this many bytes apart become one request, the bytes between
+    #: them read and dropped. ``None``: the backend's own (LOCAL_READ_GAP_BYTES, REMOTE_READ_GAP_BYTES).
+    read_gap_bytes: int | None = None
     #: A rank whose only items are its own per-rank state, at most this many bytes, hands them
     #: to the coordinator to store inside ckptio.json instead of creating a tiny object.
     inline_limit: int = 64 << 10
@@ -152,9 +156,13 @@ class WriterConfig:
         return dataclasses.asdict(self)
 
     def storage(self) -> StorageConfig:
-        return StorageConfig(self.part_size, self.max_concurrency, self.retry_attempts, self.retry_deadline_s)
+        return StorageConfig(
+            self.part_size, self.max_concurrency, self.retry_attempts, self.retry_deadline_s, self.read_gap_bytes
+        )
 
     def validate(self) -> None:
+        if self.read_gap_bytes is not None and not 0 <= self.read_gap_bytes <= MAX_REQUEST_BYTES:
+            raise ValueError(f"read_gap_bytes must be None or 0..{MAX_REQUEST_BYTES}, got {self.read_gap_bytes}")
         if self.mode not in MODES:
             raise ValueError(f"unknown ckptio mode {self.mode!r}; valid modes are {list(MODES)}")
         if self.compression not in COMPRESSIONS:
@@ -199,6 +207,8 @@ def _parse_env(field: dataclasses.Field, raw: str) -> Any:
             return float(text)
         if kind == "str | None":
             return None if text.lower() in ("", "none") else text
+        if kind == "int | None":
+            return None if text.lower() in ("", "none") else int(text)
         return text
     except ValueError:
         raise ValueError(f"environment variable CKPTIO_{field.name.upper()}={raw!r} is not a valid {kind}") from None

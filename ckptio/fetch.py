@@ -357,7 +357,7 @@ def _fetch_blocks(
 def _read_all(store: FsspecStore, pieces: list[ReadPiece], recorded_sizes: dict[str, int]) -> None:
     if not pieces:
         return
-    requests = plan_requests(pieces, MAX_REQUEST_BYTES)
+    requests = plan_requests(pieces, MAX_REQUEST_BYTES, store.read_gap_bytes)
     try:
         counts = store.read_into(requests)
     except FileNotFoundError as exc:

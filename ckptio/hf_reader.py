@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from .box_reads import load_boxes
-from .config import MiB
+from .config import MiB, StorageConfig, WriterConfig
 from .errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, remember_metadata_error
 from .keys import CanonicalKeyDict
 from .layout import METADATA_NAME, Codec, ItemKind, StoredItem, dtype_name
@@ -86,16 +87,16 @@ class HFReader(Reader):
         *,
         key_map: KeyMap = None,
         storage_options: dict[str, Any] | None = None,
-        storage_config=None,
+        storage_config: StorageConfig | None = None,
         dedup_reads: bool | str = "auto",
         read_gap_bytes: int | None = None,
     ):
         if not (key_map is None or isinstance(key_map, str) or callable(key_map)):
             raise TypeError(f"key_map must be a prefix string, a function or None, got {type(key_map).__name__}")
-        if read_gap_bytes is not None and read_gap_bytes < 0:
-            raise ValueError(f"read_gap_bytes must be >= 0, got {read_gap_bytes}")
+        if read_gap_bytes is not None:  # a shortcut for the storage config's field (validated there)
+            gap_config = WriterConfig(read_gap_bytes=read_gap_bytes).storage()
+            storage_config = dataclasses.replace(storage_config or gap_config, read_gap_bytes=read_gap_bytes)
         self.key_map = key_map
-        self.read_gap_bytes = read_gap_bytes
         self._entry: str | None = None
         super().__init__(
             checkpoint_id,
@@ -196,8 +197,7 @@ class HFReader(Reader):
     def _deliver(
         self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner, from_memory: bool = False
     ) -> None:
-        gap = 0 if from_memory else self.read_gap_bytes if self.read_gap_bytes is not None else store.read_gap_bytes
-        load_boxes(store, pairs, planner, gap)
+        load_boxes(store, pairs, planner, 0 if from_memory else store.read_gap_bytes)
 
 
 def _shared_read_record(tensor: FileTensor) -> StoredItem:

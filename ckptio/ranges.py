@@ -96,16 +96,40 @@ class ReadPiece(NamedTuple):
     buffer: memoryview
 
 
-def plan_requests(pieces: Iterable[ReadPiece], max_len: int) -> list[ReadRequest]:
+def plan_requests(pieces: Iterable[ReadPiece], max_len: int, gap: int = 0) -> list[ReadRequest]:
     """The ranged requests that fill ``pieces``: a piece longer than ``max_len`` is split, and
     pieces that touch in one file are merged, so every request is at most ``max_len`` bytes
-    (remote stores charge per request; one huge request would read with no parallelism)."""
+    (remote stores charge per request; one huge request would read with no parallelism).
+    Pieces at most ``gap`` bytes apart are merged too, the bytes between them read and dropped
+    (the store's ``read_gap_bytes``: where another request costs more than reading the gap)."""
     split = [
         (name, offset + at, offset + at + len(buffer[at : at + max_len]), buffer[at : at + max_len])
         for name, offset, buffer in pieces
         for at in range(0, len(buffer), max_len)
     ]
+    if gap > 0:
+        split = _bridge_gaps(split, gap, max_len)
     return [ReadRequest(name, start, tuple(buffers)) for name, start, _, buffers in _merge_touching(split, max_len)]
+
+
+def _bridge_gaps(spans: list[tuple[str, int, int, memoryview]], gap: int, max_len: int) -> list:
+    """``spans`` plus, between two of one file at most ``gap`` bytes apart, a span for the bytes
+    between them into a throwaway buffer, wherever the merged request stays within ``max_len``."""
+    scratch = memoryview(bytearray(gap))  # shared by every bridge: what lands there is never read
+    out: list[tuple[str, int, int, memoryview]] = []
+    run_start = 0
+    for span in sorted(spans, key=lambda s: (s[0], s[1], s[2])):
+        name, start, end, _ = span
+        last = out[-1] if out else None
+        if last and last[0] == name and last[2] <= start and end - run_start <= max_len:
+            if start - last[2] > gap:
+                run_start = start
+            elif start > last[2]:
+                out.append((name, last[2], start, scratch[: start - last[2]]))
+        else:
+            run_start = start
+        out.append(span)
+    return out
 
 
 def _merge_touching(spans: list[tuple[str, int, int, object]], max_len: int) -> list[tuple[str, int, int, list]]:

@@ -205,6 +205,8 @@ class CachedBlocks:
     """Serves a round's reads from the segments this rank holds (a stand-in for the store in
     ``fetch.load_items``); anything else it is asked for is a planning bug, not a storage fault."""
 
+    read_gap_bytes = 0  # only what was planned is held: a bridged gap may not be
+
     def __init__(self, store: FsspecStore, held: dict[str, list[tuple[int, memoryview]]]):
         self._store = store
         self._held = {name: sorted(spans, key=lambda s: s[0]) for name, spans in held.items()}

@@ -79,6 +79,22 @@ def test_one_request_policy_splits_long_reads_and_merges_touching_ones():
     assert max(r.length for r in plan_requests([ReadPiece("f", 0, big)], max_len=100)) == 100
 
 
+def test_reads_a_gap_apart_merge_when_the_gap_is_cheaper_than_a_request():
+    def piece(name, offset, n):
+        return ReadPiece(name, offset, memoryview(bytearray(n)))
+
+    pieces = [piece("f", 0, 10), piece("f", 15, 5), piece("f", 40, 10), piece("f", 52, 8), piece("g", 61, 4)]
+    plan = plan_requests(pieces, max_len=1000, gap=5)
+    assert [(r.name, r.offset, r.length, len(r.buffers)) for r in plan] == [
+        ("f", 0, 20, 3), ("f", 40, 20, 3), ("g", 61, 4, 1),
+    ]  # fmt: skip
+    assert plan[0].buffers[0].obj is pieces[0].buffer.obj and plan[0].buffers[2].obj is pieces[1].buffer.obj
+    assert [len(b) for b in plan[0].buffers] == [10, 5, 5]  # the gap lands in a throwaway buffer
+    # no bridge past the longest request, and none without a gap allowance
+    assert [r.length for r in plan_requests(pieces, max_len=15, gap=5)] == [10, 5, 10, 8, 4]
+    assert len(plan_requests(pieces, max_len=1000)) == 5
+
+
 def test_a_large_tensor_is_fetched_in_capped_parallel_requests(s3_proxy):
     proxy, base, options = s3_proxy
     url = f"{base}/big"

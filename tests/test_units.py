@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+import ckptio
 from ckptio import CheckpointFormatError, WriterConfig
 from ckptio.codec import BlockEncoder, block_size_for, checksum, decode_block
 from ckptio.config import MiB
@@ -171,6 +172,24 @@ def test_environment_overrides_arguments_and_dicts(clean_env, monkeypatch):
     monkeypatch.setenv("CKPTIO_MAX_BLOCK_SIZE", "lots")
     with pytest.raises(ValueError, match="CKPTIO_MAX_BLOCK_SIZE='lots' is not a valid int"):
         WriterConfig()
+
+
+def test_the_read_gap_is_the_backends_unless_configured(clean_env, monkeypatch, tmp_path):
+    from ckptio.config import LOCAL_READ_GAP_BYTES, REMOTE_READ_GAP_BYTES
+    from ckptio.storage import open_store
+
+    assert open_store(str(tmp_path)).read_gap_bytes == LOCAL_READ_GAP_BYTES == 0
+    assert open_store("memory://gap").read_gap_bytes == REMOTE_READ_GAP_BYTES
+    assert open_store("memory://gap", config=WriterConfig(read_gap_bytes=4096).storage()).read_gap_bytes == 4096
+    monkeypatch.setenv("CKPTIO_READ_GAP_BYTES", "65536")
+    assert open_store(str(tmp_path), config=WriterConfig().storage()).read_gap_bytes == 65536
+    monkeypatch.setenv("CKPTIO_READ_GAP_BYTES", "none")
+    assert WriterConfig().read_gap_bytes is None
+    monkeypatch.delenv("CKPTIO_READ_GAP_BYTES")
+    with pytest.raises(ValueError, match="read_gap_bytes must be None or 0"):
+        WriterConfig(read_gap_bytes=-1)
+    with pytest.raises(ValueError, match="read_gap_bytes must be None or 0"):
+        ckptio.HFReader(str(tmp_path), read_gap_bytes=1 << 40)
 
 
 # --- byte planes (format version 2) ---------------------------------------------------------------

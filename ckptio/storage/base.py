@@ -62,6 +62,8 @@ class FsspecStore:
         self.root = root.rstrip("/")
         self.url = url
         self.config = config
+        if config.read_gap_bytes is not None:
+            self.read_gap_bytes = config.read_gap_bytes
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
