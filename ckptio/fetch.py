@@ -354,10 +354,13 @@ def _fetch_blocks(
     return stored
 
 
-def _read_all(store: FsspecStore, pieces: list[ReadPiece], recorded_sizes: dict[str, int]) -> None:
+def _read_all(
+    store: FsspecStore, pieces: list[ReadPiece], recorded_sizes: dict[str, int], gap: int | None = None
+) -> None:
+    """Fill ``pieces``, merging reads up to ``gap`` bytes apart (default: the store's ``read_gap_bytes``)."""
     if not pieces:
         return
-    requests = plan_requests(pieces, MAX_REQUEST_BYTES, store.read_gap_bytes)
+    requests = plan_requests(pieces, MAX_REQUEST_BYTES, store.read_gap_bytes if gap is None else gap)
     try:
         counts = store.read_into(requests)
     except FileNotFoundError as exc:

@@ -302,7 +302,8 @@ def _read_segments(
     """Read this rank's segments and check every block (the rank that reads is the one that names
     a damaged block first)."""
     out = {s: memoryview(np.empty(s.size, dtype=np.uint8)).cast("B") for s in segments}
-    _read_all(store, [ReadPiece(s.file, s.start, out[s]) for s in segments], recorded_sizes)
+    # no gaps bridged: the bytes between two of this rank's segments are another rank's to read
+    _read_all(store, [ReadPiece(s.file, s.start, out[s]) for s in segments], recorded_sizes, gap=0)
     for s, data in out.items() if verify else ():
         item = records(s.index)
         for b in range(s.first, s.last):
