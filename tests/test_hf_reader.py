@@ -95,6 +95,10 @@ def test_key_maps_prefix_function_collisions_and_no_match(files, weights):
     ckptio.load(only_layer_0, ckptio.HFReader(files, key_map=lambda n: n if ".layers.0." in n else None))
     assert all(torch.equal(v, weights[k]) for k, v in only_layer_0.items())
 
+    compiled = {"_orig_mod.model.norm.weight": torch.zeros(64, dtype=torch.bfloat16)}  # torch.compile's names
+    dcp.load(compiled, storage_reader=ckptio.HFReader(), checkpoint_id=files)  # the location given to dcp.load
+    assert torch.equal(compiled["_orig_mod.model.norm.weight"], weights["model.norm.weight"])
+
     with pytest.raises(CheckpointFormatError, match="both map to the state key 'x'"):
         ckptio.load({"x": torch.zeros(1)}, ckptio.HFReader(files, key_map=lambda name: "x"))
     with pytest.raises(ckptio.CheckpointError, match=r"none of the 1 keys of the state .* Pass key_map="):
