@@ -16,6 +16,7 @@ from .errors import CheckpointError, recall_metadata_error
 from .hf_reader import HFReader, report_hf_matches
 from .keys import canonicalize, copy_back
 from .per_rank import expand_for_save, prepare_for_load
+from .read_once import fail_together
 from .reader import Reader
 from .safe_load import SafeLoadPlanner
 from .save_planner import SavePlanner
@@ -86,7 +87,12 @@ def _load_hf(state_dict: dict[str, Any], reader: HFReader, planner, process_grou
     """Hugging Face weights into the state keys they hold."""
     catalog = reader.prefetch_metadata(process_group)
     state = canonicalize(state_dict)
-    report_hf_matches(state, reader.state_keys(catalog), reader.checkpoint_id)
+    try:
+        report_hf_matches(state, reader.state_keys(catalog), reader.checkpoint_id)
+        mismatch = None
+    except CheckpointError as exc:  # each rank has its own state: one without a match must stop them all
+        mismatch = exc
+    fail_together(mismatch, process_group)
     with raising_checkpoint_errors(f"load from {reader.checkpoint_id}"):
         dcp.load(
             state,

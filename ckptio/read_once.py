@@ -59,13 +59,23 @@ def read_once(read: Callable[[], T], group: Any, location: str) -> T:
 def _each_reads(read: Callable[[], T], group: Any) -> T:
     """Every rank reads; if any failed, every rank raises the lowest failing rank's error."""
     outcome = _outcome(read)
-    failures: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(failures, None if outcome[0] else outcome[1], group=group)
-    failed = [(rank, error) for rank, error in enumerate(failures) if error is not None]
-    if failed and outcome[0]:
-        rank, first = failed[0]
-        raise type(first)(f"rank {rank}: {first}")
+    fail_together(None if outcome[0] else outcome[1], group)
     return _result(outcome)
+
+
+def fail_together(error: CheckpointError | None, group: Any) -> None:
+    """Called by every rank of ``group`` (``None``: the default group) with what went wrong on it, if
+    anything: if any rank failed, every rank raises (its own error, or the lowest failing rank's), so
+    none goes on alone into a collective the others never reach."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        failures: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(failures, error, group=group)
+        failed = [(rank, e) for rank, e in enumerate(failures) if e is not None]
+        if failed and error is None:
+            rank, first = failed[0]
+            raise type(first)(f"rank {rank}: {first}")
+    if error is not None:
+        raise error
 
 
 def _outcome(read: Callable[[], T]) -> tuple[bool, Any]:

@@ -93,3 +93,17 @@ def exported_from(layout: str, checkpoint: str, out: str, out_options=None) -> d
 def file_names(url: str, storage_options=None) -> list[str]:
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     return sorted(os.path.basename(p) for p in fs.ls(root, detail=False))
+
+
+def load_where_rank_1_matches_nothing(url: str) -> str:
+    """Rank 1's state holds no key of the files: every rank must fail, none wait alone."""
+    weights = reference_weights()
+    if dist.get_rank() == 0:
+        state = {k: torch.zeros_like(v) for k, v in weights.items()}
+    else:
+        state = {"optimizer": {"lr": torch.tensor(0.1)}}
+    try:
+        ckptio.load(state, ckptio.HFReader(url))
+    except ckptio.CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"

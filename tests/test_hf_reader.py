@@ -293,6 +293,12 @@ def test_reference_files_load_into_each_layout_bit_exact(files, weights, layout)
     assert_loaded(results[0][0], weights)
 
 
+def test_a_rank_whose_state_matches_nothing_fails_every_rank(files):
+    outcomes = spawn(2, hf.load_where_rank_1_matches_nothing, files, env={"CKPTIO_TEST_PG_TIMEOUT": "60"})
+    assert all(o.startswith("CheckpointError") and "none of the 1 keys" in o for o in outcomes), outcomes
+    assert outcomes[0].startswith("CheckpointError: rank 1: ")
+
+
 def test_plain_dcp_load_on_ranks_and_the_exporters_files_into_another_mesh(weights, tmp_path):
     out = str(tmp_path / "exported")
     full = spawn(4, hf.exported_from, "dp_tp:2x2", str(tmp_path / "ck"), out)[0]
