@@ -181,11 +181,6 @@ class HFReader(Reader):
             raise TypeError(f"key_map returned {key!r} for {name!r}; it must return a state key (str) or None")
         return key
 
-    def _shareable(self, read_item: ReadItem) -> tuple[MetadataIndex, StoredItem] | None:
-        key = self._stored_key(read_item)
-        item = self._items.get(key)
-        return None if item is None else (key, item)
-
     def _item_for(self, read_item: ReadItem) -> FileTensor:
         try:
             return self._tensors[self._stored_key(read_item)]
@@ -194,10 +189,8 @@ class HFReader(Reader):
                 f"key {read_item.storage_index.fqn!r} is not a tensor of {self.checkpoint_id}"
             ) from None
 
-    def _deliver(
-        self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner, from_memory: bool = False
-    ) -> None:
-        load_boxes(store, pairs, planner, 0 if from_memory else store.read_gap_bytes)
+    def _deliver(self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
+        load_boxes(store, pairs, planner, store.read_gap_bytes)  # held shared bytes: 0, nothing bridged
 
 
 def _shared_read_record(tensor: FileTensor) -> StoredItem:

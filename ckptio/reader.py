@@ -158,7 +158,7 @@ class Reader(CheckpointLocation, StorageReader):
             keys = {segment.index for segments in shared.rounds for segment in segments}
 
             def deliver(source: FsspecStore, pairs: list[tuple[ReadItem, Any]]) -> None:
-                self._deliver(source, pairs, planner, from_memory=True)
+                self._deliver(source, pairs, planner)
 
             shared_triples = [t for t in triples if t[0] in keys]
             load_shared(store, shared, shared_triples, self._items.__getitem__, deliver, self.verify, files, failure)
@@ -167,10 +167,9 @@ class Reader(CheckpointLocation, StorageReader):
         future.set_result(None)
         return future
 
-    def _deliver(
-        self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner, from_memory: bool = False
-    ) -> None:
-        """Fetch, check and hand ``(read item, source)`` pairs to the planner (``fetch.py``)."""
+    def _deliver(self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
+        """Fetch, check and hand ``(read item, source)`` pairs to the planner (``fetch.py``); ``store``
+        is the real one or, for shared reads, the bytes this rank holds."""
         files = self.manifest.files if self.manifest else {}
         load_items(store, pairs, planner, self.verify, files, self.storage_config.max_concurrency)
 
