@@ -43,6 +43,26 @@ def syscall_batch(buffers: Sequence[memoryview]) -> list[memoryview]:
     return batch
 
 
+def _pread_fully(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+    """Fill ``buffers`` from ``offset`` on, in as many preadv calls as the limits and short reads
+    need; the bytes read, fewer only at the end of the file."""
+    if len(buffers) == 1 and len(buffers[0]) <= MAX_SYSCALL_BYTES:  # the common case: one call
+        done = os.preadv(fd, buffers, offset)
+        if done in (0, len(buffers[0])):
+            return done
+    else:
+        done = 0
+    total = sum(len(b) for b in buffers)
+    remaining = _advance([b for b in buffers if len(b)], done)
+    while done < total:
+        n = os.preadv(fd, syscall_batch(remaining), offset + done)
+        if n == 0:
+            break
+        done += n
+        remaining = _advance(remaining, n)
+    return done
+
+
 class LocalStore(FsspecStore):
     read_gap_bytes = LOCAL_READ_GAP_BYTES
 
@@ -93,25 +113,11 @@ class LocalStore(FsspecStore):
                 if request.name not in fds:
                     fds[request.name] = self._open_regular(request.name)
 
-            def fill(request: ReadRequest) -> int:
-                fd, buffers = fds[request.name], request.buffers
-                done = 0
-                if len(buffers) == 1 and len(buffers[0]) <= MAX_SYSCALL_BYTES:  # the common case: one call
-                    done = os.preadv(fd, buffers, request.offset)
-                    if done in (0, len(buffers[0])):
-                        return done
-                total = request.length
-                buffers = _advance([b for b in buffers if len(b)], done)
-                while done < total:
-                    n = os.preadv(fd, syscall_batch(buffers), request.offset + done)
-                    if n == 0:
-                        break
-                    done += n
-                    buffers = _advance(buffers, n)
-                return done
-
             def fill_all(group: Sequence[ReadRequest]) -> list[int]:
-                return [self._guard(r.name, "read", lambda r=r: fill(r)) for r in group]
+                return [
+                    self._guard(r.name, "read", lambda r=r: _pread_fully(fds[r.name], r.buffers, r.offset))
+                    for r in group
+                ]
 
             # A task per pread costs more in scheduling than a small read itself (thousands of them
             # for a column shard, one per row): requests go to the threads in groups of at least
@@ -141,13 +147,7 @@ class LocalStore(FsspecStore):
         def read_all() -> int:
             done = 0
             for k, offset in enumerate(offsets):
-                view = out[k * run_bytes : (k + 1) * run_bytes]
-                got = os.preadv(fd, [view], offset)
-                while 0 < got < run_bytes:
-                    n = os.preadv(fd, [view[got:]], offset + got)
-                    if n == 0:
-                        break
-                    got += n
+                got = _pread_fully(fd, (out[k * run_bytes : (k + 1) * run_bytes],), offset)
                 done += got
                 if got < run_bytes:
                     break
