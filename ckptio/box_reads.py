@@ -176,25 +176,25 @@ def _jobs(read_item: ReadItem, tensor: RawTensor, target: torch.Tensor, gap_byte
 
 def _run(store: FsspecStore, jobs: list[_BoxJob], planner: LoadPlanner, staging: StagingArea) -> None:
     pieces = []
-    for job in jobs:
-        if isinstance(store, LocalStore) and job.many_runs:  # a pread per run, without a request object each
-            offsets = job.file_offsets()
-            got = store.read_runs(job.tensor.file, offsets, job.run_bytes, job.output(staging))
-            if got != len(offsets) * job.run_bytes:
-                raise CorruptCheckpointError(
-                    f"{store.describe(job.tensor.file)} is shorter than its header says: runs up to byte "
-                    f"{offsets[-1] + job.run_bytes} were needed (the file was truncated or replaced while loading)"
-                )
-        else:
-            pieces += job.pieces(staging)
-    read_exactly(store, pieces)
+    try:
+        for job in jobs:
+            if isinstance(store, LocalStore) and job.many_runs:  # a pread per run, without a request object each
+                offsets = job.file_offsets()
+                got = store.read_runs(job.tensor.file, offsets, job.run_bytes, job.output(staging))
+                if got != len(offsets) * job.run_bytes:
+                    raise _cut_short(store, job.tensor.file, offsets[0], offsets[-1] + job.run_bytes)
+            else:
+                pieces += job.pieces(staging)
+        _read_pieces(store, pieces)
+    except FileNotFoundError as exc:
+        raise StorageError(f"a file of {store.url} disappeared while it was read: {exc}") from None
     for job in jobs:
         job.finish(planner)
     staging.release()
 
 
-def read_exactly(store: FsspecStore, pieces: list[ReadPiece]) -> None:
-    """Fill every piece, or raise naming the file that is missing or shorter than it should be."""
+def _read_pieces(store: FsspecStore, pieces: list[ReadPiece]) -> None:
+    """Fill every piece, or raise naming the file that is shorter than it should be."""
     if not pieces:
         return
     # A box's runs never touch: only pieces that touch another one, or are too long, need planning.
@@ -205,14 +205,13 @@ def read_exactly(store: FsspecStore, pieces: list[ReadPiece]) -> None:
         touches = (p.name, p.offset) in ends or (p.name, p.offset + len(p.buffer)) in starts
         (planned if touches or len(p.buffer) > MAX_REQUEST_BYTES else alone).append(p)
     requests = [ReadRequest(p.name, p.offset, (p.buffer,)) for p in alone] + plan_requests(planned, MAX_REQUEST_BYTES)
-    try:
-        counts = store.read_into(requests)
-    except FileNotFoundError as exc:
-        raise StorageError(f"a file of {store.url} disappeared while it was read: {exc}") from None
-    for request, count in zip(requests, counts, strict=True):
+    for request, count in zip(requests, store.read_into(requests), strict=True):
         if count != request.length:
-            raise CorruptCheckpointError(
-                f"{store.describe(request.name)} is shorter than its header says: bytes "
-                f"{request.offset}..{request.offset + request.length} were needed but only {count} could be read "
-                "(the file was truncated or replaced while loading)"
-            )
+            raise _cut_short(store, request.name, request.offset, request.offset + request.length)
+
+
+def _cut_short(store: FsspecStore, name: str, start: int, end: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{store.describe(name)} is shorter than its header says: bytes {start}..{end} were needed but could not "
+        "all be read (the file was truncated or replaced while loading)"
+    )

@@ -284,6 +284,9 @@ def test_column_and_block_boxes_read_exactly_from_local_files(tmp_path, gap, dty
     (tmp_path / "model.safetensors").write_bytes(data[: tensor.start + 1000])
     with pytest.raises(CorruptCheckpointError, match="model.safetensors is shorter than its header says"):
         load_boxes(store, [(items[0], tensor)], _Boxes(dtype), gap)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ckptio.StorageError, match="disappeared while it was read"):
+        load_boxes(store, [(items[0], tensor)], _Boxes(dtype), gap)
 
 
 # --- ranks: FSDP2(4), TP(4), HSDP 2x2, FSDP2+TP --------------------------------------------------
