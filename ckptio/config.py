@@ -37,10 +37,11 @@ DECODE_TASK_BYTES = 1 * MiB
 #: Longest single ranged read: touching reads are merged up to it, longer ones are split, so one
 #: large item still reads in parallel. The only request-merging policy (ranges.plan_requests).
 MAX_REQUEST_BYTES = 32 * MiB
-#: Reads of raw tensor files (safetensors) whose boxes leave gaps: a gap of at most this many bytes
-#: is read and dropped rather than paying for another request. Local files: 0 (a pread per run
-#: costs microseconds, and nothing is read that the load does not need). Remote stores: a request
-#: costs about one round trip of latency, in which a stream moves about this many bytes.
+#: Loads: two reads of one file at most this many bytes apart become one request, the gap read and
+#: dropped (ranges.plan_requests; safetensors boxes too), unless WriterConfig.read_gap_bytes says
+#: otherwise. Local files: 0 (a pread costs microseconds, and nothing is read that the load does
+#: not need). Remote stores: a request costs about one round trip, in which a stream moves about
+#: this many bytes.
 LOCAL_READ_GAP_BYTES = 0
 REMOTE_READ_GAP_BYTES = 1 * MiB
 #: Shared reads (Reader(dedup_reads=...)): stored bytes exchanged per round, so a rank holds at most

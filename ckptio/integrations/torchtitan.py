@@ -8,16 +8,15 @@ Change the checkpoint line of a trainer config (tested with torchtitan 0.3)::
 Everything else is torchtitan's own manager: its save policy, async modes (their process group
 and stager), Hugging Face export and initial loads. What differs:
 
-- Hugging Face initial loads (``initial_load_in_hf``) read through ``ckptio.HFReader``: from any
-  fsspec URL, ``s3://`` included (torch's reader opens local paths only), each rank reading
-  only its slices; quantized checkpoints keep the model's own reader;
-
 - saves go through ``ckptio.Writer`` (atomic commit, checksums, ``save_mode``, compression);
 - resume finds the newest committed ``step-N`` folder, whether ckptio wrote it or torch DCP did
   before the switch (loaded with torch's reader), and never an unfinished one;
 - a resume on another data-parallel size fails naming both sizes, unless
   ``dataloader_on_resize="skip"`` restarts the data loaders;
-- ``keep_latest_k`` deletes an old checkpoint whole, its commit marker first.
+- ``keep_latest_k`` deletes an old checkpoint whole, its commit marker first;
+- Hugging Face initial loads (``initial_load_in_hf``) read through ``ckptio.HFReader``: from any
+  fsspec URL, ``s3://`` included (torch's reader opens local paths only), each rank reading
+  only its slices; quantized checkpoints keep the model's own reader.
 """
 
 from __future__ import annotations

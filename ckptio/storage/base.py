@@ -54,7 +54,7 @@ class ReadRequest(NamedTuple):
 class FsspecStore:
     """Any fsspec filesystem: plain opens, puts and ``cat_ranges``."""
 
-    #: Reads of one file at most this many bytes apart are worth one request (``box_reads.py``).
+    #: Reads of one file at most this many bytes apart are worth one request (``config.py``).
     read_gap_bytes = REMOTE_READ_GAP_BYTES
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
