@@ -6,7 +6,7 @@ Change the checkpoint line of a trainer config (tested with torchtitan 0.3)::
     checkpoint=CheckpointManager.Config(enable=True, interval=500, save_mode="replica_group")
 
 Everything else is torchtitan's own manager: its save policy, async modes (their process group
-and stager), Hugging Face export and initial loads. What differs:
+and stager), Hugging Face export. What differs:
 
 - saves go through ``ckptio.Writer`` (atomic commit, checksums, ``save_mode``, compression);
 - resume finds the newest committed ``step-N`` folder, whether ckptio wrote it or torch DCP did
