@@ -62,16 +62,39 @@ def needed_bytes(state: dict, file_itemsize: int = 2) -> int:
 
 
 def load_layout(layout: str, url: str, storage_options=None, dtype=torch.bfloat16, reader: dict | None = None):
-    """``ckptio.load`` of the files into a model under ``layout`` beside optimizer-like state the
-    files do not hold; returns (full model state on rank 0, the bytes this rank needed)."""
+    """``ckptio.load`` of the files into a state from ``get_state_dict(model, optimizer)`` (AdamW,
+    one step taken) plus a step counter: the model part comes from the files, the optimizer state
+    and the step must stay exactly as they were. Returns (full model state on rank 0, the bytes
+    this rank needed)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model = llama.build(layout, dtype, seed=MODEL_SEED)
-    state = {"model": get_model_state_dict(model), "optim": {"lr": 0.5}, "step": torch.tensor(5)}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    msd, osd = get_state_dict(model, optimizer)
+    before = _local_tensors(osd)
+    state = {"model": msd, "optim": osd, "step": torch.tensor(5)}
     needed = needed_bytes(state["model"])
     hf = ckptio.HFReader(url, key_map="model.", storage_options=storage_options, **(reader or {}))
     ckptio.load(state, hf)
-    assert int(state["step"]) == 5 and state["optim"] == {"lr": 0.5}  # untouched
-    set_model_state_dict(model, state["model"])
+    after = _local_tensors(state["optim"])
+    assert int(state["step"]) == 5 and before and after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)  # the optimizer state is untouched
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return _full(model), needed
+
+
+def _local_tensors(state: dict, path: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state.items():
+        name = f"{path}.{key}"
+        if isinstance(value, dict):
+            out |= _local_tensors(value, name)
+        elif isinstance(value, torch.Tensor):
+            out[name] = (value.to_local() if isinstance(value, DTensor) else value).clone()
+    return out
 
 
 def load_plain(layout: str, url: str, storage_options=None):

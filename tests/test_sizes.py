@@ -154,6 +154,30 @@ def test_thousands_of_sharded_tensors_resharded_onto_one_process(tmp_path, s3, w
             assert_bit_exact(loaded, expected)
 
 
+@pytest.mark.parametrize("api", ["ckptio", "dcp"])
+def test_thousands_of_safetensors_tensors_load_bit_exact(tmp_path, api, monkeypatch):
+    """Whole tensors lie back to back in a safetensors file: their reads merge into requests of
+    about 3x IOV_MAX pieces."""
+    from safetensors.torch import save_file
+
+    from ckptio.storage.local import LocalStore
+
+    state = many_tensors()
+    save_file(state, str(tmp_path / "model.safetensors"))
+    widest = []
+    read_into = LocalStore.read_into
+    monkeypatch.setattr(  # observe (not replace) the requests the store is given
+        LocalStore, "read_into", lambda self, rs: widest.append(max(len(r.buffers) for r in rs)) or read_into(self, rs)
+    )
+    loaded = zeros_like_state(state)
+    if api == "ckptio":
+        ckptio.load(loaded, ckptio.HFReader(tmp_path))
+    else:
+        dcp.load(loaded, storage_reader=ckptio.HFReader(tmp_path))
+    assert_bit_exact(loaded, state)
+    assert max(widest) > IOV_MAX
+
+
 # --- items above 2 GiB ------------------------------------------------------------------
 
 
@@ -195,6 +219,64 @@ def test_an_item_above_2_gib_whole_and_resharded(tmp_path, codec):
     assert torch.equal(out["embed"].view(torch.int32), big.view(torch.int32))
     del out, big
     assert spawn(2, _load_big_rows, url, timeout=400) == [True, True]
+
+
+class _Into:
+    """Stands in for torch's load planner: the one read item lands in ``target``."""
+
+    def __init__(self, target: torch.Tensor):
+        self.target = target
+
+    def resolve_tensor(self, read_item):
+        return self.target
+
+    def commit_tensor(self, read_item, tensor):
+        pass
+
+
+def _load_big_rows_hf(folder: str) -> bool:
+    """The big safetensors tensor as row shards on 2 ranks; each rank checks its own rows."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    target = distribute_tensor(torch.empty(BIG_ROWS, BIG_COLS), init_device_mesh("cpu", (2,)), [Shard(0)])
+    dcp.load({"embed": target}, storage_reader=ckptio.HFReader(folder))
+    local = target.to_local()
+    first = (0 if dist.get_rank() == 0 else (BIG_ROWS + 1) // 2) * BIG_COLS
+    expected = torch.arange(first, first + local.numel(), dtype=torch.int32)
+    return torch.equal(local.reshape(-1).view(torch.int32), expected)
+
+
+@pytest.mark.slow
+def test_a_safetensors_tensor_above_2_gib_whole_by_columns_and_by_rows(tmp_path):
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from ckptio.box_reads import load_boxes
+    from ckptio.hf_reader import read_catalog
+    from ckptio.storage import open_store
+
+    big = big_tensor()
+    save_file({"embed": big}, str(tmp_path / "model.safetensors"))
+    out = {"embed": torch.empty_like(big)}
+    ckptio.load(out, ckptio.HFReader(tmp_path))
+    assert torch.equal(out["embed"].view(torch.int32), big.view(torch.int32))
+    del out
+    # the right half of every row: 32,769 runs, offsets past 2^31, read run by run into one tensor
+    half = BIG_COLS // 2
+    store = open_store(str(tmp_path))
+    (tensor,) = read_catalog(store)
+    box = ReadItem(
+        LoadItemType.TENSOR, MetadataIndex("embed"), torch.Size([0, 0]), MetadataIndex("embed"),
+        torch.Size([0, half]), torch.Size([BIG_ROWS, half]),
+    )  # fmt: skip
+    into = _Into(torch.empty(BIG_ROWS, half))
+    load_boxes(store, [(box, tensor)], into, store.read_gap_bytes)
+    assert torch.equal(into.target.view(torch.int32), big[:, half:].view(torch.int32))
+    del big, into
+    assert spawn(2, _load_big_rows_hf, str(tmp_path), timeout=400) == [True, True]
 
 
 def constant_big_tensor() -> torch.Tensor:
