@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptio
+from ckptio.cli import main as cli_main
 from ckptio.config import MAX_REQUEST_BYTES
 from ckptio.layout import Header, MeshRecord, SavedConfig, parse_data_file_name
 from ckptio.ranges import ReadPiece, plan_requests
@@ -44,6 +45,51 @@ def test_checkpoints_written_by_0_1_0_load_bit_exact(name):
     dcp.load(state, storage_reader=ckptio.Reader(os.path.join(DATA, name)), planner=ckptio.SafeLoadPlanner())
     assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
     assert state["step"] == 7 and state["cfg"] == {"lr": 0.1, "name": "x"}
+
+
+def _v2_sample_state(rank: int) -> dict:
+    """The state tests/data/v2-sharded-zstd was saved from by ckptio at commit a4605a3 (format version 2),
+    on 2 ranks: ``w`` as Shard(0) of a 2-rank mesh, compression zstd (``e`` in byte planes), 4 KiB blocks,
+    a data file per rank, ``dl`` kept per rank."""
+    torch.manual_seed(0)
+    w = (torch.randn(256, 130) * 8).round() / 8
+    e = torch.randn(64, 96).to(torch.bfloat16)
+    return {"w": w, "e": e, "ids": torch.arange(3000), "step": 7, "dl": {"pos": 100 + rank}}
+
+
+def _load_v2_sample(path: str) -> bool:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    state = {
+        "w": distribute_tensor(torch.zeros(256, 130), mesh, [Shard(0)]),
+        "e": torch.zeros(64, 96, dtype=torch.bfloat16),
+        "ids": torch.zeros(3000, dtype=torch.int64),
+        "step": 0,
+        "dl": {"pos": 0},
+    }
+    ckptio.load(state, path)
+    expected = _v2_sample_state(rank)
+    return (
+        torch.equal(state["w"].full_tensor(), expected["w"])
+        and all(torch.equal(state[k], expected[k]) for k in ("e", "ids"))
+        and (state["step"], state["dl"]) == (7, expected["dl"])
+    )
+
+
+def test_a_sharded_compressed_version_2_checkpoint_loads_bit_exact():
+    from .harness import spawn
+
+    path = os.path.join(DATA, "v2-sharded-zstd")
+    assert spawn(2, _load_v2_sample, path) == [True, True]
+    expected = _v2_sample_state(0)
+    state = {"w": torch.zeros(256, 130), "e": torch.zeros(64, 96, dtype=torch.bfloat16), "step": 0}
+    dcp.load(state, storage_reader=ckptio.Reader(path))  # resharded onto one process, per-rank keys left out
+    assert torch.equal(state["w"], expected["w"]) and torch.equal(state["e"], expected["e"]) and state["step"] == 7
+    assert cli_main(["verify", "-q", path]) == 0
 
 
 def test_header_round_trips_and_keeps_the_version_1_keys():
