@@ -13,7 +13,8 @@ the writers' ``write_data`` would return. Timed, on the same plans for both writ
   (ckptio: who writes what);
 - ``finish``: the writer's ``finish`` (ckptio: object checks, encoding, commit of ``ckptio.json``;
   torch: pickling ``.metadata``), on a local directory;
-- ``decode``: reading the metadata back as one loading rank does (ckptio: parse and validate);
+- ``decode``: reading the metadata back as one loading rank does (ckptio: parse and validate; both: the
+  storage record of each key's first chunk looked up, as rank 0's load reads them);
   the metadata bytes one load reads in all: once (ckptio), or once per rank (torch).
 
 ``layers`` cuts the 80 transformer layers down so that a run fits in memory: every local plan is
@@ -32,7 +33,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -190,6 +191,16 @@ def _timed(seconds: dict[str, float], phase: str) -> Iterator[None]:
     seconds[phase] = time.perf_counter() - start
 
 
+def _resolve_first_chunks(metadata: Metadata) -> None:
+    """Look up the storage record of every key's first chunk, as the load of rank 0 does for what it
+    reads (ckptio builds item records on first use; torch's are built while unpickling)."""
+    for fqn, md in metadata.state_dict_metadata.items():
+        chunks = getattr(md, "chunks", None)
+        index = MetadataIndex(fqn, chunks[0].offsets, 0) if chunks else MetadataIndex(fqn)
+        if index in metadata.storage_data:
+            metadata.storage_data[index]
+
+
 def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
     """Run the coordinator's steps for ``writer`` ("ckptio" or "torch") on synthetic plans."""
     plans = local_plans(layout, ranks, layers)
@@ -230,9 +241,10 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
         with _timed(seconds, "decode"):
             if writer == "ckptio":
                 with open(os.path.join(path, name), "rb") as f:
-                    decode_metadata(f.read(), name)
+                    decoded = decode_metadata(f.read(), name).metadata
             else:
-                FileSystemReader(path).read_metadata()
+                decoded = FileSystemReader(path).read_metadata()
+            _resolve_first_chunks(decoded)
     return {
         "writer": writer,
         "layout": layout,

@@ -1,6 +1,6 @@
 """ckptio: a PyTorch Distributed Checkpoint writer and reader for S3 and shared filesystems."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from . import convert  # noqa: E402, F401 - ckptio.convert.load_full / to_torch_save
 from .api import load, save, unwrap  # noqa: E402

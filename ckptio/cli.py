@@ -48,10 +48,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .report import open_checkpoint, orphaned_files, verify
+    from .report import every_item, open_checkpoint, orphaned_files, verify
 
     store, manifest = open_checkpoint(args.url, _storage_options(args))
-    total = sum(item.stored_bytes for item in manifest.items.values())
+    items = every_item(manifest)
+    total = sum(item.stored_bytes for _, item in items)
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=args.quiet) as bar:
         problems = verify(store, manifest, progress=bar.update)
     orphans = orphaned_files(store, manifest)
@@ -68,7 +69,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"  BAD {problem}", file=sys.stderr)
         return 1
-    print(f"{args.url}: OK, {len(manifest.items)} items in {len(manifest.files)} files, every checksum matches")
+    print(f"{args.url}: OK, {len(items)} items in {len(manifest.files)} files, every checksum matches")
     return 0
 
 
@@ -137,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = with_url(sub.add_parser("inspect", help="show what a checkpoint holds"))
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--json", action="store_true", help="machine-readable output, with the metadata as a JSON object per item"
+    )
     p.set_defaults(func=cmd_inspect)
     p = with_url(sub.add_parser("verify", help="read every block and check every checksum"))
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

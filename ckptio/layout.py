@@ -24,6 +24,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Mapping
 from functools import cached_property
 from typing import Any, NamedTuple
 
@@ -38,14 +39,15 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .chunks import TooIrregular, outside, overlapping_pair
+from .compact import decode_keys, encode_keys
 from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
 from .gc_pause import paused_gc
 
 FORMAT_NAME = "ckptio"
-#: The newest format this ckptio reads and writes. Version 2 adds the ``zstd-byteplanes`` codec;
-#: a checkpoint is written as version 1, readable by ckptio 0.1, unless it uses that codec.
-FORMAT_VERSION = 2
+#: The format this ckptio writes, and the newest it reads. Version 2 added the ``zstd-byteplanes``
+#: codec; version 3 stores the item records as per-key columns (``compact.py``). Every version loads.
+FORMAT_VERSION = 3
 METADATA_NAME = "ckptio.json"
 TORCH_DCP_METADATA_NAME = ".metadata"
 _DATA_NAME = re.compile(r"data-([0-9a-f]{8,32})-r([0-9]{5,})\.ckio")
@@ -308,7 +310,7 @@ class Manifest:
 
     header: Header
     metadata: Metadata
-    items: dict[MetadataIndex, StoredItem]
+    items: Mapping[MetadataIndex, StoredItem]  # version 3: records built on first use (compact.StoredItems)
     per_rank: dict[str, dict[int, StoredItem]] = dataclasses.field(default_factory=dict)  # kept per-rank objects
 
     @property
@@ -322,7 +324,23 @@ def encode_metadata(
     header: Header,
     per_rank: dict[str, dict[int, StoredItem]] | None = None,
 ) -> bytes:
-    """Serialize DCP metadata plus ckptio's item records into the JSON document."""
+    """Serialize DCP metadata plus ckptio's item records into the JSON document (format version 3)."""
+    block_size = header.config.max_block_size or next((i.block_size for i in items.values()), 64)
+    doc = {
+        **dataclasses.replace(header, format_version=FORMAT_VERSION).to_json(),
+        "block_size": block_size,
+        "planner_data": _encode_planner_data(metadata.planner_data),
+        "keys": encode_keys(metadata, items, per_rank or {}, header.files, block_size),
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def legacy_document(manifest: Manifest) -> dict[str, Any]:
+    """The metadata in version 2's schema, a JSON object per item: what ``ckptio inspect --json`` shows,
+    and a document every ckptio 0.1 can read (version 1 unless an item uses byte planes)."""
+    metadata, per_rank = manifest.metadata, manifest.per_rank
+    version = max((i.codec.format_version for i in manifest.items.values()), default=1)
+    version = max([version] + [i.codec.format_version for copies in per_rank.values() for i in copies.values()])
     state: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
@@ -336,11 +354,10 @@ def encode_metadata(
                 "requires_grad": bool(props.requires_grad),
                 "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
             }
-    doc = {
-        **header.to_json(),
+    return {
+        **dataclasses.replace(manifest.header, format_version=version).to_json(),
         "per_rank_objects": {
-            key: {str(rank): item.to_json() for rank, item in copies.items()}
-            for key, copies in (per_rank or {}).items()
+            key: {str(rank): item.to_json() for rank, item in copies.items()} for key, copies in per_rank.items()
         },
         "state": state,
         "planner_data": _encode_planner_data(metadata.planner_data),
@@ -351,10 +368,9 @@ def encode_metadata(
                 "index": idx.index,
                 **item.to_json(),
             }
-            for idx, item in items.items()
+            for idx, item in manifest.items.items()
         ],
     }
-    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def _encode_planner_data(planner_data: Any) -> Any:
@@ -389,7 +405,7 @@ def decode_metadata(raw: bytes, where: str) -> Manifest:
             "to load it"
         )
     try:
-        return _decode_v1(doc, where)
+        return _decode_v3(doc, where, len(raw)) if version >= 3 else _decode_v1(doc, where)
     except CheckpointFormatError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
@@ -446,6 +462,20 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
     }
     _check_coverage(state, items, per_rank, where)
 
+    return _manifest(doc, header, state, items, per_rank, where)
+
+
+def _decode_v3(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
+    header = Header.from_json(doc, where)
+    keys = _FieldReader(doc, where).mapping("keys", required=True)
+    block_size = doc.get("block_size")
+    state, items, per_rank = decode_keys(keys, header.files, block_size, doc_bytes, where)
+    return _manifest(doc, header, state, items, per_rank, where)
+
+
+def _manifest(
+    doc: dict[str, Any], header: Header, state: dict[str, Any], items: Any, per_rank: dict[str, Any], where: str
+) -> Manifest:
     planner_data = doc.get("planner_data")
     if planner_data is not None:
         # A path's list indices are below the number of keys: a huge one would make a loader build a huge list.

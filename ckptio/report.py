@@ -8,6 +8,8 @@ import datetime
 from collections import defaultdict
 from typing import Any, Callable
 
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
 from .errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from .fetch import read_item_blocks
 from .layout import (
@@ -17,6 +19,7 @@ from .layout import (
     Manifest,
     StoredItem,
     is_data_file_name,
+    legacy_document,
     parse_data_file_name,
 )
 from .reader import file_size_problems, read_manifest
@@ -28,7 +31,7 @@ def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[st
     _, manifest = open_checkpoint(url, storage_options)
     header = manifest.header
     by_key: dict[str, list[StoredItem]] = defaultdict(list)
-    for index, item in manifest.items.items():
+    for index, item in every_item(manifest):
         by_key[index.fqn].append(item)
     keys = []
     for fqn, md in sorted(manifest.metadata.state_dict_metadata.items()):
@@ -42,7 +45,7 @@ def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[st
                 "type": ItemKind.TENSOR.value if is_tensor else "object",
                 "dtype": str(md.properties.dtype).removeprefix("torch.") if is_tensor else None,
                 "shape": list(md.size) if is_tensor else None,
-                "chunks": len(md.chunks) if is_tensor else 1,
+                "chunks": len(md.chunks) if is_tensor else len(items),
                 "stored_bytes": stored,
                 "logical_bytes": logical,
                 "files": sorted({i.file for i in items}),
@@ -67,7 +70,18 @@ def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[st
         "logical_bytes": logical_total,
         "compression_ratio": round(logical_total / stored_total, 3) if stored_total else 1.0,
         "keys": keys,
+        # the metadata itself, one JSON object per item (version 3 stores it as packed columns)
+        "metadata": legacy_document(manifest),
     }
+
+
+def every_item(manifest: Manifest) -> list[tuple[MetadataIndex, StoredItem]]:
+    """Every stored item, per-rank copies of objects included (those are under ``MetadataIndex(key, index=rank)``)."""
+    items = list(manifest.items.items())
+    for fqn, copies in manifest.per_rank.items():
+        seen = {(item.file, item.offset) for index, item in items if index.fqn == fqn}
+        items += [(MetadataIndex(fqn, index=r), c) for r, c in copies.items() if (c.file, c.offset) not in seen]
+    return items
 
 
 def format_description(desc: dict[str, Any]) -> str:
@@ -166,8 +180,9 @@ def verify(store: FsspecStore, manifest: Manifest, progress: Callable[[int], Non
     """Read every stored block, check sizes and checksums; return the problems found (empty = intact)."""
     bad_files = file_size_problems(store, manifest)
     problems = [f"{store.describe(name)}: {problem}" for name, problem in bad_files.items()]
-    for index, item in sorted(manifest.items.items(), key=lambda kv: (kv[1].file, kv[1].offset)):
+    for index, item in sorted(every_item(manifest), key=lambda kv: (kv[1].file, kv[1].offset)):
         where = f"key {index.fqn!r}" + (f" chunk {tuple(index.offset)}" if index.offset is not None else "")
+        where += f" (rank {index.index}'s copy)" if index.offset is None and index.index is not None else ""
         if item.file in bad_files:
             problems.append(f"{where}: stored in missing or truncated file {item.file}")
             continue

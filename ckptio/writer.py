@@ -231,11 +231,8 @@ def _header(
     save_id: str | None,
 ) -> Header:
     files, writers = _data_files(results, reports)
-    stored = [r.storage_data for rank_results in results for r in rank_results]
-    stored += [item for copies in per_rank.values() for item in copies.values()]
     return Header(
         files=files,
-        format_version=max((item.codec.format_version for item in stored), default=1),
         written_by=f"ckptio {__version__}",
         torch_version=torch.__version__,
         created_unix=time.time(),

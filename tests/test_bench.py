@@ -13,6 +13,8 @@ from ckptio.bench.__main__ import main as bench_main
 
 import ckptio
 
+from .metadata_view import readable_metadata
+
 
 def test_summary_figures_from_a_hand_computed_run():
     # 2 ranks, repeat 0 and 1; 1000 unique bytes held twice (logical 2000) written as 600 + 400 + 20 metadata
@@ -149,8 +151,7 @@ def test_workload_byte_counts_match_what_ranks_hold_and_ckptio_stores(tmp_path):
     held = spawn(4, _held_bytes_and_save, url, 1 << 20)
     sizes = workload.byte_counts(workload.tensor_specs(1 << 20), (2, 2))
     assert sum(held) == sizes["logical_bytes"]
-    meta = json.load(open(os.path.join(url, "ckptio.json")))
-    stored = sum(i["logical_bytes"] for i in meta["items"])
+    stored = sum(i["logical_bytes"] for i in readable_metadata(url)["items"])
     assert stored == sizes["unique_bytes"]
 
 

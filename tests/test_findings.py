@@ -25,6 +25,7 @@ from ckptio.layout import METADATA_NAME, _pack, _unpack
 from . import findings
 from .faultproxy import Fault
 from .harness import spawn
+from .metadata_view import readable_metadata
 
 
 def _meta_path(url: str) -> str:
@@ -32,8 +33,7 @@ def _meta_path(url: str) -> str:
 
 
 def _read_doc(url: str) -> dict:
-    with open(_meta_path(url)) as f:
-        return json.load(f)
+    return readable_metadata(url)
 
 
 def _write_doc(url: str, doc: dict) -> None:
@@ -224,12 +224,12 @@ def _format_error_for(url: str, raw: bytes | str) -> str:
 def test_garbage_json_is_a_named_format_error(tmp_path):
     url = _saved(tmp_path)
     good = open(_meta_path(url)).read()
-    doc = json.loads(good)
+    doc, view = json.loads(good), _read_doc(url)  # version 3; the same in version 2's schema
     assert "deeper than" in _format_error_for(url, "[" * 100_000 + "]" * 100_000)
-    assert "not valid JSON" in _format_error_for(url, good.replace('"offset":0', '"offset":' + "9" * 5000, 1))
+    assert "not valid JSON" in _format_error_for(url, good.replace('"count":1', '"count":' + "9" * 5000, 1))
     assert "repeats the JSON key 'files'" in _format_error_for(url, good[:-1] + ',"files":{}}')
-    items = doc["items"] + [doc["items"][0]]
-    assert "listed twice" in _format_error_for(url, json.dumps({**doc, "items": items}))
+    items = view["items"] + [view["items"][0]]
+    assert "listed twice" in _format_error_for(url, json.dumps({**view, "items": items}))
     assert "format_version" in _format_error_for(url, json.dumps({**doc, "format_version": -1}))
     name = next(iter(doc["files"]))
     files = {name + "\n": doc["files"][name]}

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
-
 import fsspec
 import pytest
 
 from ckptio.cli import main as cli_main
-from ckptio.layout import METADATA_NAME, is_data_file_name
+from ckptio.layout import is_data_file_name
 
 from . import scenarios
 from .harness import spawn
+from .metadata_view import readable_metadata
 
 LOAD_MESHES = [(4, (2, 2)), (2, (1, 2)), (4, (4, 1)), (0, None)]  # (processes, mesh); 0 = one process, no PG
 
@@ -27,8 +26,7 @@ def _data_files(url: str, options: dict | None) -> dict[str, int]:
 
 
 def _metadata(url: str, options: dict | None) -> dict:
-    fs, root = fsspec.core.url_to_fs(url, **(options or {}))
-    return json.loads(fs.cat_file(f"{root}/{METADATA_NAME}"))
+    return readable_metadata(url, options)
 
 
 def check_layout(base: str, options: dict | None) -> None:

@@ -69,9 +69,10 @@ def test_blocks_for_runs_and_coalesce():
 
 # --- layout ---------------------------------------------------------------------------
 def minimal_doc(**changes) -> dict:
+    """A version 2 document (one JSON object per item), as ckptio 0.1 wrote them."""
     doc = {
         "format": "ckptio",
-        "format_version": FORMAT_VERSION,
+        "format_version": 2,
         "written_by": "ckptio test",
         "files": {data_file_name("0123456789abcdef", 0): 16},
         "state": {
@@ -249,10 +250,11 @@ def test_incompressible_items_are_stored_raw_from_a_sample():
     assert BlockEncoder(16384, None).codec_for(memoryview(bytes(1 << 16)), 4) == (Codec.RAW, ())
 
 
-def test_format_version_2_only_when_byte_planes_are_used(tmp_path):
+def test_saves_write_version_3_and_the_readable_view_keeps_each_codecs_oldest_version(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     import ckptio
+    from ckptio.layout import legacy_document
 
     cases = {"raw": (None, torch.float32), "zstd-bytes": ("zstd", torch.uint8), "planes": ("zstd", torch.bfloat16)}
     for name, (compression, dtype) in cases.items():
@@ -260,15 +262,18 @@ def test_format_version_2_only_when_byte_planes_are_used(tmp_path):
         # randn for planes: on constant data whole-block zstd is smaller and chosen instead
         value = torch.randn(100_000).to(dtype) if name == "planes" else torch.zeros(100_000, dtype=dtype)
         dcp.save({"t": value}, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(compression=compression)))
-        doc = json.load(open(os.path.join(url, "ckptio.json")))
-        assert doc["format_version"] == (2 if name == "planes" else 1), name
-        out = {"t": torch.ones_like(value)}
-        dcp.load(out, storage_reader=ckptio.Reader(url))
-        assert torch.equal(out["t"], value)
-    doc["format_version"] = 1  # byte planes claimed by a version-1 document
-    open(os.path.join(url, "ckptio.json"), "w").write(json.dumps(doc))
+        raw = open(os.path.join(url, "ckptio.json"), "rb").read()
+        assert json.loads(raw)["format_version"] == FORMAT_VERSION == 3
+        view = legacy_document(decode_metadata(raw, "x"))
+        assert view["format_version"] == (2 if name == "planes" else 1), name
+        for document in (raw, json.dumps(view).encode()):  # the view is itself a loadable document
+            open(os.path.join(url, "ckptio.json"), "wb").write(document)
+            out = {"t": torch.ones_like(value)}
+            dcp.load(out, storage_reader=ckptio.Reader(url))
+            assert torch.equal(out["t"], value)
+    view["format_version"] = 1  # byte planes claimed by a version-1 document
     with pytest.raises(CheckpointFormatError, match="format version 1 lacks"):
-        decode_metadata(json.dumps(doc).encode(), "x")
+        decode_metadata(json.dumps(view).encode(), "x")
 
 
 def chunked_doc(shape: list[int], chunks: list[tuple[list[int], list[int]]]) -> dict:

@@ -39,7 +39,7 @@ def save_all(base: str) -> dict:
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     ckptio.save({"model": ddp}, f"{base}/ddp")
-    seen["ddp_keys"] = sorted(json.load(open(os.path.join(base, "ddp", "ckptio.json")))["state"])
+    seen["ddp_keys"] = sorted(json.load(open(os.path.join(base, "ddp", "ckptio.json")))["keys"])
     return seen
 
 
