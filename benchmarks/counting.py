@@ -68,15 +68,22 @@ def install_s3_counter() -> None:
 
     async def set_session(self, *args, **kwargs):
         client = await original(self, *args, **kwargs)
-        if not getattr(self._s3, "_ckptio_bench_counted", False):
-            self._s3.meta.events.register("before-send.s3", _count)
-            self._s3.meta.events.register("after-call.s3.GetObject", _count_served)
-            self._s3._ckptio_bench_counted = True
+        _count_on(self._s3)
         return client
 
     s3fs.S3FileSystem.set_session = set_session
     s3fs.S3FileSystem._connect = set_session
+    for fs in list(s3fs.S3FileSystem._cache.values()):  # clients connected before this call
+        if getattr(fs, "_s3", None) is not None:
+            _count_on(fs._s3)
     _installed = True
+
+
+def _count_on(client) -> None:
+    if not getattr(client, "_ckptio_bench_counted", False):
+        client.meta.events.register("before-send.s3", _count)
+        client.meta.events.register("after-call.s3.GetObject", _count_served)
+        client._ckptio_bench_counted = True
 
 
 def take_served_bytes() -> int:
