@@ -28,10 +28,12 @@ def test_s3_serves_each_stored_byte_once(s3_proxy, moto_server, mode, compressio
     spawn(4, partial(scenarios.save, compression=compression), url, (2, 2), mode, options)
     stored = _stored_data_bytes(moto_server, url)
     proxy.reset()
-    for procs, mesh in LOADS:
+    for procs, mesh in LOADS if compression is None else LOADS[1:2]:  # zstd: the replicas' case
         assert spawn(procs, scenarios.load_shared, url, mesh, options, True) == [[]] * procs
         served = sum(v for key, v in proxy.reset().get_bytes.items() if key.endswith(".ckio"))
         assert served <= 1.05 * stored, (mesh, served / stored)
+    if compression:
+        return  # the replicas' reads without sharing: once, on the raw checkpoint
     for dedup in (False, "auto"):  # "auto" does not share a load this small (it would save < 128 MiB)
         assert spawn(4, scenarios.load_shared, url, (4, 1), options, dedup) == [[]] * 4
         served = sum(v for key, v in proxy.reset().get_bytes.items() if key.endswith(".ckio"))

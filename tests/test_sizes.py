@@ -218,7 +218,8 @@ def test_an_item_above_2_gib_whole_and_resharded(tmp_path, codec):
     dcp.load(out, storage_reader=ckptio.Reader(url))
     assert torch.equal(out["embed"].view(torch.int32), big.view(torch.int32))
     del out, big
-    assert spawn(2, _load_big_rows, url, timeout=400) == [True, True]
+    if codec == "raw":  # compressed row shards: the S3 test below
+        assert spawn(2, _load_big_rows, url, timeout=400) == [True, True]
 
 
 class _Into:
