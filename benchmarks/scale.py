@@ -98,7 +98,13 @@ def local_plans(layout: str, ranks: int, layers: int) -> list[SavePlan]:
     params = llama_parameters(layers)
     fp32 = TensorProperties(dtype=torch.float32)
     keyed = []
+    # flattened key -> path in the nested state, as torch's flatten_state_dict records it for
+    # {"model": model_state_dict, "optim": optim_state_dict, "dataloader": {...}}
+    mappings: dict[str, tuple] = {}
     for name, shape in params:
+        mappings[f"model.{name}"] = ("model", name)
+        for moment in ("exp_avg", "exp_avg_sq"):
+            mappings[f"optim.state.{name}.{moment}"] = ("optim", "state", name, moment)
         for key in (f"model.{name}", f"optim.state.{name}.exp_avg", f"optim.state.{name}.exp_avg_sq"):
             keyed.append((key, name, shape, torch.Size(shape)))
     step_chunk = ChunkStorageMetadata(offsets=torch.Size(()), sizes=torch.Size(()))
@@ -114,8 +120,13 @@ def local_plans(layout: str, ranks: int, layers: int) -> list[SavePlan]:
         WriteItem(index=MetadataIndex(f"optim.param_groups.0.{k}"), type=WriteItemType.BYTE_IO)
         for k in ("lr", "betas", "eps", "weight_decay", "params")
     ]
-    mappings = {key: tuple(key.split(".")) for key, *_ in keyed}
-    mappings.update({item.index.fqn: tuple(item.index.fqn.split(".")) for item in shared_items})
+    mappings.update({f"optim.state.{name}.step": ("optim", "state", name, "step") for name, _ in params})
+    mappings.update(
+        {
+            item.index.fqn: ("optim", "param_groups", 0, item.index.fqn.split(".")[-1])
+            for item in shared_items[len(params) :]
+        }
+    )
     plans = []
     for rank in range(ranks):
         items = []
@@ -131,7 +142,8 @@ def local_plans(layout: str, ranks: int, layers: int) -> list[SavePlan]:
             )
         items += shared_items
         items.append(WriteItem(index=MetadataIndex(f"dataloader.dp_rank_{rank}"), type=WriteItemType.BYTE_IO))
-        plans.append(SavePlan(items, planner_data=mappings))
+        own = {f"dataloader.dp_rank_{rank}": ("dataloader", f"dp_rank_{rank}")}
+        plans.append(SavePlan(items, planner_data={**mappings, **own}))
     return plans
 
 
@@ -195,6 +207,8 @@ def _resolve_first_chunks(metadata: Metadata) -> None:
     """Look up the storage record of every key's first chunk, as the load of rank 0 does for what it
     reads (ckptio builds item records on first use; torch's are built while unpickling)."""
     for fqn, md in metadata.state_dict_metadata.items():
+        if fqn.startswith("dataloader.") and fqn != "dataloader.dp_rank_0":
+            continue  # another rank's own state
         chunks = getattr(md, "chunks", None)
         index = MetadataIndex(fqn, chunks[0].offsets, 0) if chunks else MetadataIndex(fqn)
         if index in metadata.storage_data:

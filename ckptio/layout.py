@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .chunks import TooIrregular, outside, overlapping_pair
-from .compact import decode_keys, encode_keys
+from .compact import decode_files, decode_keys, encode_document, planner_data_json
 from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
 from .gc_pause import paused_gc
@@ -224,22 +224,16 @@ class Header:
         }
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any], where: str) -> "Header":
-        """Validate the header fields of a decoded document; missing optional fields get defaults."""
+    def from_json(
+        cls, doc: dict[str, Any], where: str, checked_files: tuple[dict[str, int], dict[str, int]] | None = None
+    ) -> "Header":
+        """Validate the header fields of a decoded document; missing optional fields get defaults.
+        ``checked_files``: the data files and their writers, already validated (format version 3)."""
         field = _FieldReader(doc, where)
-        files = field.mapping("files", required=True)
-        for name, size in files.items():
-            if not is_data_file_name(name):
-                raise CheckpointFormatError(
-                    f"{where} names data file {name!r}, which is not a plain ckptio data file name "
-                    "inside the checkpoint (paths, '..' and URLs are refused)"
-                )
-            _require_int(size, f"{where}: size of {name}")
-        writer_ranks = field.mapping("writer_ranks")
-        for name, rank in writer_ranks.items():
-            if name not in files:
-                raise CheckpointFormatError(f"{where}: 'writer_ranks' names {name!r}, which is not in 'files'")
-            _require_int(rank, f"{where}: writer_ranks[{name!r}]")
+        if checked_files is not None:
+            files, writer_ranks = checked_files
+        else:
+            files, writer_ranks = _data_files(field, where)
         config = _FieldReader(field.mapping("config"), f"{where}: config")
         mesh = field.mapping("mesh", nullable=True)
         created = field.value("created_unix", (int, float), 0.0)
@@ -261,6 +255,29 @@ class Header:
             ),
             writer_ranks=writer_ranks,
             dcp_version=field.value("dcp_version", str, None),
+        )
+
+
+def _data_files(field: "_FieldReader", where: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Versions 1 and 2: ``files`` (name -> size) and ``writer_ranks`` (name -> rank), checked."""
+    files = field.mapping("files", required=True)
+    for name, size in files.items():
+        refuse_data_file_name(name, where)
+        _require_int(size, f"{where}: size of {name}")
+    writer_ranks = field.mapping("writer_ranks")
+    for name, rank in writer_ranks.items():
+        if name not in files:
+            raise CheckpointFormatError(f"{where}: 'writer_ranks' names {name!r}, which is not in 'files'")
+        _require_int(rank, f"{where}: writer_ranks[{name!r}]")
+    return files, writer_ranks
+
+
+def refuse_data_file_name(name: Any, where: str) -> None:
+    """Raise unless ``name`` is a plain ckptio data file name."""
+    if not is_data_file_name(name):
+        raise CheckpointFormatError(
+            f"{where} names data file {name!r}, which is not a plain ckptio data file name "
+            "inside the checkpoint (paths, '..' and URLs are refused)"
         )
 
 
@@ -326,12 +343,10 @@ def encode_metadata(
 ) -> bytes:
     """Serialize DCP metadata plus ckptio's item records into the JSON document (format version 3)."""
     block_size = header.config.max_block_size or next((i.block_size for i in items.values()), 64)
-    doc = {
-        **dataclasses.replace(header, format_version=FORMAT_VERSION).to_json(),
-        "block_size": block_size,
-        "planner_data": _encode_planner_data(metadata.planner_data),
-        "keys": encode_keys(metadata, items, per_rank or {}, header.files, block_size),
-    }
+    planner_data_json(metadata.planner_data)  # refuses what JSON cannot keep
+    doc = dataclasses.replace(header, format_version=FORMAT_VERSION).to_json()
+    doc.update(encode_document(metadata, items, per_rank or {}, header.files, header.writer_ranks, block_size))
+    del doc["writer_ranks"]  # in 'files'
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -360,7 +375,7 @@ def legacy_document(manifest: Manifest) -> dict[str, Any]:
             key: {str(rank): item.to_json() for rank, item in copies.items()} for key, copies in per_rank.items()
         },
         "state": state,
-        "planner_data": _encode_planner_data(metadata.planner_data),
+        "planner_data": planner_data_json(metadata.planner_data),
         "items": [
             {
                 "fqn": idx.fqn,
@@ -371,22 +386,6 @@ def legacy_document(manifest: Manifest) -> dict[str, Any]:
             for idx, item in manifest.items.items()
         ],
     }
-
-
-def _encode_planner_data(planner_data: Any) -> Any:
-    """torch's default planner stores ``{fqn: (path, elements...)}``; keep it as JSON lists."""
-    if planner_data is None:
-        return None
-    if not isinstance(planner_data, dict) or not all(
-        isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
-        for k, v in planner_data.items()
-    ):
-        raise CheckpointFormatError(
-            "the save planner's planner_data is not {str: tuple of str/int}; ckptio stores metadata as "
-            "JSON and cannot keep arbitrary objects there. Use torch's DefaultSavePlanner or a planner "
-            "whose planner_data is a flat-key mapping."
-        )
-    return {k: list(v) for k, v in planner_data.items()}
 
 
 @paused_gc()
@@ -466,21 +465,27 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
 
 
 def _decode_v3(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
-    header = Header.from_json(doc, where)
-    keys = _FieldReader(doc, where).mapping("keys", required=True)
-    block_size = doc.get("block_size")
-    state, items, per_rank = decode_keys(keys, header.files, block_size, doc_bytes, where)
-    return _manifest(doc, header, state, items, per_rank, where)
+    names, files, writers = decode_files(doc.get("files"), where)
+    header = Header.from_json(doc, where, checked_files=(files, writers))
+    state, items, per_rank, planner_data = decode_keys(doc, names, header.files, doc_bytes, where)
+    return _manifest(doc, header, state, items, per_rank, where, planner_data)
 
 
 def _manifest(
-    doc: dict[str, Any], header: Header, state: dict[str, Any], items: Any, per_rank: dict[str, Any], where: str
+    doc: dict[str, Any],
+    header: Header,
+    state: dict[str, Any],
+    items: Any,
+    per_rank: dict[str, Any],
+    where: str,
+    checked_planner_data: Any = "unchecked",
 ) -> Manifest:
-    planner_data = doc.get("planner_data")
-    if planner_data is not None:
+    """The manifest, with the document's ``planner_data`` checked (unless given already checked)."""
+    planner_data = doc.get("planner_data") if checked_planner_data == "unchecked" else checked_planner_data
+    if planner_data is not None and checked_planner_data == "unchecked":
         # A path's list indices are below the number of keys: a huge one would make a loader build a huge list.
         if not isinstance(planner_data, dict) or not all(
-            isinstance(v, list)
+            isinstance(v, (list, tuple))
             and all(
                 (isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(state)) or isinstance(p, str)
                 for p in v

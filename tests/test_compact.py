@@ -40,7 +40,7 @@ def compact_doc(shape: list[int], chunks: list[tuple[list[int], list[int]]], **r
     return {
         "format": "ckptio",
         "format_version": 3,
-        "files": {FILE: ats[-1]},
+        "files": {"save_ids": ["0123456789abcdef"], "ranks": 0, "sizes": ats[-1]},
         "block_size": 1024,
         "planner_data": {"w": ["w"]},
         "keys": {"w": key},
@@ -175,7 +175,7 @@ def test_inline_items_must_match_their_blocks():
 
 def test_objects_have_one_record_or_one_per_distinct_rank():
     doc = compact_doc([4], [([0], [4])])
-    doc["files"][FILE] += 30
+    doc["files"]["sizes"] += 30
     obj = {"type": "bytes", "count": 2, "ranks": encode_packed([0, 3]), "length": 10, "file": 1, "at": 16}
     doc["keys"]["loader"] = dict(obj, at=encode_packed([16, 26]), crc32c=encode_packed([1, 2]))
     manifest = decode(doc)
@@ -186,13 +186,42 @@ def test_objects_have_one_record_or_one_per_distinct_rank():
     doc["keys"]["loader"]["ranks"] = 3
     refused(doc, "all name the same rank")
     del doc["keys"]["loader"]["ranks"]
-    refused(doc, "one stored item")
+    refused(doc, "one copy per rank")
+
+
+def test_objects_stored_once_share_one_table_and_paths_rebuild_the_planner_data():
+    doc = compact_doc([4], [([0], [4])], path=[1])
+    doc["files"]["sizes"] += 30
+    doc["planner_data"] = "paths"
+    table = {"keys": ["opt.groups.0.lr", "step"], "paths": [[1, 1, 0, 1], None], "length": 15}
+    doc["objects"] = dict(table, file=1, at=encode_packed([16, 31]), crc32c=encode_packed([1, 2]))
+    manifest = decode(doc)
+    assert manifest.metadata.planner_data == {
+        "w": ("w",),
+        "opt.groups.0.lr": ("opt", "groups", 0, "lr"),
+        "step": ("step",),
+    }
+    assert [i.offset for i in (manifest.items[MetadataIndex(k)] for k in ("opt.groups.0.lr", "step"))] == [16, 31]
+    assert len(manifest.items) == 3 and MetadataIndex("opt.groups.0.lr", torch.Size([0])) not in manifest.items
+    for paths, match in [
+        ([[1, 1, 0, 1]], "one entry per key"),
+        ([[1, 1, 0, 2], None], "does not cover the key's parts"),
+        ([[1, 0, 1, 1], None], "list index 'groups'"),
+        ([[1, 1, 0, 1], "x"], "list of part counts"),
+    ]:
+        refused(dict(doc, objects=dict(doc["objects"], paths=paths)), match)
+    refused(dict(doc, objects=dict(doc["objects"], keys=["w", "step"])), "'w' is listed twice")
+    refused(dict(doc, objects=dict(doc["objects"], keys=["step", "step"])), "distinct key names")
+    refused(dict(doc, objects=dict(doc["objects"], at=encode_packed([16, 32]))), "item 1 spans bytes 32..47")
+    refused(dict(doc, files=dict(doc["files"], save_ids=["../../etc"])), "plain ckptio data file name")
+    refused(dict(doc, files=dict(doc["files"], save_ids=["0123456789abcdef"] * 2)), "names a data file twice")
+    refused(dict(doc, files={"names": [FILE]}), "'save_ids', 'ranks' and 'sizes' columns")
 
 
 def test_declared_sizes_and_counts_fail_before_a_large_allocation():
     huge = [([0], [1 << 40])]  # a 4 TiB chunk: 4 billion blocks declared, one checksum stored
     doc = compact_doc([1 << 40], huge, crc32c=encode_packed([7]))
-    doc["files"][FILE] = 1 << 42
+    doc["files"]["sizes"] = 1 << 42
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     refused(doc, r"crc32c \(one per block\) holds 1 entries of 1 bytes where 4294967296 are expected")
     doc = compact_doc([4], [([0], [4])], count=10**6)  # more items than a small document can describe

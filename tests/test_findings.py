@@ -231,8 +231,10 @@ def test_garbage_json_is_a_named_format_error(tmp_path):
     items = view["items"] + [view["items"][0]]
     assert "listed twice" in _format_error_for(url, json.dumps({**view, "items": items}))
     assert "format_version" in _format_error_for(url, json.dumps({**doc, "format_version": -1}))
-    name = next(iter(doc["files"]))
-    files = {name + "\n": doc["files"][name]}
+    name = next(iter(view["files"]))
+    files = {name + "\n": view["files"][name]}
+    assert "plain ckptio data file name" in _format_error_for(url, json.dumps({**view, "files": files}))
+    files = {**doc["files"], "save_ids": [doc["files"]["save_ids"][0] + "\n"]}
     assert "plain ckptio data file name" in _format_error_for(url, json.dumps({**doc, "files": files}))
     for field, value in [
         ("created_unix", "yesterday"),
@@ -242,10 +244,11 @@ def test_garbage_json_is_a_named_format_error(tmp_path):
         ("writer_ranks", [0]),
         ("world_size", -2),
     ]:
-        message = _format_error_for(url, json.dumps({**doc, field: value}))
+        base = view if field == "writer_ranks" else doc  # version 3 keeps writers in 'files'
+        message = _format_error_for(url, json.dumps({**base, field: value}))
         assert repr(field) in message or f"field {field!r}" in message or field in message, (field, message)
         with open(_meta_path(url), "w") as f:
-            f.write(json.dumps({**doc, field: value}))
+            f.write(json.dumps({**base, field: value}))
         for command in (["inspect", url], ["verify", "-q", url], ["convert", url, str(tmp_path / "o.pt")]):
             assert cli_main(command) == 2
 

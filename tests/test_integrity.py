@@ -92,8 +92,7 @@ def test_missing_garbage_and_future_metadata(tmp_path):
     with pytest.raises(ckptio.CheckpointFormatError, match="written by ckptio 9.9.9 .* upgrade ckptio"):
         ckptio.load(fresh(), url)
     doc = json.loads(good)
-    evil = "../../etc/data-0123456789abcdef-r00000.ckio"
-    doc["files"] = {evil: 1}
+    doc["files"]["save_ids"] = ["../../etc/data-0123456789abcdef"]  # names ../../etc/data-...-r00000.ckio
     open(meta_path, "w").write(json.dumps(doc))
     with pytest.raises(ckptio.CheckpointFormatError, match="plain ckptio data file name"):
         ckptio.load(fresh(), url)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 
 import torch
@@ -14,6 +13,7 @@ import ckptio
 
 from . import training_state
 from .harness import spawn
+from .metadata_view import readable_metadata
 
 
 def test_per_rank_objects_are_detected_kept_or_resized_explicitly(tmp_path):
@@ -107,7 +107,7 @@ def test_compile_and_checkpoint_wrappers_never_reach_the_keys(tmp_path):
         url = str(tmp_path / f"from-{i}")
         ckptio.save(state, url)
         assert {k: list(v) if isinstance(v, dict) else v for k, v in state.items()} == before  # not mutated
-        assert set(json.load(open(os.path.join(url, "ckptio.json")))["keys"]) == CANONICAL
+        assert set(readable_metadata(url)["state"]) == CANONICAL
         for j, dst in enumerate(VARIANTS):
             target = _build(dst, seed=100 + j)
             loaded = _state(target, 0)
@@ -130,7 +130,7 @@ def test_three_generations_keep_an_identical_key_set(tmp_path):
         snapshot = copy.copy(state["model"])
         ckptio.save(state, url)
         assert list(state["model"]) == list(snapshot)
-        keysets.append(set(json.load(open(os.path.join(url, "ckptio.json")))["keys"]))
+        keysets.append(set(readable_metadata(url)["state"]))
         model = _build(order[gen + 1], seed=50 + gen)
         resumed = _state(model, None)
         ckptio.load(resumed, url)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -12,6 +11,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
+
+from .metadata_view import readable_metadata
 
 
 def _rank_world() -> tuple[int, int]:
@@ -39,7 +40,7 @@ def save_all(base: str) -> dict:
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     ckptio.save({"model": ddp}, f"{base}/ddp")
-    seen["ddp_keys"] = sorted(json.load(open(os.path.join(base, "ddp", "ckptio.json")))["keys"])
+    seen["ddp_keys"] = sorted(readable_metadata(os.path.join(base, "ddp"))["state"])
     return seen
 
 
