@@ -39,7 +39,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .chunks import TooIrregular, outside, overlapping_pair
-from .compact import decode_files, decode_keys, encode_document, planner_data_json
+from .compact import encode_document, planner_data_json
+from .compact_decode import decode_files, decode_keys
 from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
 from .gc_pause import paused_gc

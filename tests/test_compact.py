@@ -1,4 +1,4 @@
-"""Format version 3 (``compact.py``): per-key columns, the same checks as version 1's records, item
+"""Format version 3 (``compact.py``, ``compact_decode.py``, ``stored_items.py``): per-key columns, the same checks as version 1's records, item
 records built on demand, and crafted documents refused with named errors before large allocations."""
 
 from __future__ import annotations
@@ -240,3 +240,17 @@ def test_the_readable_view_is_the_same_metadata_in_version_2s_schema():
     again = decode_metadata(json.dumps(view).encode(), "view")
     assert dict(again.items) == dict(manifest.items)
     assert again.metadata.state_dict_metadata == manifest.metadata.state_dict_metadata
+
+
+def test_a_plain_dcp_load_builds_the_records_of_what_it_reads_only(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    import ckptio
+
+    url = str(tmp_path / "ckpt")
+    dcp.save({f"t{i}": torch.full((8,), float(i)) for i in range(50)}, storage_writer=ckptio.Writer(url))
+    reader = ckptio.Reader(url)
+    out = {"t7": torch.zeros(8)}
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["t7"], torch.full((8,), 7.0))
+    assert [fqn for fqn, key in reader.manifest.items._keys.items() if key._built] == ["t7"]

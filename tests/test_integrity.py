@@ -222,6 +222,17 @@ def test_inspect_and_verify_cli(tmp_path, capsys):
     desc = json.loads(capsys.readouterr().out)
     z = next(k for k in desc["keys"] if k["key"] == "z")
     assert z["logical_bytes"] == 256 * 256 * 4 and z["compression_ratio"] > 50 and desc["world_size"] == 1
+    # the compact metadata, readable: a JSON object per item, itself a loadable (version 1 or 2) document
+    items = {i["fqn"]: i for i in desc["metadata"]["items"]}
+    assert items["z"]["shape"] == [256, 256] and items["z"]["codec"] == "zstd" and len(items) == len(desc["keys"])
+    assert desc["format_version"] == 3 and desc["metadata"]["format_version"] in (1, 2)
+    os.replace(os.path.join(url, METADATA_NAME), os.path.join(url, "v3.json"))
+    with open(os.path.join(url, METADATA_NAME), "w") as f:
+        json.dump(desc["metadata"], f)
+    out = fresh()
+    ckptio.load(out, url)
+    assert torch.equal(out["w"], STATE["w"])
+    os.replace(os.path.join(url, "v3.json"), os.path.join(url, METADATA_NAME))
     assert cli_main(["verify", "-q", url]) == 0
     assert "every checksum matches" in capsys.readouterr().out
     assert cli_main(["verify", "-q", str(tmp_path / "none")]) == 2
