@@ -1,5 +1,6 @@
-"""Format version 3 (``compact.py``, ``compact_decode.py``, ``stored_items.py``): per-key columns, the same checks as version 1's records, item
-records built on demand, and crafted documents refused with named errors before large allocations."""
+"""Format version 3 (``compact.py``, ``compact_decode.py``, ``stored_items.py``): per-key columns, the
+same checks as version 1's records, item records built on demand, and crafted documents refused with
+named errors before large allocations."""
 
 from __future__ import annotations
 
