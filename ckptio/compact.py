@@ -217,6 +217,8 @@ def encode_path(path: Any) -> list[int] | None | bool:
     ``None`` when every part is its own string element; ``False`` when it is not such a path."""
     if not isinstance(path, (tuple, list)):
         return False
+    if all(type(part) is str and "." not in part for part in path):
+        return None
     code = []
     for part in path:
         if isinstance(part, bool) or not isinstance(part, (str, int)) or isinstance(part, int) and part < 0:

@@ -83,14 +83,21 @@ def canonical_write_items(items: list[WriteItem]) -> dict[MetadataIndex, WriteIt
 
 def canonical_planner_data(planner_data: Any) -> Any:
     """torch's flattening map ``{flat key: path}`` with wrapper segments removed from keys and path parts."""
-    if not isinstance(planner_data, dict):
-        return planner_data
+    if not isinstance(planner_data, dict) or not any(map(_wrapped, planner_data.items())):
+        return planner_data  # nothing to rename (the common case: no copy of a map of every key)
     return {
         canonical_key(k): tuple(canonical_key(p) if isinstance(p, str) else p for p in v)
         if isinstance(v, (tuple, list))
         else v
         for k, v in planner_data.items()
     }
+
+
+def _wrapped(entry: tuple[Any, Any]) -> bool:
+    """Whether a planner-data entry's key or a name in its path has a wrapper segment."""
+    key, path = entry
+    names = [key, *(p for p in path if isinstance(p, str))] if isinstance(path, (tuple, list)) else [key]
+    return any(segment in name for name in names if isinstance(name, str) for segment in WRAPPER_SEGMENTS)
 
 
 class CanonicalKeyDict(dict):

@@ -25,7 +25,6 @@ import math
 import re
 import sys
 from collections.abc import Mapping
-from functools import cached_property
 from typing import Any, NamedTuple
 
 import torch
@@ -108,6 +107,20 @@ def dtype_from_name(name: Any) -> torch.dtype:
 # Records
 
 
+class _cached:
+    """``functools.cached_property`` without the lock it takes on every first use before Python 3.12:
+    a save's coordinator reads the stored size of hundreds of thousands of records once each."""
+
+    def __init__(self, compute: Any):
+        self.compute, self.name = compute, compute.__name__
+
+    def __get__(self, record: Any, owner: Any = None) -> Any:
+        if record is None:
+            return self
+        value = record.__dict__[self.name] = self.compute(record)
+        return value
+
+
 @dataclasses.dataclass(frozen=True)
 class StoredItem:
     """Where one saved item (a tensor chunk or a bytes object) lives and how to check it."""
@@ -123,12 +136,12 @@ class StoredItem:
     blocks: tuple[tuple[int, int], ...]  # (stored length, crc32c) per block
     inline: bytes | None = None  # stored bytes kept inside ckptio.json (file == "")
 
-    @cached_property
+    @_cached
     def block_offsets(self) -> list[int]:
         """Absolute file offset of each block, plus the end offset as a last entry."""
         return list(itertools.accumulate((stored_len for stored_len, _ in self.blocks), initial=self.offset))
 
-    @cached_property
+    @_cached
     def stored_bytes(self) -> int:
         return sum(stored_len for stored_len, _ in self.blocks)
 
@@ -344,7 +357,6 @@ def encode_metadata(
 ) -> bytes:
     """Serialize DCP metadata plus ckptio's item records into the JSON document (format version 3)."""
     block_size = header.config.max_block_size or next((i.block_size for i in items.values()), 64)
-    planner_data_json(metadata.planner_data)  # refuses what JSON cannot keep
     doc = dataclasses.replace(header, format_version=FORMAT_VERSION).to_json()
     doc.update(encode_document(metadata, items, per_rank or {}, header.files, header.writer_ranks, block_size))
     del doc["writer_ranks"]  # in 'files'
