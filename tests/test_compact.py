@@ -255,3 +255,42 @@ def test_a_plain_dcp_load_builds_the_records_of_what_it_reads_only(tmp_path):
     dcp.load(out, storage_reader=reader)
     assert torch.equal(out["t7"], torch.full((8,), 7.0))
     assert [fqn for fqn, key in reader.manifest.items._keys.items() if key._built] == ["t7"]
+
+
+def _paths(value, prefix=()):
+    """Every (path, value) inside a JSON document."""
+    yield prefix, value
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        yield from _paths(child, (*prefix, key))
+
+
+def test_any_field_replaced_by_a_hostile_value_is_a_format_error_or_still_valid(tmp_path):
+    import random
+
+    import torch.distributed.checkpoint as dcp
+
+    import ckptio
+
+    url = str(tmp_path / "ckpt")
+    state = {"w": torch.randn(64, 8), "b": torch.arange(5), "opt": {"lr": 0.1, "groups": [1, 2]}, "e": torch.ones(0)}
+    dcp.save(state, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(compression="zstd", inline_limit=0)))
+    good = json.load(open(f"{url}/ckptio.json"))
+    places = [path for path, _ in _paths(good) if path]
+    hostile = [-1, 0, 2**64, 2**70, 1.5, True, None, "", "Q", "I////", "x" * 300, [], [0] * 3, {}, {"a": 1}]
+    rng = random.Random(0)
+    for _ in range(600):
+        doc = json.loads(json.dumps(good))
+        for _ in range(rng.choice((1, 1, 2))):
+            path = rng.choice(places)
+            parent = doc
+            try:
+                for key in path[:-1]:
+                    parent = parent[key]
+                parent[path[-1]] = rng.choice(hostile)
+            except (KeyError, IndexError, TypeError):
+                pass  # an earlier change removed the place
+        try:
+            decode(doc)
+        except CheckpointFormatError:
+            pass  # anything else (TypeError, MemoryError, ...) fails the test
