@@ -35,6 +35,7 @@ _MAX_RANK = 10**9
 _OBJECT = BytesStorageMetadata()
 #: The save id in a data file name (``layout.data_file_name``).
 _SAVE_ID = re.compile("[0-9a-f]{8,32}")
+_SAVE_IDS = re.compile("(?:[0-9a-f]{8,32}(?:,(?!$)|$))*")  # comma-separated; empty for no files
 
 
 class _Context:
@@ -59,9 +60,10 @@ def decode_files(value: Any, where: str) -> tuple[tuple[str, ...], dict[str, int
     sizes = decode_column(value.get("sizes"), count, f"{where}: files: sizes")
     writers = decode_column(value["writers"], count, f"{where}: files: writers") if "writers" in value else ranks
     names = tuple(data_file_name(s, r) for s, r in zip(save_ids, ranks, strict=True))
-    for save_id, name in zip(save_ids, names, strict=True):
-        if not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id)):
-            refuse_data_file_name(name, where)  # names the file and raises
+    if not all(isinstance(s, str) for s in save_ids) or not _SAVE_IDS.fullmatch(",".join(save_ids)):
+        for save_id, name in zip(save_ids, names, strict=True):  # one pass above; here, which one
+            if not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id)):
+                refuse_data_file_name(name, where)  # names the file and raises
     if len(set(names)) != count:
         raise CheckpointFormatError(f"{where}: 'files' names a data file twice")
     return names, dict(zip(names, sizes, strict=True)), dict(zip(names, writers, strict=True))
