@@ -72,8 +72,8 @@ def decode_files(value: Any, where: str) -> tuple[tuple[str, ...], dict[str, int
 def decode_keys(
     doc: dict[str, Any], names: tuple[str, ...], files: dict[str, int], doc_bytes: int, where: str
 ) -> tuple[dict[str, Any], StoredItems, dict[str, dict[int, Any]], Any]:
-    """DCP's ``state_dict_metadata``, the item records, the per-rank copies and the planner data of a
-    version 3 document's ``keys`` and ``objects``."""
+    """DCP's ``state_dict_metadata``, the item records, the per-rank copies and, when the document
+    stores it as per-key paths, the planner data of a version 3 document's ``keys`` and ``objects``."""
     context = _Context(names, files, doc.get("block_size"), doc_bytes, where)
     state: dict[str, Any] = {}
     keys: dict[str, StoredKey] = {}
@@ -98,8 +98,8 @@ def decode_keys(
             raise CheckpointFormatError(f"{where}: key {min(twice)!r:.80} is listed twice")
         state.update(dict.fromkeys(object_names, _OBJECT))
         paths.update(zip(object_names, doc["objects"].get("paths") or [None] * len(object_names), strict=True))
-    planner_data = doc.get("planner_data")
-    if planner_data == "paths":
+    planner_data = None  # stored as it is (or absent): checked by the caller, as in every version
+    if doc.get("planner_data") == "paths":
         planner_data = {fqn: decode_path(fqn, code, len(state), where) for fqn, code in paths.items()}
     return state, StoredItems(keys, objects, object_names), per_rank, planner_data
 

@@ -341,7 +341,7 @@ class Manifest:
 
     header: Header
     metadata: Metadata
-    items: Mapping[MetadataIndex, StoredItem]  # version 3: records built on first use (compact.StoredItems)
+    items: Mapping[MetadataIndex, StoredItem]  # version 3: records built on first use (stored_items.py)
     per_rank: dict[str, dict[int, StoredItem]] = dataclasses.field(default_factory=dict)  # kept per-rank objects
 
     @property
@@ -480,8 +480,13 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
 def _decode_v3(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
     names, files, writers = decode_files(doc.get("files"), where)
     header = Header.from_json(doc, where, checked_files=(files, writers))
-    state, items, per_rank, planner_data = decode_keys(doc, names, header.files, doc_bytes, where)
-    return _manifest(doc, header, state, items, per_rank, where, planner_data)
+    state, items, per_rank, paths = decode_keys(doc, names, header.files, doc_bytes, where)
+    if doc.get("planner_data") == "paths":
+        return _manifest(doc, header, state, items, per_rank, where, checked_planner_data=paths)
+    return _manifest(doc, header, state, items, per_rank, where)
+
+
+_UNCHECKED = object()
 
 
 def _manifest(
@@ -491,11 +496,12 @@ def _manifest(
     items: Any,
     per_rank: dict[str, Any],
     where: str,
-    checked_planner_data: Any = "unchecked",
+    checked_planner_data: Any = _UNCHECKED,
 ) -> Manifest:
     """The manifest, with the document's ``planner_data`` checked (unless given already checked)."""
-    planner_data = doc.get("planner_data") if checked_planner_data == "unchecked" else checked_planner_data
-    if planner_data is not None and checked_planner_data == "unchecked":
+    unchecked = checked_planner_data is _UNCHECKED
+    planner_data = doc.get("planner_data") if unchecked else checked_planner_data
+    if planner_data is not None and unchecked:
         # A path's list indices are below the number of keys: a huge one would make a loader build a huge list.
         if not isinstance(planner_data, dict) or not all(
             isinstance(v, (list, tuple))
