@@ -44,6 +44,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from .errors import CheckpointError, CheckpointFormatError
+from .layout import parse_data_file_name, planner_data_json
 
 #: ``codec`` column values (a format constant: append only).
 CODECS = ("raw", "zstd", "zstd-byteplanes")
@@ -165,35 +166,16 @@ def encode_document(
     return doc
 
 
-def planner_data_json(planner_data: Any) -> Any:
-    """torch's default planner stores ``{fqn: (path, elements...)}``; keep it as JSON lists."""
-    if planner_data is None:
-        return None
-    if not isinstance(planner_data, dict) or not all(
-        isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
-        for k, v in planner_data.items()
-    ):
-        raise CheckpointFormatError(
-            "the save planner's planner_data is not {str: tuple of str/int}; ckptio stores metadata as "
-            "JSON and cannot keep arbitrary objects there. Use torch's DefaultSavePlanner or a planner "
-            "whose planner_data is a flat-key mapping."
-        )
-    return {k: list(v) for k, v in planner_data.items()}
-
-
 def _encode_files(names: list[str], files: dict[str, int], writer_ranks: dict[str, int]) -> dict[str, Any]:
-    from .layout import parse_data_file_name
-
     parsed = [parse_data_file_name(name) for name in names]
     columns: dict[str, Any] = {
         "save_ids": [p.save_id for p in parsed],
         "ranks": encode_column([p.rank for p in parsed]),
         "sizes": encode_column([files[name] for name in names]),
     }
-    if any(writer_ranks.get(name, p.rank) != p.rank for name, p in zip(names, parsed, strict=True)):
-        columns["writers"] = encode_column(
-            [writer_ranks.get(name, p.rank) for name, p in zip(names, parsed, strict=True)]
-        )
+    writers = [writer_ranks.get(name, p.rank) for name, p in zip(names, parsed, strict=True)]
+    if any(writer != p.rank for writer, p in zip(writers, parsed, strict=True)):
+        columns["writers"] = encode_column(writers)
     return columns
 
 

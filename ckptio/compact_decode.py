@@ -5,8 +5,6 @@ No declared number leads to an allocation larger than the document."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import itertools
 import math
@@ -22,10 +20,20 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .chunks import TooIrregular, outside, overlapping_pair
+from .chunks import outside
 from .compact import CODECS, decode_column
 from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
+from .layout import (
+    SAVE_ID,
+    _ints,
+    check_block_lengths,
+    chunks_overlap,
+    data_file_name,
+    decode_inline,
+    dtype_from_name,
+    refuse_data_file_name,
+)
 from .stored_items import StoredItems, StoredKey
 
 _PLANE_CODEC = CODECS.index("zstd-byteplanes")
@@ -34,8 +42,8 @@ _MAX_RANK = 10**9
 #: Every object's entry in DCP's metadata (it has no fields: one instance serves all).
 _OBJECT = BytesStorageMetadata()
 #: The save id in a data file name (``layout.data_file_name``).
-_SAVE_ID = re.compile("[0-9a-f]{8,32}")
-_SAVE_IDS = re.compile("(?:[0-9a-f]{8,32}(?:,(?!$)|$))*")  # comma-separated; empty for no files
+_SAVE_ID = re.compile(SAVE_ID)
+_SAVE_IDS = re.compile(f"(?:{SAVE_ID}(?:,(?!$)|$))*")  # comma-separated; empty for no files
 
 
 class _Context:
@@ -50,8 +58,6 @@ class _Context:
 def decode_files(value: Any, where: str) -> tuple[tuple[str, ...], dict[str, int], dict[str, int]]:
     """Version 3's ``files`` columns: the data file names in order, their sizes and writing ranks (the
     names and sizes are then checked as every version's are, by ``Header``)."""
-    from .layout import data_file_name, refuse_data_file_name
-
     if not isinstance(value, dict) or not isinstance(value.get("save_ids"), list):
         raise CheckpointFormatError(f"{where}: 'files' must hold 'save_ids', 'ranks' and 'sizes' columns")
     save_ids = value["save_ids"]
@@ -179,8 +185,6 @@ def _decode_key(fqn: str, record: Any, context: _Context) -> tuple[Any, StoredKe
 
 
 def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: str) -> TensorStorageMetadata:
-    from .layout import _ints, dtype_from_name
-
     size = tuple(_ints(record["size"]))
     offsets, sizes = record["offsets"], record["sizes"]
     if not isinstance(offsets, list) or not isinstance(sizes, list) or not len(offsets) == len(sizes) == len(size):
@@ -203,7 +207,7 @@ def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: s
             f"{where} has a chunk at {list(off)} of size {list(sz)} outside its shape {list(size)}"
         )
     chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in zip(key.offsets, key.sizes, strict=True)]
-    if sum(volumes) != math.prod(size) or _overlap(key, where):
+    if sum(volumes) != math.prod(size) or chunks_overlap(list(zip(key.offsets, key.sizes, strict=True)), where):
         raise CheckpointFormatError(
             f"{where}: its chunks hold {sum(volumes)} elements for a shape {list(size)} of {math.prod(size)}; "
             "the checkpoint does not cover the tensor"
@@ -227,16 +231,6 @@ def _boxes(columns: list[Any], count: int, what: str) -> list[tuple[int, ...]]:
         return [()] * count
     decoded = [decode_column(c, count, f"{what} column {d}") for d, c in enumerate(columns)]
     return list(zip(*decoded, strict=True))
-
-
-def _overlap(key: StoredKey, where: str) -> bool:
-    try:
-        return overlapping_pair(list(zip(key.offsets, key.sizes, strict=True))) is not None
-    except TooIrregular:
-        raise CheckpointFormatError(
-            f"{where}: its {key.count} chunks are too far from a grid to check for overlaps; "
-            "DCP never writes such a layout, so the metadata is damaged or crafted"
-        ) from None
 
 
 def _object_columns(key: StoredKey, record: dict[str, Any], count: int, where: str) -> None:
@@ -318,10 +312,10 @@ def _check_stored_bytes(key: StoredKey, inline: Any, context: _Context, where: s
         if lengths is None:
             stored = logical
         else:
-            stored = _checked_block_lengths(lengths[start:end], logical, block, key.codec[i] == 0, f"{where}: item {i}")
+            stored = check_block_lengths(lengths[start:end], logical, block, key.codec[i] == 0, f"{where}: item {i}")
         if file == 0:
-            data = _inline_bytes(next(inline_values), where)
-            if len(data) != stored:
+            data = decode_inline(next(inline_values), where)
+            if data is None or len(data) != stored:
                 raise CheckpointFormatError(f"{where}: item {i} is stored inline but its bytes do not match its blocks")
             key.inline[i] = data
         elif at + stored > context.sizes[file - 1]:
@@ -330,25 +324,3 @@ def _check_stored_bytes(key: StoredKey, inline: Any, context: _Context, where: s
                 f"{where}: item {i} spans bytes {at}..{at + stored} of {name}, which the metadata says holds "
                 f"{context.sizes[file - 1]} bytes"
             )
-
-
-def _checked_block_lengths(lengths: list[int], logical: int, block: int, raw: bool, where: str) -> int:
-    if not lengths:
-        return 0
-    last = logical - (len(lengths) - 1) * block
-    full = lengths[:-1]
-    fits = min(lengths) > 0 and max(full, default=block) <= block and lengths[-1] <= last
-    if raw:
-        fits = fits and full.count(block) == len(full) and lengths[-1] == last
-    if not fits:
-        expected = [block] * len(full) + [last]
-        i = next(i for i, (n, m) in enumerate(zip(lengths, expected, strict=True)) if n <= 0 or n > m or raw and n != m)
-        raise CheckpointFormatError(f"{where} block {i} has stored length {lengths[i]} for {expected[i]} logical bytes")
-    return sum(lengths)
-
-
-def _inline_bytes(value: Any, where: str) -> bytes:
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, TypeError, ValueError):
-        raise CheckpointFormatError(f"{where}: an inline item is not valid base64") from None

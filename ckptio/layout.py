@@ -38,8 +38,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .chunks import TooIrregular, outside, overlapping_pair
-from .compact import encode_document, planner_data_json
-from .compact_decode import decode_files, decode_keys
 from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
 from .gc_pause import paused_gc
@@ -50,7 +48,9 @@ FORMAT_NAME = "ckptio"
 FORMAT_VERSION = 3
 METADATA_NAME = "ckptio.json"
 TORCH_DCP_METADATA_NAME = ".metadata"
-_DATA_NAME = re.compile(r"data-([0-9a-f]{8,32})-r([0-9]{5,})\.ckio")
+#: The save id in a data file name: ``data-<save id>-r<rank>.ckio``.
+SAVE_ID = "[0-9a-f]{8,32}"
+_DATA_NAME = re.compile(rf"data-({SAVE_ID})-r([0-9]{{5,}})\.ckio")
 
 
 class ItemKind(str, enum.Enum):
@@ -356,11 +356,29 @@ def encode_metadata(
     per_rank: dict[str, dict[int, StoredItem]] | None = None,
 ) -> bytes:
     """Serialize DCP metadata plus ckptio's item records into the JSON document (format version 3)."""
+    from .compact import encode_document  # which builds on this module
+
     block_size = header.config.max_block_size or next((i.block_size for i in items.values()), 64)
     doc = dataclasses.replace(header, format_version=FORMAT_VERSION).to_json()
     doc.update(encode_document(metadata, items, per_rank or {}, header.files, header.writer_ranks, block_size))
     del doc["writer_ranks"]  # in 'files'
     return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def planner_data_json(planner_data: Any) -> Any:
+    """torch's default planner stores ``{fqn: (path, elements...)}``; keep it as JSON lists."""
+    if planner_data is None:
+        return None
+    if not isinstance(planner_data, dict) or not all(
+        isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
+        for k, v in planner_data.items()
+    ):
+        raise CheckpointFormatError(
+            "the save planner's planner_data is not {str: tuple of str/int}; ckptio stores metadata as "
+            "JSON and cannot keep arbitrary objects there. Use torch's DefaultSavePlanner or a planner "
+            "whose planner_data is a flat-key mapping."
+        )
+    return {k: list(v) for k, v in planner_data.items()}
 
 
 def legacy_document(manifest: Manifest) -> dict[str, Any]:
@@ -478,6 +496,8 @@ def _decode_v1(doc: dict[str, Any], where: str) -> Manifest:
 
 
 def _decode_v3(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
+    from .compact_decode import decode_files, decode_keys  # which build on this module
+
     names, files, writers = decode_files(doc.get("files"), where)
     header = Header.from_json(doc, where, checked_files=(files, writers))
     state, items, per_rank, paths = decode_keys(doc, names, header.files, doc_bytes, where)
@@ -574,21 +594,39 @@ def _check_coverage(
                     f"as {item.dtype}"
                 )
             covered += math.prod(expected)
-        if covered != math.prod(md.size) or _chunks_overlap(md.chunks, fqn, where):
+        boxes = [(c.offsets, c.sizes) for c in md.chunks]
+        if covered != math.prod(md.size) or chunks_overlap(boxes, f"{where}: key {fqn!r:.80}"):
             raise CheckpointFormatError(
                 f"{where}: the chunks of key {fqn!r:.80} hold {covered} elements for a shape {list(md.size)} of "
                 f"{math.prod(md.size)}; the checkpoint does not cover the tensor"
             )
 
 
-def _chunks_overlap(chunks: list[ChunkStorageMetadata], fqn: str, where: str) -> bool:
+def chunks_overlap(boxes: list[tuple[Any, Any]], where: str) -> bool:
+    """Whether two of a key's saved chunks ``(offsets, sizes)`` share an element (``where`` names the key)."""
     try:
-        return overlapping_pair([(c.offsets, c.sizes) for c in chunks]) is not None
+        return overlapping_pair(boxes) is not None
     except TooIrregular:
         raise CheckpointFormatError(
-            f"{where}: the {len(chunks)} chunks of key {fqn!r:.80} are too far from a grid to check for overlaps; "
+            f"{where}: its {len(boxes)} chunks are too far from a grid to check for overlaps; "
             "DCP never writes such a layout, so the metadata is damaged or crafted"
         ) from None
+
+
+def check_block_lengths(lengths: list[int], logical: int, block: int, raw: bool, where: str) -> int:
+    """The stored bytes of an item's blocks, each checked against its logical length (equal when ``raw``)."""
+    if not lengths:
+        return 0
+    last = logical - (len(lengths) - 1) * block
+    full = lengths[:-1]
+    fits = min(lengths) > 0 and max(full, default=block) <= block and lengths[-1] <= last
+    if raw:
+        fits = fits and full.count(block) == len(full) and lengths[-1] == last
+    if not fits:
+        expected = [block] * len(full) + [last]
+        i = next(i for i, (n, m) in enumerate(zip(lengths, expected, strict=True)) if n <= 0 or n > m or raw and n != m)
+        raise CheckpointFormatError(f"{where} block {i} has stored length {lengths[i]} for {expected[i]} logical bytes")
+    return sum(lengths)
 
 
 def _rank_of(text: Any, where: str) -> int:
@@ -617,7 +655,7 @@ def _decode_item(raw: dict[str, Any], fqn: str, files: dict[str, int], where: st
         codec=codec,
         block_size=_require_int(raw["block_size"], "block_size"),
         blocks=_decode_blocks(raw, where),
-        inline=_decode_inline(raw.get("inline"), where),
+        inline=decode_inline(raw.get("inline"), where),
     )
     _check_item(item, key, files, version)
     return item
@@ -643,16 +681,7 @@ def _check_item(item: StoredItem, key: str, files: dict[str, int], version: int)
             f"{key} spans bytes {item.offset}..{item.offset + item.stored_bytes} of {item.file}, "
             f"which the metadata says holds {files[item.file]} bytes"
         )
-    if expected_blocks:
-        logical = _block_logical_lengths(item.logical_bytes, item.block_size)
-        stored = [n for n, _ in item.blocks]
-        if item.codec == Codec.RAW and stored != logical or min(stored) <= 0 or any(map(int.__gt__, stored, logical)):
-            i = next(
-                i
-                for i, (n, m) in enumerate(zip(stored, logical, strict=True))
-                if n <= 0 or n > m or item.codec == Codec.RAW and n != m
-            )
-            raise CheckpointFormatError(f"{key} block {i} has stored length {stored[i]} for {logical[i]} logical bytes")
+    check_block_lengths([n for n, _ in item.blocks], item.logical_bytes, item.block_size, item.codec == Codec.RAW, key)
     if item.kind == ItemKind.TENSOR:
         dtype = dtype_from_name(item.dtype)
         if math.prod(item.shape) * dtype.itemsize != item.logical_bytes:
@@ -700,7 +729,8 @@ def _block_logical_lengths(logical_bytes: int, block_size: int) -> list[int]:
     return [block_size] * full + ([rest] if rest else [])
 
 
-def _decode_inline(value: Any, where: str) -> bytes | None:
+def decode_inline(value: Any, where: str) -> bytes | None:
+    """An inline item's stored bytes from base64 (``None`` stays ``None``)."""
     if value is None:
         return None
     try:

@@ -3,7 +3,6 @@ a rank resolves the items its load plan reads, not every item of the checkpoint.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -11,14 +10,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from .compact import CODECS
-
-
-@functools.cache
-def _layout() -> Any:
-    """layout.py, which imports this module: its records are built here, on first use."""
-    from . import layout
-
-    return layout
+from .layout import Codec, ItemKind, StoredItem, _block_logical_lengths
 
 
 class StoredKey:
@@ -52,19 +44,18 @@ class StoredKey:
         return built
 
     def _build(self, i: int) -> Any:
-        layout = _layout()
         start, end = self.starts[i], self.starts[i + 1]
         logical, block_size = self.logical[i], self.block_size[i]
-        lengths = self.lengths[start:end] if self.lengths else layout._block_logical_lengths(logical, block_size)
+        lengths = self.lengths[start:end] if self.lengths else _block_logical_lengths(logical, block_size)
         file = self.file[i]
-        return layout.StoredItem(
+        return StoredItem(
             file=self._files[file - 1] if file else "",
             offset=self.at[i],
             logical_bytes=logical,
-            kind=layout.ItemKind.TENSOR if self.tensor else layout.ItemKind.BYTES,
+            kind=ItemKind.TENSOR if self.tensor else ItemKind.BYTES,
             dtype=self.dtype,
             shape=self.sizes[i] if self.tensor else None,
-            codec=layout.Codec(CODECS[self.codec[i]]),
+            codec=Codec(CODECS[self.codec[i]]),
             block_size=block_size,
             blocks=tuple(zip(lengths, self.crcs[start:end], strict=True)),
             inline=self.inline.get(i),
