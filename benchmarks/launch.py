@@ -58,8 +58,19 @@ def redirect_output(log_path: str, who: str) -> None:
 
 
 #: Imported once by the server the ranks fork from, so each rank starts in milliseconds instead of
-#: importing torch anew (seconds of CPU per section on a 2-core machine).
-PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "ckptio", "ckptio.bench.runner"]
+#: importing torch anew (seconds of CPU per section on a 2-core machine); with what ranks import on
+#: first use: torch._dynamo (reached by FSDP2 and the collectives), s3fs, ckptio's lazy modules.
+PRELOAD = [
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "s3fs",
+    "ckptio",
+    "ckptio.compact_decode",
+    "ckptio.storage.s3",
+    "ckptio.bench.runner",
+]
 
 
 def launch(world_size: int, fn: Callable, *args: Any, backend: str = "gloo", log_path: str | None = None) -> list[Any]:
