@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .chunks import outside
-from .compact import CODECS, decode_column
+from .compact import CODECS, PackedBlocks, decode_column
 from .config import MAX_BLOCK_SIZE_LIMIT
 from .errors import CheckpointFormatError
 from .layout import (
@@ -43,7 +43,6 @@ _MAX_RANK = 10**9
 _OBJECT = BytesStorageMetadata()
 #: The save id in a data file name (``layout.data_file_name``).
 _SAVE_ID = re.compile(SAVE_ID)
-_SAVE_IDS = re.compile(f"(?:{SAVE_ID}(?:,(?!$)|$))*")  # comma-separated; empty for no files
 
 
 class _Context:
@@ -65,12 +64,16 @@ def decode_files(value: Any, where: str) -> tuple[tuple[str, ...], dict[str, int
     ranks = decode_column(value.get("ranks"), count, f"{where}: files: ranks")
     sizes = decode_column(value.get("sizes"), count, f"{where}: files: sizes")
     writers = decode_column(value["writers"], count, f"{where}: files: writers") if "writers" in value else ranks
-    names = tuple(data_file_name(s, r) for s, r in zip(save_ids, ranks, strict=True))
-    if not all(isinstance(s, str) for s in save_ids) or not _SAVE_IDS.fullmatch(",".join(save_ids)):
-        for save_id, name in zip(save_ids, names, strict=True):  # one pass above; here, which one
+    try:
+        distinct = set(save_ids)  # usually one: a save's files share its id
+    except TypeError:  # a list or an object among them
+        distinct = {None}
+    if not all(isinstance(s, str) and _SAVE_ID.fullmatch(s) for s in distinct):
+        for save_id, rank in zip(save_ids, ranks, strict=True):  # which one
             if not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id)):
-                refuse_data_file_name(name, where)  # names the file and raises
-    if len(set(names)) != count:
+                refuse_data_file_name(data_file_name(save_id, rank), where)  # names the file and raises
+    names = tuple(map(data_file_name, save_ids, ranks))
+    if len(set(zip(save_ids, ranks, strict=True)) if len(distinct) > 1 else set(ranks)) != count:
         raise CheckpointFormatError(f"{where}: 'files' names a data file twice")
     return names, dict(zip(names, sizes, strict=True)), dict(zip(names, writers, strict=True))
 
@@ -127,7 +130,7 @@ def _decode_objects(table: Any, context: _Context) -> tuple[StoredKey, list[str]
     """The objects table: one stored item per object key, as columns (``keys`` names them)."""
     where = f"{context.where}: objects table"
     names = table["keys"]
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+    if not isinstance(names, list) or not set(map(type, names)) <= {str} or len(set(names)) != len(names):
         raise CheckpointFormatError(f"{where}: 'keys' must be a list of distinct key names")
     if "paths" in table and (not isinstance(table["paths"], list) or len(table["paths"]) != len(names)):
         raise CheckpointFormatError(f"{where}: 'paths' must have one entry per key")
@@ -191,23 +194,33 @@ def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: s
         raise CheckpointFormatError(f"{where} must have one offsets and one sizes column per dimension ({len(size)})")
     if count > 1 and all(isinstance(column, int) for column in offsets):
         raise CheckpointFormatError(f"{where}: its {count} chunks all start at the same offsets (listed twice)")
-    key.offsets = _boxes(offsets, count, f"{where}: offsets")
-    key.sizes = _boxes(sizes, count, f"{where}: sizes")
+    offset_columns = [decode_column(c, count, f"{where}: offsets column {d}") for d, c in enumerate(offsets)]
+    size_columns = [decode_column(c, count, f"{where}: sizes column {d}") for d, c in enumerate(sizes)]
+    key.offsets = list(zip(*offset_columns, strict=True)) if size else [()] * count
+    key.sizes = list(zip(*size_columns, strict=True)) if size else [()] * count
     if len(set(key.offsets)) != count:
         raise CheckpointFormatError(f"{where}: a chunk is listed twice (two chunks start at the same offsets)")
     dtype = dtype_from_name(record["dtype"])
     key.dtype = str(dtype).removeprefix("torch.")
-    volumes = [math.prod(sz) for sz in key.sizes]
+    volumes = list(map(math.prod, key.sizes))
     key.logical = [n * dtype.itemsize for n in volumes]
     # column by column (entries are non-negative): a chunk ends inside its shape in every dimension
-    ends = [max(map(int.__add__, o, n), default=0) for o, n in zip(*_columns(key, len(size)), strict=True)]
-    if any(map(int.__gt__, ends, size)):
+    if count and any(
+        max(map(int.__add__, o, n)) > s for o, n, s in zip(offset_columns, size_columns, size, strict=True)
+    ):
         off, sz = next((o, n) for o, n in zip(key.offsets, key.sizes, strict=True) if outside(size, (o, n)))
         raise CheckpointFormatError(
             f"{where} has a chunk at {list(off)} of size {list(sz)} outside its shape {list(size)}"
         )
-    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in zip(key.offsets, key.sizes, strict=True)]
-    if sum(volumes) != math.prod(size) or chunks_overlap(list(zip(key.offsets, key.sizes, strict=True)), where):
+    split = [d for d, column in enumerate(offsets) if not isinstance(column, int)]
+    if len(split) == 1 and all(isinstance(column, int) for d, column in enumerate(sizes) if d != split[0]):
+        # every chunk spans the same range of the other dimensions (DCP's row or column splits):
+        # two overlap when their intervals along the split dimension do
+        empty = any(column == 0 for d, column in enumerate(sizes) if d != split[0])
+        overlap = not empty and _intervals_overlap(offset_columns[split[0]], size_columns[split[0]])
+    else:
+        overlap = chunks_overlap(list(zip(key.offsets, key.sizes, strict=True)), where)
+    if sum(volumes) != math.prod(size) or overlap:
         raise CheckpointFormatError(
             f"{where}: its chunks hold {sum(volumes)} elements for a shape {list(size)} of {math.prod(size)}; "
             "the checkpoint does not cover the tensor"
@@ -216,21 +229,14 @@ def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: s
     if not isinstance(requires_grad, bool):
         raise CheckpointFormatError(f"{where}: 'requires_grad' must be true or false")
     props = TensorProperties(dtype=dtype, requires_grad=requires_grad)
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in zip(key.offsets, key.sizes, strict=True)]
     return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
 
 
-def _columns(key: StoredKey, ndim: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-    """The offsets and the sizes of every chunk, per dimension."""
-    if not key.offsets:
-        return [()] * ndim, [()] * ndim
-    return list(zip(*key.offsets, strict=True)), list(zip(*key.sizes, strict=True))
-
-
-def _boxes(columns: list[Any], count: int, what: str) -> list[tuple[int, ...]]:
-    if not columns:
-        return [()] * count
-    decoded = [decode_column(c, count, f"{what} column {d}") for d, c in enumerate(columns)]
-    return list(zip(*decoded, strict=True))
+def _intervals_overlap(starts: list[int], lengths: list[int]) -> bool:
+    """Whether two of the non-empty intervals ``[start, start + length)`` share a point."""
+    spans = sorted((start, length) for start, length in zip(starts, lengths, strict=True) if length)
+    return any(start + length > next_start for (start, length), (next_start, _) in zip(spans, spans[1:], strict=False))
 
 
 def _object_columns(key: StoredKey, record: dict[str, Any], count: int, where: str) -> None:
@@ -269,9 +275,13 @@ def _storage_columns_of(key: StoredKey, record: dict[str, Any], context: _Contex
         and any(at for file, at in zip(key.file, key.at, strict=True) if file == 0)
     ):
         _name_bad_item(key, files, where)
-    key.starts = list(itertools.accumulate((-(-n // b) for n, b in zip(key.logical, blocks, strict=True)), initial=0))
+    if count and 0 < min(key.logical) and max(key.logical) <= min(blocks):  # one block each (small objects)
+        key.starts = range(count + 1)
+    else:
+        per_item = (-(-n // b) for n, b in zip(key.logical, blocks, strict=True))
+        key.starts = list(itertools.accumulate(per_item, initial=0))
     total = key.starts[-1]
-    key.crcs = decode_column(record["crc32c"], total, f"{where}: crc32c (one per block)", packed_only=True)
+    key.crcs = PackedBlocks(record["crc32c"], total, f"{where}: crc32c (one per block)")  # decoded on use
     compressed = any(key.codec)
     if compressed != ("stored_lengths" in record):
         raise CheckpointFormatError(f"{where}: 'stored_lengths' must be present exactly when an item is compressed")

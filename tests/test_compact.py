@@ -95,6 +95,48 @@ def test_chunks_must_tile_the_tensor(chunks):
     refused(compact_doc([200], chunks), "does not cover")
 
 
+@pytest.mark.parametrize("grown", [6, 0, 61], ids=["middle", "first", "near-the-end"])
+def test_row_chunks_that_overlap_are_refused(grown):
+    # rows of a 2-D tensor: the other dimension's columns are constants (the split-dimension check)
+    assert len(decode(compact_doc([256, 300], ROWS)).items) == 64
+    rows = [([r * 4, 0], [8 if r == grown else 4, 300]) for r in range(63)]  # one row grown, the last dropped
+    refused(compact_doc([256, 300], rows), "does not cover")
+    shuffled = rows[32:] + rows[:32]  # DCP's chunk order is not the row order
+    refused(compact_doc([256, 300], shuffled), "does not cover")
+
+
+def test_empty_chunks_never_overlap():
+    empty_rows = [([r, 0], [1, 0]) for r in range(4)]  # a [4, 0] tensor
+    assert len(decode(compact_doc([4, 0], empty_rows)).items) == 4
+    empty_tail = [([0], [5]), ([5], [0]), ([2], [0])]  # torch.chunk's empty trailing shards
+    assert len(decode(compact_doc([5], empty_tail)).items) == 3
+
+
+def test_per_block_columns_decode_any_slice_on_use_and_check_their_length_first():
+    from ckptio.compact import PackedBlocks
+
+    for values in ([], [3], [1, 2], [0, 1 << 16], [7, 1 << 31, 5], list(range(0, 1 << 40, 1 << 33))):
+        column = PackedBlocks(encode_packed(values), len(values), "col")
+        for start in range(len(values) + 1):
+            for stop in range(start, len(values) + 1):
+                assert column[start:stop].tolist() == values[start:stop]
+    with pytest.raises(CheckpointFormatError, match="holds 2 entries of 4 bytes where 3"):
+        PackedBlocks(encode_packed([1 << 31, 2]), 3, "col")
+    bad = PackedBlocks("I" + "!" * 16, 3, "key 'w': crc32c")  # the right length, not base64
+    with pytest.raises(CheckpointFormatError, match="key 'w': crc32c is not valid base64"):
+        bad[1:2]
+
+
+def test_a_damaged_checksum_column_is_a_named_error_when_its_item_is_read():
+    doc = compact_doc([256, 300], ROWS)
+    crcs = doc["keys"]["w"]["crc32c"]
+    doc["keys"]["w"]["crc32c"] = crcs[:41] + "*" + crcs[42:]  # block 30 of 320: item 6's
+    items = decode(doc).items
+    assert items[MetadataIndex("w", torch.Size([0, 0]), 0)].blocks[0][1] == 7
+    with pytest.raises(CheckpointFormatError, match="crc32c .* is not valid base64"):
+        items[MetadataIndex("w", torch.Size([24, 0]), 6)]
+
+
 @pytest.mark.parametrize("chunk", [([4], [1]), ([3], [2])], ids=["past-end", "overrun"])
 def test_a_chunk_outside_its_shape_is_refused(chunk):
     refused(compact_doc([4], [([0], [4]), chunk]), "outside its shape")
