@@ -159,7 +159,7 @@ def _ckptio_result(item: WriteItem, rank: int, offset: int, block_size: int):
     record = StoredItem(
         f"data-0123456789abcdef-r{rank:05d}.ckio", offset, logical, kind, dtype, shape, Codec.RAW, block_size, blocks
     )
-    return WriteResult(item.index, logical, record)
+    return WriteResult(item.index, record.stored_bytes, record)  # as write_data reports it (its size cached)
 
 
 def ckptio_results(plans: list[SavePlan], block_size: int) -> list[list[WriteResult]]:

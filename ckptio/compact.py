@@ -37,14 +37,17 @@ from __future__ import annotations
 import array
 import base64
 import binascii
+import itertools
+import operator
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .errors import CheckpointError, CheckpointFormatError
-from .layout import parse_data_file_name, planner_data_json
+from .layout import parse_data_file_names, planner_data_json
 
 #: ``codec`` column values (a format constant: append only).
 CODECS = ("raw", "zstd", "zstd-byteplanes")
@@ -65,9 +68,12 @@ def encode_column(values: list[int]) -> int | str:
     return encode_packed(values)
 
 
-def encode_packed(values: list[int]) -> str:
-    top = max(values, default=0)
-    letter = next((letter for letter, width in _WIDTHS.items() if top < 1 << (8 * width)), "Q")
+def encode_packed(values: Iterable[int], letter: str | None = None) -> str:
+    """The narrowest packed string of ``values`` (a list), or of that ``letter``'s width (any iterable:
+    CRC32Cs, always 4 bytes, go from their records into the array without a list between)."""
+    if letter is None:
+        top = max(values, default=0)
+        letter = next((letter for letter, width in _WIDTHS.items() if top < 1 << (8 * width)), "Q")
     packed = array.array(_TYPECODES[letter], values)
     if sys.byteorder != "little":
         packed.byteswap()
@@ -147,47 +153,28 @@ def _b64(data: bytes) -> str:
 
 def encode_document(
     metadata: Metadata,
-    items: Mapping[MetadataIndex, Any],
+    items: Mapping[tuple[str, torch.Size | None], Any],
     per_rank: dict[str, dict[int, Any]],
     files: dict[str, int],
     writer_ranks: dict[str, int],
     block_size: int,
 ) -> dict[str, Any]:
     """The version 3 fields (``files``, ``block_size``, ``planner_data``, ``keys``, ``objects``) from DCP's
-    metadata, the stored item records and the data files."""
+    metadata, the stored item records by ``(key, chunk offsets or None)`` and the data files."""
     names = sorted(files)
-    file_numbers = {"": 0, **{name: n for n, name in enumerate(names, 1)}}
+    file_numbers = dict(zip(names, range(1, len(names) + 1), strict=True))
+    file_numbers[""] = 0
     paths = _paths_by_key(metadata)
+    state = metadata.state_dict_metadata
+    # objects stored once go to one table (at thousands of ranks, mostly each rank's own data-loader key)
+    objects = [fqn for fqn, md in state.items() if isinstance(md, BytesStorageMetadata) and not per_rank.get(fqn)]
+    in_table = set(objects)
     keys: dict[str, Any] = {}
-    objects: list[tuple[str, Any]] = []
-    for fqn, md in metadata.state_dict_metadata.items():
-        if isinstance(md, BytesStorageMetadata):
-            copies = per_rank.get(fqn)
-            if not copies:
-                objects.append((fqn, _stored(items, MetadataIndex(fqn), fqn)))
-                continue
-            ranks = sorted(copies)
-            stored = [copies[rank] for rank in ranks]
-            record: dict[str, Any] = {"type": "bytes", "count": len(ranks), "ranks": encode_column(ranks)}
-            record["length"] = encode_column([item.logical_bytes for item in stored])
-        else:
-            chunks = md.chunks
-            stored = [_stored(items, MetadataIndex(fqn, chunk.offsets), fqn) for chunk in chunks]
-            ndim = len(md.size)
-            offsets, sizes = zip(*((c.offsets, c.sizes) for c in chunks), strict=True) if chunks else ((), ())
-            record = {
-                "type": "tensor",
-                "dtype": str(md.properties.dtype).removeprefix("torch."),
-                "size": list(md.size),
-                "requires_grad": bool(md.properties.requires_grad),
-                "count": len(chunks),
-                "offsets": _dimension_columns(offsets, ndim),
-                "sizes": _dimension_columns(sizes, ndim),
-            }
-        record.update(_storage_columns(stored, file_numbers, block_size))
-        if paths and paths[fqn] is not None:
-            record["path"] = paths[fqn]
-        keys[fqn] = record
+    for fqn, md in state.items():
+        if fqn not in in_table:
+            keys[fqn] = _key_record(fqn, md, items, per_rank, file_numbers, block_size)
+            if paths and paths[fqn] is not None:
+                keys[fqn]["path"] = paths[fqn]
     doc: dict[str, Any] = {
         "files": _encode_files(names, files, writer_ranks),
         "block_size": block_size,
@@ -195,24 +182,65 @@ def encode_document(
         "keys": keys,
     }
     if objects:
-        table: dict[str, Any] = {"keys": [fqn for fqn, _ in objects]}
-        if paths and any(paths[fqn] is not None for fqn, _ in objects):
-            table["paths"] = [paths[fqn] for fqn, _ in objects]
-        table["length"] = encode_column([item.logical_bytes for _, item in objects])
-        table.update(_storage_columns([item for _, item in objects], file_numbers, block_size))
+        try:
+            stored = [items[fqn, None] for fqn in objects]
+        except KeyError:
+            stored = [_stored(items, fqn, None) for fqn in objects]  # names the missing object
+        table: dict[str, Any] = {"keys": objects}
+        object_paths = [paths[fqn] for fqn in objects] if paths else []
+        if object_paths.count(None) != len(object_paths):
+            table["paths"] = object_paths
+        table["length"] = encode_column(list(map(_LOGICAL_BYTES, stored)))
+        table.update(_storage_columns(stored, file_numbers, block_size))
         doc["objects"] = table
     return doc
 
 
+def _key_record(
+    fqn: str,
+    md: Any,
+    items: Mapping[tuple[str, torch.Size | None], Any],
+    per_rank: dict[str, dict[int, Any]],
+    file_numbers: dict[str, int],
+    block_size: int,
+) -> dict[str, Any]:
+    """A ``keys`` record: a tensor's chunks, or an object kept with one copy per rank."""
+    if isinstance(md, BytesStorageMetadata):
+        copies = per_rank[fqn]
+        ranks = sorted(copies)
+        stored = [copies[rank] for rank in ranks]
+        record: dict[str, Any] = {"type": "bytes", "count": len(ranks), "ranks": encode_column(ranks)}
+        record["length"] = encode_column(list(map(_LOGICAL_BYTES, stored)))
+    else:
+        chunks = md.chunks
+        try:
+            stored = [items[fqn, chunk.offsets] for chunk in chunks]
+        except KeyError:
+            stored = [_stored(items, fqn, chunk.offsets) for chunk in chunks]  # names the missing chunk
+        ndim = len(md.size)
+        offsets, sizes = zip(*((c.offsets, c.sizes) for c in chunks), strict=True) if chunks else ((), ())
+        record = {
+            "type": "tensor",
+            "dtype": str(md.properties.dtype).removeprefix("torch."),
+            "size": list(md.size),
+            "requires_grad": bool(md.properties.requires_grad),
+            "count": len(chunks),
+            "offsets": _dimension_columns(offsets, ndim),
+            "sizes": _dimension_columns(sizes, ndim),
+        }
+    record.update(_storage_columns(stored, file_numbers, block_size))
+    return record
+
+
 def _encode_files(names: list[str], files: dict[str, int], writer_ranks: dict[str, int]) -> dict[str, Any]:
-    parsed = [parse_data_file_name(name) for name in names]
+    save_ids, ranks = parse_data_file_names(names)
     columns: dict[str, Any] = {
-        "save_ids": [p.save_id for p in parsed],
-        "ranks": encode_column([p.rank for p in parsed]),
+        "save_ids": save_ids,
+        "ranks": encode_column(ranks),
         "sizes": encode_column([files[name] for name in names]),
     }
-    writers = [writer_ranks.get(name, p.rank) for name, p in zip(names, parsed, strict=True)]
-    if any(writer != p.rank for writer, p in zip(writers, parsed, strict=True)):
+    writers = [writer_ranks.get(name, rank) for name, rank in zip(names, ranks, strict=True)]
+    if writers != ranks:
         columns["writers"] = encode_column(writers)
     return columns
 
@@ -225,9 +253,14 @@ def _paths_by_key(metadata: Metadata) -> dict[str, list[int] | None] | None:
         return None
     paths = {}
     for fqn, path in planner_data.items():
-        code = encode_path(path)
-        if code is False or ".".join(map(str, path)) != fqn:
-            return None
+        try:  # a path of names only (most keys): its parts' dots are the key's, less the joins
+            if not isinstance(path, (tuple, list)) or ".".join(path) != fqn:
+                return None
+            code = None if fqn.count(".") == len(path) - 1 else [part.count(".") + 1 for part in path]
+        except TypeError:  # list indices (or what is not a path)
+            code = encode_path(path)
+            if code is False or ".".join(map(str, path)) != fqn:
+                return None
         paths[fqn] = code
     return paths
 
@@ -237,14 +270,15 @@ def encode_path(path: Any) -> list[int] | None | bool:
     ``None`` when every part is its own string element; ``False`` when it is not such a path."""
     if not isinstance(path, (tuple, list)):
         return False
-    if all(type(part) is str and "." not in part for part in path):
-        return None
     code = []
     for part in path:
-        if isinstance(part, bool) or not isinstance(part, (str, int)) or isinstance(part, int) and part < 0:
+        if type(part) is str:
+            code.append(part.count(".") + 1)
+        elif isinstance(part, int) and not isinstance(part, bool) and part >= 0:
+            code.append(0)
+        else:
             return False
-        code.append(0 if isinstance(part, int) else part.count(".") + 1)
-    return None if all(n == 1 for n in code) else code
+    return None if code.count(1) == len(code) else code
 
 
 def _dimension_columns(boxes: tuple[tuple[int, ...], ...], ndim: int) -> list[int | str]:
@@ -252,30 +286,42 @@ def _dimension_columns(boxes: tuple[tuple[int, ...], ...], ndim: int) -> list[in
     return [encode_column([box[d] for box in boxes]) for d in range(ndim)]
 
 
-def _stored(items: Mapping[MetadataIndex, Any], index: MetadataIndex, fqn: str) -> Any:
+def _stored(items: Mapping[tuple[str, torch.Size | None], Any], fqn: str, offsets: torch.Size | None) -> Any:
     try:
-        return items[index]
+        return items[fqn, offsets]  # a tuple's hash, not MetadataIndex's (a Python method): 12k+ lookups
     except KeyError:
         raise CheckpointError(
-            f"no rank reported writing key {fqn!r} (chunk at {list(index.offset or ())}); the save cannot commit"
+            f"no rank reported writing key {fqn!r} (chunk at {list(offsets or ())}); the save cannot commit"
         ) from None
 
 
+# attribute getters (C loops over the objects table's thousands of records); a codec by its value's
+# string: an Enum member's hash is a Python method
+_CODEC, _FILE, _OFFSET, _BLOCK_SIZE, _BLOCKS = map(
+    operator.attrgetter, ("codec._value_", "file", "offset", "block_size", "blocks")
+)
+_LOGICAL_BYTES = operator.attrgetter("logical_bytes")
+_SECOND = operator.itemgetter(1)
+_CODEC_NUMBERS = {name: number for number, name in enumerate(CODECS)}
+
+
 def _storage_columns(stored: list[Any], file_numbers: dict[str, int], block_size: int) -> dict[str, Any]:
-    codecs = [CODECS.index(item.codec._value_) for item in stored]
+    codecs = list(map(_CODEC_NUMBERS.__getitem__, map(_CODEC, stored)))
+    item_files = list(map(_FILE, stored))
     columns: dict[str, Any] = {
-        "file": encode_column([file_numbers[item.file] for item in stored]),
-        "at": encode_column([item.offset for item in stored]),
+        "file": encode_column(list(map(file_numbers.__getitem__, item_files))),
+        "at": encode_column(list(map(_OFFSET, stored))),
     }
     if any(codecs):
         columns["codec"] = encode_column(codecs)
-    sizes = [item.block_size for item in stored]
+    sizes = list(map(_BLOCK_SIZE, stored))
     if sizes.count(block_size) != len(sizes):
         columns["block_size"] = encode_column(sizes)
-    columns["crc32c"] = encode_packed([crc for item in stored for _, crc in item.blocks])
+    # (stored length, crc) of every block in turn
+    columns["crc32c"] = encode_packed(map(_SECOND, itertools.chain.from_iterable(map(_BLOCKS, stored))), "I")
     if any(codecs):
         columns["stored_lengths"] = encode_packed([n for item in stored for n, _ in item.blocks])
-    inline = [_b64(item.inline) for item in stored if item.file == ""]
+    inline = [_b64(item.inline) for item, file in zip(stored, item_files, strict=True) if file == ""]
     if inline:
         columns["inline"] = inline
     return columns

@@ -125,9 +125,15 @@ def attach_report(results: list[WriteResult], report: ObjectReport) -> list[Writ
 
 
 def split_reports(results: list[list[WriteResult]]) -> tuple[list[list[WriteResult]], list[ObjectReport]]:
-    """Every rank's write results without the reports, and the reports."""
-    reports = [r.storage_data for rank_results in results for r in rank_results if r.index.fqn == _REPORT_KEY]
-    return [[r for r in rank_results if r.index.fqn != _REPORT_KEY] for rank_results in results], reports
+    """Every rank's write results without the reports, and the reports (each the last of its rank's
+    results, where ``attach_report`` puts it: no pass over every result)."""
+    reports, stripped = [], []
+    for rank_results in results:
+        if rank_results and rank_results[-1].index.fqn == _REPORT_KEY:
+            reports.append(rank_results[-1].storage_data)
+            rank_results = rank_results[:-1]
+        stripped.append(rank_results)
+    return stripped, reports
 
 
 def own_copies(
@@ -142,6 +148,11 @@ def own_copies(
 
 def differing_keys(reports: list[ObjectReport]) -> dict[str, list[list[int]]]:
     """Keys whose value differs between ranks -> groups of ranks holding the same value."""
+    last: dict[str, Digest] = {}
+    for report in reports:
+        last.update(report.digests)
+    if all(report.digests.items() <= last.items() for report in reports):
+        return {}  # every rank's value of every key is the last rank's: the common case, in C loops
     by_key: dict[str, dict[Digest, list[int]]] = defaultdict(lambda: defaultdict(list))
     for report in reports:
         for key, digest in report.digests.items():

@@ -8,7 +8,9 @@ loadable exactly when it is complete.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import operator
 import os
 import time
 import uuid
@@ -214,8 +216,8 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         results, reports = split_reports(results)
         per_rank = per_rank_values(reports, self.config.differing_objects)
-        items = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        header = _header(self.config, metadata, results, reports, per_rank, self._save_id)
+        items, files, writers = _written(results, reports)
+        header = _header(self.config, metadata, files, writers, reports, self._save_id, world_size=len(results))
         metadata.planner_data = canonical_planner_data(metadata.planner_data)
         document = encode_metadata(metadata, items, header, per_rank)
         publish(self._open_store(), document, header.files, self._superseded, self.config.overwrite)
@@ -225,19 +227,19 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
 def _header(
     config: WriterConfig,
     metadata: Metadata,
-    results: list[list[WriteResult]],
+    files: dict[str, int],
+    writers: dict[str, int],
     reports: list[ObjectReport],
-    per_rank: dict[str, dict[int, StoredItem]],
     save_id: str | None,
+    world_size: int,
 ) -> Header:
-    files, writers = _data_files(results, reports)
     return Header(
         files=files,
         written_by=f"ckptio {__version__}",
         torch_version=torch.__version__,
         created_unix=time.time(),
         save_id=save_id,
-        world_size=len(results),
+        world_size=world_size,
         mesh=next((r.mesh for r in reports if r.mesh), None),
         config=SavedConfig(config.mode, config.compression, config.max_block_size),
         writer_ranks=writers,
@@ -269,19 +271,35 @@ def _cached_local_items(planner: SavePlanner) -> list[WriteItem]:
     return list(plan.items) if plan is not None else []
 
 
-def _data_files(results: list[list[WriteResult]], reports: list[ObjectReport]) -> tuple[dict, dict]:
-    """Size and writing rank of every data file, from the records of everything written."""
-    written: dict[tuple[str, int], tuple[StoredItem, int]] = {}  # (file, offset) -> record, rank
-    for rank, rank_results in enumerate(results):
-        for r in rank_results:
-            written[(r.storage_data.file, r.storage_data.offset)] = (r.storage_data, rank)
-    for report in reports:  # keep_per_rank copies; a rank's assigned objects are in both lists
-        for item in report.copies.values():
-            written[(item.file, item.offset)] = (item, report.rank)
+def _written(
+    results: list[list[WriteResult]], reports: list[ObjectReport]
+) -> tuple[dict[tuple[str, torch.Size | None], StoredItem], dict[str, int], dict[str, int]]:
+    """The record of every written item by ``(key, chunk offsets or None)``, and the size and writing
+    rank of every data file (a rank's results name distinct bytes of its own file). C-level passes
+    over the results: at thousands of ranks a Python loop over every result was a fifth of the finish."""
+    every = list(itertools.chain.from_iterable(results))
+    stored = list(map(_STORAGE_DATA, every))
+    items = dict(zip(map(_INDEX_KEY, every), stored, strict=True))
+    names = list(map(_FILE, stored))
     files: dict[str, int] = {}
-    writers: dict[str, int] = {}
-    for (name, _), (item, rank) in written.items():
-        if name:  # "" = inline in ckptio.json
-            files[name] = files.get(name, 0) + item.stored_bytes
-            writers[name] = rank
-    return files, writers
+    for name, size in zip(names, map(_STORED_BYTES, stored), strict=True):
+        files[name] = files.get(name, 0) + size
+    ranks = itertools.chain.from_iterable(map(itertools.repeat, range(len(results)), map(len, results)))
+    writers = dict(zip(names, ranks, strict=True))
+    if any(report.copies for report in reports):  # keep_per_rank: a rank's assigned objects are in both lists
+        counted = {(item.file, item.offset) for item in stored}
+        for report in reports:
+            for item in report.copies.values():
+                if (item.file, item.offset) not in counted:
+                    counted.add((item.file, item.offset))
+                    files[item.file] = files.get(item.file, 0) + item.stored_bytes
+                    writers[item.file] = report.rank
+    files.pop("", None)  # inline in ckptio.json
+    writers.pop("", None)
+    return items, files, writers
+
+
+_STORAGE_DATA = operator.attrgetter("storage_data")
+_INDEX_KEY = operator.attrgetter("index.fqn", "index.offset")
+_FILE = operator.attrgetter("file")
+_STORED_BYTES = operator.attrgetter("stored_bytes")

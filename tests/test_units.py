@@ -146,6 +146,14 @@ def test_decode_rejects_garbage_future_versions_and_inconsistent_sizes():
 
 def test_data_file_names():
     assert is_data_file_name(data_file_name("0123456789abcdef", 12)) and not is_data_file_name("x.ckio")
+    from ckptio.layout import parse_data_file_names
+
+    names = [data_file_name("0123456789abcdef", 7), data_file_name("fedcba9876543210", 100000)]
+    assert parse_data_file_names(names) == (["0123456789abcdef", "fedcba9876543210"], [7, 100000])
+    assert parse_data_file_names([]) == ([], [])
+    for bad in ("x.ckio", names[0] + "\n", names[0] + "\n" + names[1], "/" + names[0]):
+        with pytest.raises(ValueError, match="not a ckptio data file name"):
+            parse_data_file_names([names[1], bad])  # each name whole: none hides in a joined line
 
 
 # --- config ---------------------------------------------------------------------------
@@ -369,3 +377,17 @@ def test_part_size_is_bounded_by_s3s_limits(clean_env):
         with pytest.raises(ValueError, match="part_size"):
             WriterConfig(part_size=bad)
     assert WriterConfig(part_size=4 << 30).part_size == 4 << 30
+
+
+def test_object_reports_find_every_key_whose_value_differs_between_ranks():
+    from ckptio.objects import ObjectReport, differing_keys
+
+    # each rank also holds a key of its own (a data loader's): one holder never differs
+    reports = [ObjectReport(r, {"lr": ("object", 1, 8), f"loader.{r}": ("object", r, 8)}) for r in range(6)]
+    assert differing_keys(reports) == {}
+    reports[4].digests["lr"] = ("object", 2, 8)
+    reports[1].digests["lr"] = ("object", 2, 8)
+    reports[5].digests["step"] = ("object", 0, 8)  # a key only the last rank holds
+    assert differing_keys(reports) == {"lr": [[0, 2, 3, 5], [1, 4]]}
+    reports[5].digests["lr"] = ("object", 3, 8)  # the last rank's value is not everyone's
+    assert differing_keys(reports) == {"lr": [[0, 2, 3], [1, 4], [5]]}
