@@ -48,3 +48,17 @@ def s3_proxy(s3, moto_server):
     options = {"client_kwargs": {"endpoint_url": proxy.url}, "key": "testing", "secret": "testing"}
     yield proxy, base, options
     proxy.close()
+
+
+@pytest.fixture(scope="session")
+def radosgw():
+    """A Ceph radosgw on 127.0.0.1 with a one-node in-memory cluster, for the session (tests/radosgw.py);
+    skips, saying why, where it cannot run (``make radosgw`` installs its Debian packages)."""
+    from . import radosgw as rgw
+
+    try:
+        gateway = rgw.start()
+    except rgw.Unavailable as exc:
+        pytest.skip(f"Ceph radosgw unavailable: {exc}")
+    yield gateway
+    gateway.stop()

@@ -227,3 +227,33 @@ def switch_mode_under_plan_cache(base: str) -> tuple[list[str], bool]:
     out = {"w": torch.zeros(64, 32)}
     dcp.load(out, storage_reader=ckptio.Reader(f"{base}/1"))
     return messages, torch.equal(out["w"], state["w"])
+
+
+class _RivalCommitsFirst(DefaultSavePlanner):
+    """A second job saves to the same path after this one checked it and before this one commits."""
+
+    def __init__(self, rival):
+        super().__init__()
+        self.rival = rival
+
+    def finish_plan(self, plan):
+        self.rival()
+        return super().finish_plan(plan)
+
+
+def race_two_saves(url: str, options=None) -> None:
+    """Two saves to ``url``, the second committing between the first's check and commit: exactly one
+    commits (the second), and the first fails with ``CheckpointExistsError``."""
+    rival = {"w": torch.full((100,), 2.0)}
+    planner = _RivalCommitsFirst(lambda: dcp.save(rival, storage_writer=ckptio.Writer(url, storage_options=options)))
+    try:
+        dcp.save(
+            {"w": torch.full((100,), 1.0)}, storage_writer=ckptio.Writer(url, storage_options=options), planner=planner
+        )
+    except CheckpointException as exc:
+        assert isinstance(ckptio.unwrap(exc), ckptio.CheckpointExistsError), exc
+    else:
+        raise AssertionError("the save that lost the race committed too")
+    out = {"w": torch.zeros(100)}
+    dcp.load(out, storage_reader=ckptio.Reader(url, storage_options=options))
+    assert torch.equal(out["w"], rival["w"])  # the winner is intact and alone

@@ -14,7 +14,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 import zstandard
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import ckptio
 from ckptio.cli import main as cli_main
@@ -337,40 +336,15 @@ def test_a_stalled_s3_endpoint_is_bounded_by_the_retry_deadline(s3_proxy):
     assert "ckptio.json" in str(ckptio.unwrap(info.value))
 
 
-class _RivalCommitsFirst(DefaultSavePlanner):
-    """A second job saves to the same path after this one checked it and before this one commits."""
-
-    def __init__(self, rival):
-        super().__init__()
-        self.rival = rival
-
-    def finish_plan(self, plan):
-        self.rival()
-        return super().finish_plan(plan)
-
-
-def _race(url: str, options=None) -> None:
-    rival = {"w": torch.full((100,), 2.0)}
-    planner = _RivalCommitsFirst(lambda: dcp.save(rival, storage_writer=ckptio.Writer(url, storage_options=options)))
-    with pytest.raises(CheckpointException) as info:
-        dcp.save(
-            {"w": torch.full((100,), 1.0)}, storage_writer=ckptio.Writer(url, storage_options=options), planner=planner
-        )
-    assert isinstance(ckptio.unwrap(info.value), ckptio.CheckpointExistsError)
-    out = {"w": torch.zeros(100)}
-    dcp.load(out, storage_reader=ckptio.Reader(url, storage_options=options))
-    assert torch.equal(out["w"], rival["w"])  # the winner is intact and alone
-
-
 def test_two_saves_racing_to_one_path_commit_exactly_once_locally(tmp_path):
     url = str(tmp_path / "ckpt")
-    _race(url)
+    findings.race_two_saves(url)
     assert len([n for n in os.listdir(url) if n.endswith(".ckio")]) == 0  # everything inline, loser cleaned up
 
 
 def test_two_saves_racing_to_one_path_commit_exactly_once_on_s3(s3):
     base, options = s3
-    _race(f"{base}/race", options)
+    findings.race_two_saves(f"{base}/race", options)
 
 
 def test_s3_compatible_stores_without_conditional_writes_still_commit(s3_proxy):
