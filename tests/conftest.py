@@ -1,5 +1,8 @@
+from __future__ import annotations
+
 import hashlib
 import os
+import threading
 
 import pytest
 
@@ -50,15 +53,49 @@ def s3_proxy(s3, moto_server):
     proxy.close()
 
 
+class _RadosgwStartup:
+    """radosgw's cluster starts in ~12 s, mostly waiting on its daemons: started in a thread as soon as
+    collection shows a test that needs it, it comes up while the first tests run."""
+
+    def __init__(self) -> None:
+        from . import radosgw as rgw
+
+        def start() -> None:
+            try:
+                self.result = rgw.start()
+            except rgw.Unavailable as exc:
+                self.result = exc
+
+        self.result: object = None
+        self.thread = threading.Thread(target=start, name="radosgw-startup", daemon=True)
+        self.thread.start()
+
+    def get(self):
+        self.thread.join()
+        return self.result
+
+
+_radosgw_startup: _RadosgwStartup | None = None
+
+
+def pytest_collection_modifyitems(config, items):
+    global _radosgw_startup
+    if _radosgw_startup is None and any("radosgw" in getattr(item, "fixturenames", ()) for item in items):
+        _radosgw_startup = _RadosgwStartup()
+
+
+def pytest_sessionfinish(session):
+    if _radosgw_startup is not None:
+        gateway = _radosgw_startup.get()
+        if not isinstance(gateway, Exception):
+            gateway.stop()
+
+
 @pytest.fixture(scope="session")
 def radosgw():
     """A Ceph radosgw on 127.0.0.1 with a one-node in-memory cluster, for the session (tests/radosgw.py);
     skips, saying why, where it cannot run (``make radosgw`` installs its Debian packages)."""
-    from . import radosgw as rgw
-
-    try:
-        gateway = rgw.start()
-    except rgw.Unavailable as exc:
-        pytest.skip(f"Ceph radosgw unavailable: {exc}")
-    yield gateway
-    gateway.stop()
+    gateway = _radosgw_startup.get() if _radosgw_startup is not None else None
+    if gateway is None or isinstance(gateway, Exception):
+        pytest.skip(f"Ceph radosgw unavailable: {gateway}")
+    return gateway
