@@ -15,9 +15,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 bench: $(VENV)/.installed
 	$(VENV)/bin/ckptio bench $(ARGS)
 
-# Lint and format checks first: seconds, and they fail before minutes of tests.
-test: lint radosgw
-	$(PY) -m pytest -q $(ARGS)
+# Lint and format checks first: seconds, and they fail before minutes of tests. radosgw's packages
+# install meanwhile (independent of the venv the lint step builds on first use).
+test:
+	@$(MAKE) --no-print-directory radosgw & \
+	$(MAKE) --no-print-directory lint && wait && $(PY) -m pytest -q $(ARGS)
 
 # Ceph radosgw, the production S3 server the S3 tests also run against (Debian packages, ~15 s once).
 # Without root or apt-get, its tests skip and say so.

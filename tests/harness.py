@@ -11,6 +11,7 @@ import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
+from ckptio.bench.launch import PRELOAD as BENCH_PRELOAD
 
 
 def free_port() -> int:
@@ -55,21 +56,10 @@ def _entry(
 
 
 #: Imported once by the forkserver that every rank is forked from: a rank starts in milliseconds
-#: instead of importing torch anew (about a second of CPU each, four at once on two cores). Beyond
-#: torch and ckptio, what most ranks import on first use (seen in the ranks' ``sys.modules``): s3fs
-#: and its botocore, torch._dynamo (a process group's collectives and FSDP2 reach it), and the
-#: modules ckptio loads lazily; together ~0.7 s of CPU a rank saved.
-PRELOAD = [
-    "torch",
-    "torch.distributed.checkpoint",
-    "torch.distributed.tensor",
-    "torch._dynamo",
-    "s3fs",
-    "ckptio",
-    "ckptio.compact_decode",
-    "ckptio.storage.s3",
-    "tests.scenarios",
-]
+#: instead of importing torch anew (about a second of CPU each, four at once on two cores). The
+#: bench's list (torch, torch._dynamo, s3fs, ckptio and its lazy modules: what ranks import on first
+#: use, found in their ``sys.modules``), and the tests' per-rank bodies.
+PRELOAD = [*BENCH_PRELOAD, "tests.scenarios"]
 
 
 def rank_context():
