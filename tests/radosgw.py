@@ -65,7 +65,7 @@ def start(timeout: float = 90) -> Radosgw:
     if missing:
         raise Unavailable(f"{', '.join(missing)} not installed (Debian: apt-get install radosgw ceph-mon ceph-osd)")
     last = ""
-    for _ in range(3):  # the OSD sometimes fails its first start ("wrong fsid"): a fresh cluster then
+    for _ in range(3):  # a cluster that does not come up is started afresh
         try:
             return _start_once(timeout)
         except Unavailable as exc:
@@ -157,8 +157,8 @@ def _start_osd(conf: str, osd_id: str, root: str, attempts: int = 8) -> subproce
 
 
 def _spawn(command: list[str], root: str, name: str) -> subprocess.Popen:
-    log = open(os.path.join(root, "log", f"{name}.out"), "w")
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
+    with open(os.path.join(root, "log", f"{name}.out"), "w") as log:  # the daemon keeps its own copy
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True)
 
 
 def _wait_http(gw: Radosgw, timeout: float) -> None:
