@@ -24,10 +24,10 @@ test:
 # Ceph radosgw, the production S3 server the S3 tests also run against (Debian packages, ~15 s once).
 # Without root or apt-get, its tests skip and say so.
 RADOSGW_PACKAGES := radosgw ceph-mon ceph-osd
+APT_INSTALL_RADOSGW := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(RADOSGW_PACKAGES)
 radosgw:
 	@command -v radosgw >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(RADOSGW_PACKAGES) >/dev/null 2>&1 || \
-	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(RADOSGW_PACKAGES) >/dev/null; }; }; } || \
+	  { $(APT_INSTALL_RADOSGW) >/dev/null 2>&1 || { apt-get update -qq && $(APT_INSTALL_RADOSGW) >/dev/null; }; }; } || \
 	  echo "radosgw not installed: its tests will skip (on Debian, as root: apt-get install $(RADOSGW_PACKAGES))"
 
 lint: $(VENV)/.installed

@@ -182,10 +182,7 @@ def encode_document(
         "keys": keys,
     }
     if objects:
-        try:
-            stored = [items[fqn, None] for fqn in objects]
-        except KeyError:
-            stored = [_stored(items, fqn, None) for fqn in objects]  # names the missing object
+        stored = _records(items, [(fqn, None) for fqn in objects])
         table: dict[str, Any] = {"keys": objects}
         object_paths = [paths[fqn] for fqn in objects] if paths else []
         if object_paths.count(None) != len(object_paths):
@@ -213,10 +210,7 @@ def _key_record(
         record["length"] = encode_column(list(map(_LOGICAL_BYTES, stored)))
     else:
         chunks = md.chunks
-        try:
-            stored = [items[fqn, chunk.offsets] for chunk in chunks]
-        except KeyError:
-            stored = [_stored(items, fqn, chunk.offsets) for chunk in chunks]  # names the missing chunk
+        stored = _records(items, [(fqn, chunk.offsets) for chunk in chunks])
         ndim = len(md.size)
         offsets, sizes = zip(*((c.offsets, c.sizes) for c in chunks), strict=True) if chunks else ((), ())
         record = {
@@ -286,10 +280,13 @@ def _dimension_columns(boxes: tuple[tuple[int, ...], ...], ndim: int) -> list[in
     return [encode_column([box[d] for box in boxes]) for d in range(ndim)]
 
 
-def _stored(items: Mapping[tuple[str, torch.Size | None], Any], fqn: str, offsets: torch.Size | None) -> Any:
+def _records(items: Mapping[tuple[str, torch.Size | None], Any], indices: list[tuple[str, Any]]) -> list[Any]:
+    """The stored record of each ``(key, chunk offsets or None)``: a tuple's hash, not MetadataIndex's
+    (a Python method), for 12k+ lookups."""
     try:
-        return items[fqn, offsets]  # a tuple's hash, not MetadataIndex's (a Python method): 12k+ lookups
-    except KeyError:
+        return list(map(items.__getitem__, indices))
+    except KeyError as missing:
+        fqn, offsets = missing.args[0]
         raise CheckpointError(
             f"no rank reported writing key {fqn!r} (chunk at {list(offsets or ())}); the save cannot commit"
         ) from None

@@ -516,9 +516,8 @@ def _decode_v3(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
     names, files, writers = decode_files(doc.get("files"), where)
     header = Header.from_json(doc, where, checked_files=(files, writers))
     state, items, per_rank, paths = decode_keys(doc, names, header.files, doc_bytes, where)
-    if doc.get("planner_data") == "paths":
-        return _manifest(doc, header, state, items, per_rank, where, checked_planner_data=paths)
-    return _manifest(doc, header, state, items, per_rank, where)
+    checked = paths if doc.get("planner_data") == "paths" else _UNCHECKED  # else stored as it is
+    return _manifest(doc, header, state, items, per_rank, where, checked_planner_data=checked)
 
 
 _UNCHECKED = object()

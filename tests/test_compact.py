@@ -338,3 +338,14 @@ def test_any_field_replaced_by_a_hostile_value_is_a_format_error_or_still_valid(
             decode(doc)
         except CheckpointFormatError:
             pass  # anything else (TypeError, MemoryError, ...) fails the test
+
+
+def test_a_key_no_rank_reported_writing_fails_the_commit_naming_it():
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    from ckptio.compact import encode_document
+    from ckptio.errors import CheckpointError
+
+    metadata = Metadata(state_dict_metadata={"step": BytesStorageMetadata(), "loader": BytesStorageMetadata()})
+    with pytest.raises(CheckpointError, match="no rank reported writing key 'loader'"):
+        encode_document(metadata, {("step", None): object()}, {}, {}, {}, 64)
