@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--path", help="local or NFS directory to benchmark")
     p.add_argument("--s3", help="s3://bucket/prefix to benchmark (standard AWS credentials)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for --s3")
+    p.add_argument(
+        "--radosgw",
+        action="store_true",
+        help="also benchmark a Ceph radosgw this run starts on 127.0.0.1 (a one-node in-memory cluster; Debian "
+        "packages radosgw ceph-mon ceph-osd, `make radosgw`)",
+    )
     p.add_argument("--out", default="bench-results", help="directory for JSON, Markdown and charts")
     p.add_argument(
         "--shared-reads",
@@ -153,7 +159,9 @@ def targets_for(args: argparse.Namespace):
                     "embedded": False,
                 }
             )
-        elif not args.path:
+        if args.radosgw:
+            targets.append(_radosgw_target(stack, run_id))
+        if not args.s3 and not args.path:
             endpoint = stack.enter_context(local_s3_server())
             use_test_credentials()
             create_bucket(endpoint, "ckptio-bench")
@@ -167,6 +175,24 @@ def targets_for(args: argparse.Namespace):
                 }
             )
         yield targets
+
+
+def _radosgw_target(stack: contextlib.ExitStack, run_id: str) -> dict:
+    from . import radosgw
+
+    try:
+        gateway = radosgw.start()
+    except radosgw.Unavailable as exc:
+        usage_error(f"--radosgw: {exc}")
+    stack.callback(gateway.stop)
+    gateway.create_bucket("ckptio-bench")
+    return {
+        "name": "s3 (radosgw)",
+        "kind": "s3",
+        "base": f"s3://ckptio-bench/{run_id}",
+        "storage_options": gateway.storage_options,
+        "embedded": True,
+    }
 
 
 def run(args: argparse.Namespace) -> dict:

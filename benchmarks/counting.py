@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import re
+import resource
 import threading
 import time
 
@@ -158,6 +159,12 @@ def rank_of(name: str) -> int | None:
 
 def now() -> float:
     return time.perf_counter()
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process so far, all its threads, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def bytes_by_dtype(url: str, storage_options: dict | None) -> dict[str, list[int]]:

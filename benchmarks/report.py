@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 from typing import Any
@@ -27,6 +28,10 @@ def summarize(records: list[dict], files: dict[str, dict[str, int]], world: int,
         reps = sorted({r["repeat"] for r in recs})
         save = [max(r["save_s"] for r in recs if r["repeat"] == k) for k in reps]
         load = [max(r["load_s"] for r in recs if r["repeat"] == k) for k in reps]
+        gib = sizes["unique_bytes"] / (1 << 30)
+        # CPU seconds of all ranks (every thread: the S3 client's too) per GiB of the state's unique bytes
+        save_cpu = [sum(r.get("save_cpu_s", math.nan) for r in recs if r["repeat"] == k) / gib for k in reps]
+        load_cpu = [sum(r.get("load_cpu_s", math.nan) for r in recs if r["repeat"] == k) / gib for k in reps]
         first = [r for r in recs if r["repeat"] == 0]
         listing = files[first[0]["url"]]
         per_rank = [0] * world
@@ -46,6 +51,12 @@ def summarize(records: list[dict], files: dict[str, dict[str, int]], world: int,
             "load_s_min": min(load),
             "load_s_max": max(load),
             "reshard_load_s": max(r["reshard_load_s"] for r in first),
+            "save_cpu_s_per_gib_median": statistics.median(save_cpu),
+            "save_cpu_s_per_gib_min": min(save_cpu),
+            "save_cpu_s_per_gib_max": max(save_cpu),
+            "load_cpu_s_per_gib_median": statistics.median(load_cpu),
+            "load_cpu_s_per_gib_min": min(load_cpu),
+            "load_cpu_s_per_gib_max": max(load_cpu),
             "save_MBps": sizes["unique_bytes"] / statistics.median(save) / 1e6,
             "logical_bytes": sizes["logical_bytes"],
             "unique_bytes": sizes["unique_bytes"],
@@ -256,6 +267,12 @@ COLUMNS = [
     ("save s", lambda r: f"{r['save_s_median']:.2f}"),
     ("load s", lambda r: f"{r['load_s_median']:.2f}"),
     ("MB/s", lambda r: f"{r['save_MBps']:.0f}"),
+    (
+        "save/load CPU s/GiB",
+        lambda r: (
+            f"{r.get('save_cpu_s_per_gib_median', math.nan):.2f}/{r.get('load_cpu_s_per_gib_median', math.nan):.2f}"
+        ),
+    ),
     ("written MiB", lambda r: _mib(r["bytes_written"])),
     ("dedup", lambda r: f"{r['dedup_ratio']:.2f}"),
     ("write amp", lambda r: f"{r['write_amplification']:.3f}"),

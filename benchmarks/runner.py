@@ -94,16 +94,20 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
         "url": url,
     }
     counting.take_counts()
+    cpu = counting.cpu_seconds()
     with counting.PeakRSS() as rss:
         record["save_s"] = _timed(
             lambda: dcp.save(state, storage_writer=spec.make_writer(url, options), planner=spec.make_planner())
         )
+    record["save_cpu_s"] = counting.cpu_seconds() - cpu
     record["save_requests"] = counting.take_counts()
     record["save_rss_bytes"] = rss.peak_delta
 
     loaded = workload.build_state(mesh, specs, compressible, rank, empty=True)
+    cpu = counting.cpu_seconds()
     with counting.PeakRSS() as rss:
         record["load_s"] = _timed(lambda: dcp.load(loaded, storage_reader=spec.make_reader(url, options)))
+    record["load_cpu_s"] = counting.cpu_seconds() - cpu
     record["load_requests"] = counting.take_counts()
     record["load_rss_bytes"] = rss.peak_delta
     record["load_mismatches"] = workload.check_state(loaded, specs, compressible, rank)

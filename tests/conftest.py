@@ -58,7 +58,7 @@ class _RadosgwStartup:
     collection shows a test that needs it, it comes up while the first tests run."""
 
     def __init__(self) -> None:
-        from . import radosgw as rgw
+        from benchmarks import radosgw as rgw
 
         def start() -> None:
             try:
@@ -93,7 +93,7 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="session")
 def radosgw():
-    """A Ceph radosgw on 127.0.0.1 with a one-node in-memory cluster, for the session (tests/radosgw.py);
+    """A Ceph radosgw on 127.0.0.1 with a one-node in-memory cluster, for the session (benchmarks/radosgw.py);
     skips, saying why, where it cannot run (``make radosgw`` installs its Debian packages)."""
     gateway = _radosgw_startup.get() if _radosgw_startup is not None else None
     if gateway is None or isinstance(gateway, Exception):

@@ -1,8 +1,12 @@
 """An HTTP proxy on 127.0.0.1 in front of the S3 server: counts requests by S3 operation and
-bytes, and fails chosen requests (503 SlowDown, 500 InternalError, dropped connection)."""
+bytes, and fails chosen requests (503 SlowDown, 500 InternalError, dropped connection) or damages
+them in flight (one byte of the body flipped). With ``check_crc32c`` it also does what AWS S3 does
+with a request's ``x-amz-checksum-crc32c`` (moto and radosgw 16 ignore it): refuses a body that does
+not match it (400 BadDigest) and echoes it in the answer."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import http.client
 import socket
@@ -11,6 +15,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import parse_qs, urlsplit
+
+import crc32c
 
 STALL_S = 30.0
 ERROR_BODIES = {
@@ -22,7 +28,17 @@ ERROR_BODIES = {
     b"internal error. Please try again.</Message></Error>",
     501: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NotImplemented</Code><Message>A header you provided "
     b"implies functionality that is not implemented.</Message></Error>",
+    400: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InvalidArgument</Code><Message>Unsupported header "
+    b"'x-amz-checksum-crc32c' received for this API call.</Message></Error>",
 }
+BAD_DIGEST = (
+    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>BadDigest</Code><Message>The CRC32C you specified did not "
+    b"match the calculated checksum.</Message></Error>"
+)
+
+
+def _crc32c_header(body: bytes) -> str:
+    return base64.b64encode(crc32c.crc32c(body).to_bytes(4, "big")).decode()
 
 
 @dataclass(frozen=True)
@@ -33,6 +49,8 @@ class Request:
     operation: str
     key: str
     conditional: bool = False  # an If-None-Match / If-Match request
+    checksum: bool = False  # it carries x-amz-checksum-crc32c (a part, a PUT) or x-amz-checksum-algorithm
+    signed_payload: bool = False  # its x-amz-content-sha256 is the payload's hash (not UNSIGNED-PAYLOAD)
 
 
 def classify(method: str, target: str, headers) -> Request:
@@ -65,7 +83,9 @@ def classify(method: str, target: str, headers) -> Request:
     else:
         op = method
     conditional = any(h in headers for h in ("If-None-Match", "If-Match"))
-    return Request(method, path, query, op, key, conditional)
+    checksum = any(h in headers for h in ("x-amz-checksum-crc32c", "x-amz-checksum-algorithm"))
+    signed = len(headers.get("x-amz-content-sha256", "")) == 64
+    return Request(method, path, query, op, key, conditional, checksum, signed)
 
 
 @dataclass
@@ -74,7 +94,7 @@ class Fault:
     reproducible), at most ``times`` times."""
 
     match: Callable[[Request], bool]
-    action: int | str | list  # 503, 501, 500, 403, "drop" or "stall"; a list is cycled through
+    action: int | str | list  # 503, 501, 500, 403, 400, "drop", "stall" or "flip"; a list is cycled through
     fraction: float = 1.0
     times: int | None = None
     hits: int = 0
@@ -92,6 +112,7 @@ class Stats:
     requests: collections.Counter = field(default_factory=collections.Counter)
     failed: collections.Counter = field(default_factory=collections.Counter)
     get_bytes: collections.Counter = field(default_factory=collections.Counter)  # key -> response bytes
+    answers: collections.Counter = field(default_factory=collections.Counter)  # (operation, status) from the store
     log: list = field(default_factory=list)
 
 
@@ -100,6 +121,7 @@ class FaultProxy:
         up = urlsplit(upstream)
         self.upstream = (up.hostname, up.port)
         self.faults: list[Fault] = []
+        self.check_crc32c = False
         self.stats = Stats()
         self.lock = threading.Lock()
         self.closing = threading.Event()
@@ -122,9 +144,16 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
-                if action in ERROR_BODIES:
-                    payload = ERROR_BODIES[action]
-                    self.send_response(action)
+                if action == "flip" and body:
+                    body = bytearray(body)
+                    body[len(body) // 2] ^= 0x01
+                    body = bytes(body)
+                sent_crc = self.headers.get("x-amz-checksum-crc32c")
+                if proxy.check_crc32c and sent_crc is not None and sent_crc != _crc32c_header(body):
+                    action = "bad_digest"
+                if action in ERROR_BODIES or action == "bad_digest":
+                    payload = BAD_DIGEST if action == "bad_digest" else ERROR_BODIES[action]
+                    self.send_response(400 if action == "bad_digest" else action)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
@@ -132,10 +161,14 @@ class FaultProxy:
                         self.wfile.write(payload)
                     return
                 status, headers, data = proxy._forward(self.command, self.path, self.headers, body)
+                with proxy.lock:
+                    proxy.stats.answers[req.operation, status] += 1
                 if req.operation == "GET" and status in (200, 206):
                     with proxy.lock:
                         proxy.stats.get_bytes[req.key] += len(data)
                 self.send_response(status)
+                if proxy.check_crc32c and sent_crc is not None and status == 200:
+                    headers = [*headers, ("x-amz-checksum-crc32c", sent_crc)]
                 for name, value in headers:
                     if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
                         self.send_header(name, value)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from functools import partial
 
-import boto3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,14 +23,7 @@ PART = 5 << 20
 
 
 def _bucket(gw, name: str) -> str:
-    client = boto3.client(
-        "s3",
-        endpoint_url=gw.endpoint,
-        aws_access_key_id=gw.storage_options["key"],
-        aws_secret_access_key=gw.storage_options["secret"],
-        region_name="us-east-1",
-    )
-    client.create_bucket(Bucket=name)
+    gw.create_bucket(name)
     return f"s3://{name}"
 
 

@@ -391,3 +391,36 @@ def test_object_reports_find_every_key_whose_value_differs_between_ranks():
     assert differing_keys(reports) == {"lr": [[0, 2, 3, 5], [1, 4]]}
     reports[5].digests["lr"] = ("object", 3, 8)  # the last rank's value is not everyone's
     assert differing_keys(reports) == {"lr": [[0, 2, 3], [1, 4], [5]]}
+
+
+def test_a_request_body_sends_and_reads_its_pieces_back_to_back_without_joining_large_ones():
+    import asyncio
+    import io
+
+    from ckptio.storage.request_body import SEND_SLICE_BYTES, RequestBody
+    from ckptio.storage.s3_checksums import crc32c_header
+
+    big = torch.arange(SEND_SLICE_BYTES // 2, dtype=torch.int32).view(torch.uint8).numpy()  # 2 slices
+    pieces = [b"head", memoryview(big), b"", b"x" * 10, bytearray(b"tail")]
+    whole = b"".join(bytes(p) for p in pieces)
+
+    class Writer:  # aiohttp's StreamWriter interface: what the body hands to the socket
+        def __init__(self):
+            self.chunks = []
+
+        async def write(self, chunk):
+            self.chunks.append(bytes(chunk))
+
+    for limit in (None, len(whole), 7, SEND_SLICE_BYTES + 3):
+        writer = Writer()
+        asyncio.run(RequestBody(pieces).write_with_length(writer, limit))
+        assert b"".join(writer.chunks) == whole[:limit]
+        assert max(len(c) for c in writer.chunks) <= SEND_SLICE_BYTES
+    body = RequestBody(pieces)
+    assert len(body) == len(whole) and body.read(2) == b"he" and body.tell() == 2
+    assert bytes(body.read(1000)) == whole[2:1002]  # within the large piece: a view
+    assert isinstance(body.read(SEND_SLICE_BYTES * 2), bytes)  # across pieces: joined
+    assert body.read() == b"" and body.seek(-4, io.SEEK_END) == len(whole) - 4 and body.read() == b"tail"
+    body.seek(0)
+    assert b"".join(bytes(c) for c in iter(lambda: body.read(1 << 16), b"")) == whole
+    assert crc32c_header(pieces) == crc32c_header([whole])

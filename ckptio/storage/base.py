@@ -20,7 +20,9 @@ log = logging.getLogger(__name__)
 class Sink(Protocol):
     """A data file being written front to back."""
 
-    def write(self, data: bytes | memoryview) -> None: ...
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data``, which must stay unchanged until ``close`` returns: a sink may send it
+        from where it is instead of copying it (``s3.MultipartSink`` does)."""
 
     def close(self) -> None:
         """Make the file durable under its final name."""

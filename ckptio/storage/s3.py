@@ -6,6 +6,7 @@ configured so botocore does not retry on its own: one policy, one place."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 from typing import Any, Sequence
@@ -15,8 +16,11 @@ from fsspec.asyn import sync
 
 from ..config import StorageConfig
 from ..errors import CheckpointNotFoundError, StorageError
+from . import s3_checksums
 from .base import FsspecStore, RangeRequest
+from .request_body import RequestBody
 from .retry import with_retries
+from .s3_checksums import EndpointChecksums, crc32c_header
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +39,17 @@ def part_size_for(number: int, base: int) -> int:
 
 
 def s3_storage_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    """The user's options, with botocore's own retries off unless the user configured them."""
+    """The user's options, with botocore's own retries and request checksums off unless the user
+    configured them: ckptio retries (``retry.py``) and sends each upload's CRC32C itself
+    (``s3_checksums.py``); botocore's default CRC32 would be a second pass over every byte, sent as a
+    trailer over TLS, which some stores (radosgw 16) refuse."""
+    from botocore.config import Config
+
     options = dict(storage_options or {})
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    if "request_checksum_calculation" in Config.OPTION_DEFAULTS:  # botocore >= 1.36
+        config.setdefault("request_checksum_calculation", "when_required")
     options["config_kwargs"] = config
     return options
 
@@ -51,21 +62,33 @@ class S3Store(FsspecStore):
         self.concurrency = config.max_concurrency
         self.attempts = config.retry_attempts
         self.deadline_s = config.retry_deadline_s
+        self._unsigned: fsspec.AbstractFileSystem | None = None
+        self._endpoint: EndpointChecksums | None = None
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
 
     # --- the request primitive ----------------------------------------------------------
-    async def _request(self, operation: str, name: str, **params: Any) -> Any:
-        if self.fs._s3 is None:
-            await self.fs.set_session()
-        client = self.fs._s3
+    async def _client(self, fs: fsspec.AbstractFileSystem | None = None) -> Any:
+        fs = fs or self.fs
+        if fs._s3 is None:
+            await fs.set_session()
+        return fs._s3
+
+    async def _request(
+        self, operation: str, name: str, *, body: Sequence[Any] | None = None, unsigned: bool = False, **params: Any
+    ) -> Any:
+        """One S3 call, retried. ``body``: the pieces of the request body, sent without joining them;
+        ``unsigned``: through the client that does not SHA-256 the payload (``s3_checksums``)."""
+        client = await self._client(self._unsigned_fs() if unsigned else None)
 
         async def attempt() -> Any:
+            if body is not None:
+                params["Body"] = RequestBody(body)  # a fresh one per attempt
             response = await getattr(client, operation)(Bucket=self.bucket, **params)
             if operation == "get_object":
-                async with response["Body"] as body:
-                    return await body.read()
+                async with response["Body"] as body_stream:
+                    return await body_stream.read()
             return response
 
         return await with_retries(
@@ -77,6 +100,52 @@ class S3Store(FsspecStore):
             return sync(self.fs.loop, self._request, operation, name, **params)
         except Exception as exc:
             raise self._translate(exc, operation, name) from exc
+
+    def _unsigned_fs(self) -> fsspec.AbstractFileSystem:
+        """The same filesystem with payload signing off (the user's own setting, if any, stands)."""
+        if self._unsigned is None:
+            options = dict(self.fs.storage_options)
+            config = dict(options.get("config_kwargs") or {})
+            s3_config = dict(config.get("s3") or {})
+            if "payload_signing_enabled" in s3_config:
+                self._unsigned = self.fs
+            else:
+                config["s3"] = {**s3_config, "payload_signing_enabled": False}
+                self._unsigned = type(self.fs)(**{**options, "config_kwargs": config})
+        return self._unsigned
+
+    async def _checksums(self) -> EndpointChecksums:
+        if self._endpoint is None:
+            client = await self._client()
+            self._endpoint = s3_checksums.for_endpoint(str(client.meta.endpoint_url or ""))
+        return self._endpoint
+
+    async def _upload(self, operation: str, name: str, pieces: Sequence[Any], **params: Any) -> tuple[dict, str | None]:
+        """PUT or UploadPart ``pieces`` with their CRC32C (``s3_checksums`` says how); returns the
+        answer and the CRC32C header sent (``None`` where the store refuses them)."""
+        endpoint = await self._checksums()
+        if endpoint.send_crc32c:
+            crc = crc32c_header(pieces)
+            try:
+                response = await self._request(
+                    operation, name, body=pieces, unsigned=endpoint.unsigned_payload, ChecksumCRC32C=crc, **params
+                )
+                endpoint.observe(response, crc)
+                return response, crc
+            except Exception as exc:
+                refusal = endpoint.refusal(exc)
+                if refusal is None:
+                    raise
+            response = await self._request(operation, name, body=pieces, **params)
+            endpoint.refused_by(refusal)
+            return response, None
+        return await self._request(operation, name, body=pieces, **params), None
+
+    def _put(self, name: str, pieces: Sequence[Any], **params: Any) -> None:
+        try:
+            sync(self.fs.loop, self._upload, "put_object", name, pieces, Key=self.key(name), **params)
+        except Exception as exc:
+            raise self._translate(exc, "put_object", name) from exc
 
     def _translate(self, exc: BaseException, operation: str, name: str) -> BaseException:
         if isinstance(exc, StorageError):
@@ -118,13 +187,13 @@ class S3Store(FsspecStore):
         return int(self._run("head_object", name, Key=self.key(name))["ContentLength"])
 
     def put_atomic(self, name: str, data: bytes) -> None:
-        self._run("put_object", name, Key=self.key(name), Body=data)
+        self._put(name, [data])
 
     def put_if_absent(self, name: str, data: bytes) -> None:
         """A conditional PUT (``If-None-Match: *``): S3 refuses it if the key exists, atomically.
         S3-compatible stores without conditional writes get the generic check-then-write (racy)."""
         try:
-            self._run("put_object", name, Key=self.key(name), Body=data, IfNoneMatch="*")
+            self._put(name, [data], IfNoneMatch="*")
         except _PreconditionFailed:
             raise FileExistsError(self.describe(name)) from None
         except StorageError as exc:
@@ -199,32 +268,52 @@ class MultipartSink:
     multipart upload whose parts go up in parallel (at most ``max_concurrency`` in flight,
     bounding memory). A part leaves only once a quarter part more is buffered, so the tail
     joins the last part instead of costing a request of its own (S3's last part may be any size).
-    Part sizes grow with the part count (``part_size_for``) to stay within S3's limits."""
+    Part sizes grow with the part count (``part_size_for``) to stay within S3's limits.
+
+    Nothing is copied here: a part is the list of views of the written pieces it spans (the one
+    piece that straddles a part boundary is split as two views), sent as they are. Written data
+    must therefore stay unchanged until ``close`` returns (``Sink``)."""
 
     def __init__(self, store: S3Store, name: str):
         self.store, self.name = store, name
         self.key = store.key(name)
-        self.buffer = bytearray()
+        self.pending: collections.deque[memoryview] = collections.deque()
+        self.pending_bytes = 0
         self.upload_id: str | None = None
         self.parts: list[concurrent.futures.Future] = []
 
     def write(self, data: bytes | memoryview) -> None:
-        self.buffer += data
+        view = memoryview(data).cast("B")
+        if not len(view):
+            return
+        self.pending.append(view)
+        self.pending_bytes += len(view)
         while True:
             # The next part leaves once a quarter more than it is buffered (a short tail joins the
             # last part), but never past what one part or one PUT may hold.
             size = part_size_for(len(self.parts) + 1, self.store.part_size)
-            if len(self.buffer) < min(size + size // 4, MAX_PART_BYTES):
+            if self.pending_bytes < min(size + size // 4, MAX_PART_BYTES):
                 return
-            with memoryview(self.buffer) as view:  # one copy of the part, not a slice and then a copy
-                part = bytes(view[:size])
-            del self.buffer[:size]
-            self._send_part(part)
+            self._send_part(self._take(size))
 
-    def _send_part(self, body: bytes) -> None:
+    def _take(self, size: int) -> list[memoryview]:
+        """The pending views that make up the next ``size`` bytes."""
+        pieces, need = [], size
+        while need:
+            head = self.pending[0]
+            if len(head) <= need:
+                pieces.append(self.pending.popleft())
+                need -= len(head)
+            else:
+                pieces.append(head[:need])
+                self.pending[0] = head[need:]
+                need = 0
+        self.pending_bytes -= size
+        return pieces
+
+    def _send_part(self, pieces: list[memoryview]) -> None:
         if self.upload_id is None:
-            response = self.store._run("create_multipart_upload", self.name, Key=self.key)
-            self.upload_id = response["UploadId"]
+            self.upload_id = self._create()
         in_flight = [f for f in self.parts if not f.done()]
         if len(in_flight) >= self.store.concurrency:
             concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -236,22 +325,48 @@ class MultipartSink:
                 f"{self.store.describe(self.name)} needs more than S3's {MAX_PARTS} parts per upload: "
                 f"raise part_size (now {self.store.part_size} bytes) so that parts can hold this rank's data"
             )
-        coro = self.store._request(
-            "upload_part", self.name, Key=self.key, UploadId=self.upload_id, PartNumber=number, Body=body
+        coro = self.store._upload(
+            "upload_part", self.name, pieces, Key=self.key, UploadId=self.upload_id, PartNumber=number
         )
         self.parts.append(asyncio.run_coroutine_threadsafe(coro, self.store.fs.loop))
 
+    def _create(self) -> str:
+        """Start the upload, declaring CRC32C part checksums where the store takes them."""
+        endpoint = sync(self.store.fs.loop, self.store._checksums)
+        if endpoint.send_crc32c:
+            try:
+                return self.store._run("create_multipart_upload", self.name, Key=self.key, ChecksumAlgorithm="CRC32C")[
+                    "UploadId"
+                ]
+            except StorageError as exc:
+                refusal = endpoint.refusal(exc.__cause__)
+                if refusal is None:
+                    raise
+                upload_id = self.store._run("create_multipart_upload", self.name, Key=self.key)["UploadId"]
+                endpoint.refused_by(refusal)
+                return upload_id
+        return self.store._run("create_multipart_upload", self.name, Key=self.key)["UploadId"]
+
     def close(self) -> None:
         if self.upload_id is None:
-            self.store._run("put_object", self.name, Key=self.key, Body=bytes(self.buffer))
+            self.store._put(self.name, list(self.pending))
+            self.pending.clear()
             return
         try:
-            if self.buffer:
-                self._send_part(bytes(self.buffer))
-            etags = [f.result()["ETag"] for f in self.parts]
+            if self.pending:
+                self._send_part(self._take(self.pending_bytes))
+            answers = [f.result() for f in self.parts]
         except Exception as exc:
             raise self.store._translate(exc, "upload_part", self.name) from exc
-        parts = [{"ETag": etag, "PartNumber": i + 1} for i, etag in enumerate(etags)]
+        parts = []
+        for number, (response, crc) in enumerate(answers, 1):
+            part = {"ETag": response["ETag"], "PartNumber": number}
+            if crc is not None:
+                part["ChecksumCRC32C"] = crc
+            parts.append(part)
+        if not all("ChecksumCRC32C" in p for p in parts):
+            for part in parts:  # all or none: a store that refused some takes none
+                part.pop("ChecksumCRC32C", None)
         self.store._run(
             "complete_multipart_upload",
             self.name,
@@ -264,6 +379,7 @@ class MultipartSink:
         for f in self.parts:
             f.cancel()
         concurrent.futures.wait(self.parts)
+        self.pending.clear()
         if self.upload_id is not None:
             try:
                 self.store._run("abort_multipart_upload", self.name, Key=self.key, UploadId=self.upload_id)

@@ -1,5 +1,5 @@
-"""A throw-away Ceph radosgw on loopback for the S3 tests: a production S3 implementation that checks
-signatures and differs from AWS (and moto) where real stores do.
+"""A throw-away Ceph radosgw on loopback for the S3 tests and ``ckptio bench --radosgw``: a production
+S3 implementation that checks signatures and differs from AWS (and moto) where real stores do.
 
 Debian 12's radosgw (Ceph 16) needs a RADOS cluster, so this starts one: a monitor, one OSD keeping
 objects in memory (``memstore``, capped) and radosgw, with authentication off inside the cluster
@@ -49,6 +49,14 @@ class Radosgw:
     @property
     def storage_options(self) -> dict:
         return {"key": ACCESS_KEY, "secret": SECRET_KEY, "client_kwargs": {"endpoint_url": self.endpoint}}
+
+    def create_bucket(self, name: str) -> None:
+        import boto3
+
+        boto3.client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+        ).create_bucket(Bucket=name)  # fmt: skip
 
     def stop(self) -> None:
         """Kill the daemons (nothing of this throw-away cluster needs an orderly shutdown)."""
@@ -110,6 +118,9 @@ keyring = {root}/keyring
 rgw_frontends = beast endpoint=127.0.0.1:{rgw_port}
 rgw_data = {root}/rgw
 rgw_dns_name = 127.0.0.1
+# Deleted objects' data is freed within seconds (the default waits two hours): memstore is RAM.
+rgw_gc_obj_min_wait = 0
+rgw_gc_processor_period = 5
 """
         )
     gw = Radosgw(f"http://127.0.0.1:{rgw_port}", root, conf)
