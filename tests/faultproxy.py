@@ -94,7 +94,9 @@ class Fault:
     reproducible), at most ``times`` times."""
 
     match: Callable[[Request], bool]
-    action: int | str | list  # 503, 501, 500, 403, 400, "drop", "stall" or "flip"; a list is cycled through
+    # 503, 501, 500, 403, 400, "drop", "stall", "flip" or "ignore_range" (forwarded without its Range header);
+    # a list is cycled through
+    action: int | str | list
     fraction: float = 1.0
     times: int | None = None
     hits: int = 0
@@ -160,7 +162,9 @@ class FaultProxy:
                     if self.command != "HEAD":
                         self.wfile.write(payload)
                     return
-                status, headers, data = proxy._forward(self.command, self.path, self.headers, body)
+                status, headers, data = proxy._forward(
+                    self.command, self.path, self.headers, body, drop=("range",) if action == "ignore_range" else ()
+                )
                 with proxy.lock:
                     proxy.stats.answers[req.operation, status] += 1
                 if req.operation == "GET" and status in (200, 206):
@@ -214,12 +218,12 @@ class FaultProxy:
                     return action
         return None
 
-    def _forward(self, method: str, target: str, headers, body: bytes):
+    def _forward(self, method: str, target: str, headers, body: bytes, drop: tuple[str, ...] = ()):
         conn = http.client.HTTPConnection(*self.upstream, timeout=60)
         try:
             conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
             for name, value in headers.items():
-                if name.lower() not in ("transfer-encoding", "content-length", "connection"):
+                if name.lower() not in ("transfer-encoding", "content-length", "connection", *drop):
                     conn.putheader(name, value)
             conn.putheader("Content-Length", str(len(body)))
             conn.endheaders()

@@ -7,7 +7,11 @@ from functools import partial
 
 import boto3
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+import ckptio
 from ckptio.config import REMOTE_READ_GAP_BYTES
 
 from . import scenarios
@@ -129,3 +133,16 @@ def test_credentials_from_storage_options_or_environment(s3, moto_server, monkey
         .read()
     )
     assert meta["format"] == "ckptio"
+
+
+def test_a_store_that_ignores_range_requests_fails_the_load_naming_the_object(s3_proxy):
+    proxy, base, options = s3_proxy
+    url = f"{base}/ranges"
+    state = {"a": torch.arange(300_000.0), "b": torch.arange(300_000.0) * 2}
+    dcp.save(state, storage_writer=ckptio.Writer(url, storage_options=options))
+    proxy.faults.append(Fault(lambda r: r.operation == "GET" and r.key.endswith(".ckio"), "ignore_range"))
+    with pytest.raises(CheckpointException) as failed:  # only "b": a range that does not start at 0
+        dcp.load({"b": torch.zeros(300_000)}, storage_reader=ckptio.Reader(url, storage_options=options))
+    error = ckptio.unwrap(failed.value)
+    assert isinstance(error, ckptio.StorageError) and "more bytes than the range asked for" in str(error), error
+    assert ".ckio" in str(error)

@@ -9,7 +9,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import fsspec
 from fsspec.asyn import sync
@@ -17,7 +17,7 @@ from fsspec.asyn import sync
 from ..config import StorageConfig
 from ..errors import CheckpointNotFoundError, StorageError
 from . import s3_checksums
-from .base import FsspecStore, RangeRequest
+from .base import FsspecStore, RangeRequest, ReadRequest
 from .request_body import RequestBody
 from .retry import with_retries
 from .s3_checksums import EndpointChecksums, crc32c_header
@@ -76,10 +76,18 @@ class S3Store(FsspecStore):
         return fs._s3
 
     async def _request(
-        self, operation: str, name: str, *, body: Sequence[Any] | None = None, unsigned: bool = False, **params: Any
+        self,
+        operation: str,
+        name: str,
+        *,
+        body: Sequence[Any] | None = None,
+        unsigned: bool = False,
+        into: Sequence[memoryview] | None = None,
+        **params: Any,
     ) -> Any:
         """One S3 call, retried. ``body``: the pieces of the request body, sent without joining them;
-        ``unsigned``: through the client that does not SHA-256 the payload (``s3_checksums``)."""
+        ``unsigned``: through the client that does not SHA-256 the payload (``s3_checksums``);
+        ``into``: a GET's buffers, filled as the body arrives (the byte count is returned)."""
         client = await self._client(self._unsigned_fs() if unsigned else None)
 
         async def attempt() -> Any:
@@ -88,6 +96,8 @@ class S3Store(FsspecStore):
             response = await getattr(client, operation)(Bucket=self.bucket, **params)
             if operation == "get_object":
                 async with response["Body"] as body_stream:
+                    if into is not None:
+                        return await _read_body_into(body_stream, into, self.describe(name))
                     return await body_stream.read()
             return response
 
@@ -241,15 +251,25 @@ class S3Store(FsspecStore):
         return MultipartSink(self, name)
 
     def read_ranges(self, requests: Sequence[RangeRequest]) -> list[bytes]:
+        return self._get_all([(r.name, r.start, r.end, None) for r in requests])
+
+    def read_into(self, requests: Sequence[ReadRequest]) -> list[int]:
+        """Each request one ranged GET, its body copied into the buffers as it arrives (no joined
+        copy of the whole range first)."""
+        return self._get_all([(r.name, r.offset, r.offset + r.length, r.buffers) for r in requests])
+
+    def _get_all(self, requests: list[tuple[str, int, int, Sequence[memoryview] | None]]) -> list:
         if not requests:
             return []
 
-        async def fetch_all() -> list[bytes]:
+        async def fetch_all() -> list:
             gate = asyncio.Semaphore(self.concurrency)
 
-            async def fetch(name: str, start: int, end: int) -> bytes:
+            async def fetch(name: str, start: int, end: int, into: Sequence[memoryview] | None):
                 async with gate:
-                    return await self._request("get_object", name, Key=self.key(name), Range=f"bytes={start}-{end - 1}")
+                    return await self._request(
+                        "get_object", name, into=into, Key=self.key(name), Range=f"bytes={start}-{end - 1}"
+                    )
 
             return await asyncio.gather(*(fetch(*r) for r in requests))
 
@@ -257,6 +277,32 @@ class S3Store(FsspecStore):
             return sync(self.fs.loop, fetch_all)
         except Exception as exc:
             raise self._translate(exc, "get_object", requests[0][0]) from exc
+
+
+async def _read_body_into(stream: Any, buffers: Sequence[memoryview], where: str) -> int:
+    """Copy a GET's body into ``buffers`` chunk by chunk as aiohttp receives it; return the bytes
+    received (fewer than the buffers hold at the end of the object)."""
+    filled, index, at = 0, 0, 0
+    async for chunk in _body_chunks(stream):
+        while len(chunk):
+            if index == len(buffers):
+                raise StorageError(f"GET {where} returned more bytes than the range asked for")
+            buffer = buffers[index]
+            n = min(len(chunk), len(buffer) - at)
+            buffer[at : at + n] = chunk[:n]
+            chunk, at, filled = chunk[n:], at + n, filled + n
+            if at == len(buffer):
+                index, at = index + 1, 0
+    return filled
+
+
+async def _body_chunks(stream: Any) -> AsyncIterator[memoryview]:
+    content = getattr(getattr(stream, "raw_stream", None), "content", None)  # aiohttp's StreamReader
+    if content is None:  # another HTTP backend: the body whole
+        yield memoryview(await stream.read())
+        return
+    while chunk := await content.readany():
+        yield memoryview(chunk)
 
 
 class _PreconditionFailed(Exception):
