@@ -16,22 +16,44 @@ def moto_server():
         yield endpoint
 
 
+#: The S3 servers a test can ask the ``s3`` fixture for: ``@pytest.mark.parametrize("s3", S3_SERVERS,
+#: indirect=True)`` runs it on each (moto alone otherwise).
+S3_SERVERS = ["moto", "radosgw"]
+
+
 @pytest.fixture
 def s3(moto_server, monkeypatch, request):
-    """A fresh bucket on the moto server; yields (base URL, storage_options)."""
-    import boto3
-
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(key, value)
+    """A fresh bucket on the S3 server (moto, or radosgw when parametrized so), with the AWS_* variables
+    naming its credentials; yields (base URL, storage_options)."""
     digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]
     bucket = f"ckptio-{request.node.originalname.lower().replace('_', '-')[:40]}-{digest}"
-    boto3.client("s3", endpoint_url=moto_server).create_bucket(Bucket=bucket)
-    options = {"client_kwargs": {"endpoint_url": moto_server}, "key": "testing", "secret": "testing"}
+    if getattr(request, "param", "moto") == "radosgw":
+        gateway = request.getfixturevalue("radosgw")
+        key, secret, endpoint = gateway.storage_options["key"], gateway.storage_options["secret"], gateway.endpoint
+    else:
+        key, secret, endpoint = "testing", "testing", moto_server
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": key,
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    options = {"client_kwargs": {"endpoint_url": endpoint}, "key": key, "secret": secret}
+    s3_client(options).create_bucket(Bucket=bucket)
     return f"s3://{bucket}", options
+
+
+def s3_client(options: dict):
+    """A boto3 client for the server and credentials of ``storage_options``."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=options["client_kwargs"]["endpoint_url"],
+        aws_access_key_id=options["key"],
+        aws_secret_access_key=options["secret"],
+        region_name="us-east-1",
+    )
 
 
 @pytest.fixture
@@ -80,7 +102,12 @@ _radosgw_startup: _RadosgwStartup | None = None
 
 def pytest_collection_modifyitems(config, items):
     global _radosgw_startup
-    if _radosgw_startup is None and any("radosgw" in getattr(item, "fixturenames", ()) for item in items):
+
+    def needs_radosgw(item) -> bool:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return "radosgw" in getattr(item, "fixturenames", ()) or params.get("s3") == "radosgw"
+
+    if _radosgw_startup is None and any(needs_radosgw(item) for item in items):
         _radosgw_startup = _RadosgwStartup()
 
 

@@ -8,7 +8,6 @@ import resource
 import struct
 import time
 
-import boto3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,6 +21,7 @@ from ckptio.config import StorageConfig
 from ckptio.layout import METADATA_NAME, _pack, _unpack
 
 from . import findings
+from .conftest import S3_SERVERS, s3_client
 from .faultproxy import Fault
 from .harness import spawn
 from .metadata_view import readable_metadata
@@ -379,16 +379,17 @@ def test_a_fifo_in_place_of_a_data_file_is_refused_by_name(tmp_path):
     assert cli_main(["verify", "-q", url]) == 1
 
 
-def test_gc_lists_and_aborts_what_unfinished_saves_left_on_s3(s3, moto_server, capsys):
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
+def test_gc_lists_and_aborts_what_unfinished_saves_left_on_s3(s3, capsys):
     base, options = s3
     url = f"{base}/step-5"
     dcp.save({"w": torch.ones(10)}, storage_writer=ckptio.Writer(url, storage_options=options))
     bucket = base.removeprefix("s3://")
-    client = boto3.client("s3", endpoint_url=moto_server)
+    client = s3_client(options)
     orphan = "step-5/data-00000000000000aa-r00001.ckio"
     client.put_object(Bucket=bucket, Key=orphan, Body=b"left by a killed save")
     client.create_multipart_upload(Bucket=bucket, Key="step-5/data-00000000000000aa-r00002.ckio")
-    argv = ["gc", url, "--endpoint-url", moto_server]
+    argv = ["gc", url, "--endpoint-url", options["client_kwargs"]["endpoint_url"]]
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
     assert "orphaned data file   " + f"s3://{bucket}/{orphan}" in out and "unfinished upload" in out

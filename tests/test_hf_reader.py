@@ -18,6 +18,7 @@ from ckptio.errors import CheckpointFormatError, CheckpointNotFoundError, Corrup
 from ckptio.safetensors_format import HEADER_PROBE_BYTES, parse_header, parse_index
 
 from . import hf
+from .conftest import S3_SERVERS
 from .harness import spawn
 
 
@@ -336,6 +337,7 @@ def test_s3_loads_read_each_needed_byte_once(s3_proxy, s3, weights, layout, read
         assert needed > data and served <= 1.05 * needed + _probes(sizes), (served, needed)
 
 
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
 def test_the_exporters_files_on_s3_load_into_fsdp(s3, tmp_path):
     base, options = s3
     out = f"{base}/exported"

@@ -17,6 +17,7 @@ from ckptio.cli import main as cli_main
 from ckptio.layout import METADATA_NAME
 
 from . import scenarios
+from .conftest import S3_SERVERS
 from .faultproxy import Fault
 from .harness import run_ranks, spawn
 from .metadata_view import readable_metadata
@@ -98,6 +99,7 @@ def test_missing_garbage_and_future_metadata(tmp_path):
         ckptio.load(fresh(), url)
 
 
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
 def test_nonexistent_path_and_bucket(tmp_path, s3):
     with pytest.raises(ckptio.CheckpointNotFoundError, match="does not exist"):
         ckptio.load(fresh(), str(tmp_path / "nope"))

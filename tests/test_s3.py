@@ -9,12 +9,14 @@ import boto3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from s3fs import S3FileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
 from ckptio.config import REMOTE_READ_GAP_BYTES
 
 from . import scenarios
+from .conftest import S3_SERVERS, s3_client
 from .faultproxy import Fault
 from .harness import spawn
 
@@ -115,22 +117,22 @@ def test_permanent_failure_is_clean_on_every_rank(s3_proxy, moto_server):
     assert _open_uploads(moto_server, base) == []
 
 
-def test_credentials_from_storage_options_or_environment(s3, moto_server, monkeypatch):
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
+def test_credentials_from_storage_options_or_environment(s3, monkeypatch):
     base, options = s3
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
     monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
     scenarios.save(f"{base}/opts", None, "all_ranks", options)
     assert scenarios.load(f"{base}/opts", None, options) == []
 
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["client_kwargs"]["endpoint_url"])
+    S3FileSystem.clear_instance_cache()  # s3fs keeps one instance per options: one made for another server
     scenarios.save(f"{base}/env", None, "all_ranks", None)
     assert scenarios.load(f"{base}/env", None, None) == []
     meta = json.loads(
-        boto3.client("s3", endpoint_url=moto_server)
-        .get_object(Bucket=base.removeprefix("s3://"), Key="env/ckptio.json")["Body"]
-        .read()
+        s3_client(options).get_object(Bucket=base.removeprefix("s3://"), Key="env/ckptio.json")["Body"].read()
     )
     assert meta["format"] == "ckptio"
 

@@ -103,7 +103,7 @@ def test_thousands_of_small_tensors_load_bit_exact(tmp_path, codec, where, api):
     assert_bit_exact(loaded, state)
 
 
-@pytest.mark.parametrize("codec", ["raw", "zstd"])
+@pytest.mark.parametrize(("s3", "codec"), [("moto", "raw"), ("moto", "zstd"), ("radosgw", "raw")], indirect=["s3"])
 def test_thousands_of_small_tensors_on_s3(s3, codec):
     base, options = s3
     state = many_tensors()
