@@ -130,16 +130,19 @@ class S3Store(FsspecStore):
             self._endpoint = s3_checksums.for_endpoint(str(client.meta.endpoint_url or ""))
         return self._endpoint
 
-    async def _upload(self, operation: str, name: str, pieces: Sequence[Any], **params: Any) -> tuple[dict, str | None]:
-        """PUT or UploadPart ``pieces`` with their CRC32C (``s3_checksums`` says how); returns the
-        answer and the CRC32C header sent (``None`` where the store refuses them)."""
+    async def _upload(
+        self, operation: str, name: str, pieces: Sequence[Any] | None = None, **params: Any
+    ) -> tuple[dict, str | None]:
+        """PUT or UploadPart ``pieces`` with their CRC32C, or CreateMultipartUpload declaring CRC32C
+        (no ``pieces``), as ``s3_checksums`` says; returns the answer and the CRC32C header sent
+        (``None`` where none was: no body, or a store that refuses them)."""
         endpoint = await self._checksums()
         if endpoint.send_crc32c:
-            crc = crc32c_header(pieces)
+            crc = crc32c_header(pieces) if pieces is not None else None
+            checksum = {"ChecksumCRC32C": crc} if crc is not None else {"ChecksumAlgorithm": "CRC32C"}
+            unsigned = pieces is not None and endpoint.unsigned_payload
             try:
-                response = await self._request(
-                    operation, name, body=pieces, unsigned=endpoint.unsigned_payload, ChecksumCRC32C=crc, **params
-                )
+                response = await self._request(operation, name, body=pieces, unsigned=unsigned, **checksum, **params)
                 endpoint.observe(response, crc)
                 return response, crc
             except Exception as exc:
@@ -151,11 +154,11 @@ class S3Store(FsspecStore):
             return response, None
         return await self._request(operation, name, body=pieces, **params), None
 
-    def _put(self, name: str, pieces: Sequence[Any], **params: Any) -> None:
+    def _run_upload(self, operation: str, name: str, pieces: Sequence[Any] | None = None, **params: Any) -> dict:
         try:
-            sync(self.fs.loop, self._upload, "put_object", name, pieces, Key=self.key(name), **params)
+            return sync(self.fs.loop, self._upload, operation, name, pieces, Key=self.key(name), **params)[0]
         except Exception as exc:
-            raise self._translate(exc, "put_object", name) from exc
+            raise self._translate(exc, operation, name) from exc
 
     def _translate(self, exc: BaseException, operation: str, name: str) -> BaseException:
         if isinstance(exc, StorageError):
@@ -197,13 +200,13 @@ class S3Store(FsspecStore):
         return int(self._run("head_object", name, Key=self.key(name))["ContentLength"])
 
     def put_atomic(self, name: str, data: bytes) -> None:
-        self._put(name, [data])
+        self._run_upload("put_object", name, [data])
 
     def put_if_absent(self, name: str, data: bytes) -> None:
         """A conditional PUT (``If-None-Match: *``): S3 refuses it if the key exists, atomically.
         S3-compatible stores without conditional writes get the generic check-then-write (racy)."""
         try:
-            self._put(name, [data], IfNoneMatch="*")
+            self._run_upload("put_object", name, [data], IfNoneMatch="*")
         except _PreconditionFailed:
             raise FileExistsError(self.describe(name)) from None
         except StorageError as exc:
@@ -359,7 +362,7 @@ class MultipartSink:
 
     def _send_part(self, pieces: list[memoryview]) -> None:
         if self.upload_id is None:
-            self.upload_id = self._create()
+            self.upload_id = self.store._run_upload("create_multipart_upload", self.name)["UploadId"]
         in_flight = [f for f in self.parts if not f.done()]
         if len(in_flight) >= self.store.concurrency:
             concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
@@ -376,26 +379,9 @@ class MultipartSink:
         )
         self.parts.append(asyncio.run_coroutine_threadsafe(coro, self.store.fs.loop))
 
-    def _create(self) -> str:
-        """Start the upload, declaring CRC32C part checksums where the store takes them."""
-        endpoint = sync(self.store.fs.loop, self.store._checksums)
-        if endpoint.send_crc32c:
-            try:
-                return self.store._run("create_multipart_upload", self.name, Key=self.key, ChecksumAlgorithm="CRC32C")[
-                    "UploadId"
-                ]
-            except StorageError as exc:
-                refusal = endpoint.refusal(exc.__cause__)
-                if refusal is None:
-                    raise
-                upload_id = self.store._run("create_multipart_upload", self.name, Key=self.key)["UploadId"]
-                endpoint.refused_by(refusal)
-                return upload_id
-        return self.store._run("create_multipart_upload", self.name, Key=self.key)["UploadId"]
-
     def close(self) -> None:
         if self.upload_id is None:
-            self.store._put(self.name, list(self.pending))
+            self.store._run_upload("put_object", self.name, list(self.pending))
             self.pending.clear()
             return
         try:

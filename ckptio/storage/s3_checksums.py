@@ -51,9 +51,9 @@ class EndpointChecksums:
         """Whether a request carrying the CRC32C may skip the SHA-256 payload signature."""
         return self.tls or self.echoed
 
-    def observe(self, response: dict, sent: str) -> None:
+    def observe(self, response: dict, sent: str | None) -> None:
         self.accepted = True
-        if not self.echoed and response.get("ChecksumCRC32C") == sent:
+        if sent is not None and not self.echoed and response.get("ChecksumCRC32C") == sent:
             self.echoed = True
 
     def refusal(self, exc: BaseException) -> str | None:
