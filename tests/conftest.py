@@ -64,14 +64,14 @@ def clean_env(monkeypatch):
 
 
 @pytest.fixture
-def s3_proxy(s3, moto_server):
-    """The fault-injecting proxy in front of moto; yields (proxy, base URL, storage_options via proxy)."""
+def s3_proxy(s3):
+    """The fault-injecting proxy in front of the ``s3`` fixture's server (moto unless parametrized);
+    yields (proxy, base URL, storage_options via the proxy)."""
     from .faultproxy import FaultProxy
 
-    base, _ = s3
-    proxy = FaultProxy(moto_server)
-    options = {"client_kwargs": {"endpoint_url": proxy.url}, "key": "testing", "secret": "testing"}
-    yield proxy, base, options
+    base, direct = s3
+    proxy = FaultProxy(direct["client_kwargs"]["endpoint_url"])
+    yield proxy, base, {**direct, "client_kwargs": {"endpoint_url": proxy.url}}
     proxy.close()
 
 

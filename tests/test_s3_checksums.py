@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
 
-from .faultproxy import Fault, FaultProxy
+from .faultproxy import Fault
 
 PART = 5 << 20
 STATE_ELEMENTS = 4 << 20  # 16 MiB of fp32: a multipart upload of 3 parts plus a small PUT
@@ -103,23 +103,11 @@ def test_a_store_that_refuses_checksum_headers_gets_uploads_without_them(s3_prox
     assert _loads_bit_exact(url, options) and _loads_bit_exact(f"{base}/refused-again", options)
 
 
-@pytest.fixture
-def radosgw_proxy(radosgw):
-    """The fault proxy in front of radosgw, and a fresh bucket."""
-    import uuid
-
-    bucket = f"flip-{uuid.uuid4().hex[:12]}"
-    radosgw.create_bucket(bucket)
-    proxy = FaultProxy(radosgw.endpoint)
-    options = {**radosgw.storage_options, "client_kwargs": {"endpoint_url": proxy.url}}
-    yield proxy, f"s3://{bucket}", options
-    proxy.close()
-
-
-def test_radosgw_refuses_a_part_damaged_in_flight_and_the_part_is_sent_again(radosgw_proxy):
+@pytest.mark.parametrize("s3", ["radosgw"], indirect=True)
+def test_radosgw_refuses_a_part_damaged_in_flight_and_the_part_is_sent_again(s3_proxy):
     """radosgw 16 ignores x-amz-checksum-crc32c: over plain HTTP the payload stays SHA-256 signed, and
     radosgw refuses a damaged part for that (XAmzContentSHA256Mismatch)."""
-    proxy, base, options = radosgw_proxy
+    proxy, base, options = s3_proxy
     flip = Fault(lambda r: r.operation == "MPU_PART", "flip", times=1)
     proxy.faults.append(flip)
     url = f"{base}/ckpt"

@@ -36,15 +36,24 @@ BASE_DELAY_S = 0.05
 MAX_DELAY_S = 5.0
 
 
+def s3_error(exc: BaseException | None) -> tuple[str, int | None] | None:
+    """``(error code, HTTP status)`` of an error answer from the store (botocore's ``response``);
+    ``None`` for an error that is not one (a timeout, a dropped connection)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    code = (response.get("Error") or {}).get("Code")
+    return ("" if code is None else str(code)), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+
+
 def is_retryable(exc: BaseException) -> bool:
     """True for throttling, 5xx, timeouts and dropped connections; False for e.g. 403 or 404."""
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        error = response.get("Error", {}) or {}
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if str(error.get("Code")) in NOT_RETRYABLE_CODES or status == 501:
+    answer = s3_error(exc)
+    if answer is not None:
+        code, status = answer
+        if code in NOT_RETRYABLE_CODES or status == 501:
             return False
-        return str(error.get("Code")) in RETRYABLE_CODES or (isinstance(status, int) and status >= 500)
+        return code in RETRYABLE_CODES or (isinstance(status, int) and status >= 500)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError, OSError)):
         return not isinstance(exc, (FileNotFoundError, PermissionError))
     module = type(exc).__module__ or ""

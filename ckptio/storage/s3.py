@@ -19,7 +19,7 @@ from ..errors import CheckpointNotFoundError, StorageError
 from . import s3_checksums
 from .base import FsspecStore, RangeRequest, ReadRequest
 from .request_body import RequestBody
-from .retry import with_retries
+from .retry import s3_error, with_retries
 from .s3_checksums import EndpointChecksums, crc32c_header
 
 log = logging.getLogger(__name__)
@@ -105,11 +105,15 @@ class S3Store(FsspecStore):
             attempt, attempts=self.attempts, deadline_s=self.deadline_s, what=f"{operation} {self.describe(name)}"
         )
 
-    def _run(self, operation: str, name: str, **params: Any) -> Any:
+    def _sync(self, operation: str, name: str, fn: Any, *args: Any, **params: Any) -> Any:
+        """Run coroutine function ``fn`` on fsspec's loop and wait for it; its errors as ckptio's."""
         try:
-            return sync(self.fs.loop, self._request, operation, name, **params)
+            return sync(self.fs.loop, fn, *args, **params)
         except Exception as exc:
             raise self._translate(exc, operation, name) from exc
+
+    def _run(self, operation: str, name: str, **params: Any) -> Any:
+        return self._sync(operation, name, self._request, operation, name, **params)
 
     def _unsigned_fs(self) -> fsspec.AbstractFileSystem:
         """The same filesystem with payload signing off (the user's own setting, if any, stands)."""
@@ -155,16 +159,12 @@ class S3Store(FsspecStore):
         return await self._request(operation, name, body=pieces, **params), None
 
     def _run_upload(self, operation: str, name: str, pieces: Sequence[Any] | None = None, **params: Any) -> dict:
-        try:
-            return sync(self.fs.loop, self._upload, operation, name, pieces, Key=self.key(name), **params)[0]
-        except Exception as exc:
-            raise self._translate(exc, operation, name) from exc
+        return self._sync(operation, name, self._upload, operation, name, pieces, Key=self.key(name), **params)[0]
 
     def _translate(self, exc: BaseException, operation: str, name: str) -> BaseException:
         if isinstance(exc, StorageError):
             return exc
-        error = (getattr(exc, "response", None) or {}).get("Error", {})
-        code = str(error.get("Code", ""))
+        code = (s3_error(exc) or ("", None))[0]
         if code in ("NoSuchKey", "404", "NotFound"):
             return FileNotFoundError(self.describe(name))
         if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
@@ -210,8 +210,7 @@ class S3Store(FsspecStore):
         except _PreconditionFailed:
             raise FileExistsError(self.describe(name)) from None
         except StorageError as exc:
-            code = str((getattr(exc.__cause__, "response", None) or {}).get("Error", {}).get("Code", ""))
-            if code not in ("NotImplemented", "501"):
+            if (s3_error(exc.__cause__) or ("", None))[0] not in ("NotImplemented", "501"):
                 raise
             log.warning("ckptio: %s does not support conditional writes; committing without them (racy)", self.url)
             super().put_if_absent(name, data)
@@ -276,10 +275,7 @@ class S3Store(FsspecStore):
 
             return await asyncio.gather(*(fetch(*r) for r in requests))
 
-        try:
-            return sync(self.fs.loop, fetch_all)
-        except Exception as exc:
-            raise self._translate(exc, "get_object", requests[0][0]) from exc
+        return self._sync("get_object", requests[0][0], fetch_all)
 
 
 async def _read_body_into(stream: Any, buffers: Sequence[memoryview], where: str) -> int:
@@ -390,15 +386,10 @@ class MultipartSink:
             answers = [f.result() for f in self.parts]
         except Exception as exc:
             raise self.store._translate(exc, "upload_part", self.name) from exc
-        parts = []
-        for number, (response, crc) in enumerate(answers, 1):
-            part = {"ETag": response["ETag"], "PartNumber": number}
-            if crc is not None:
+        parts = [{"ETag": response["ETag"], "PartNumber": n} for n, (response, _) in enumerate(answers, 1)]
+        if all(crc is not None for _, crc in answers):  # all or none: a store that refused some takes none
+            for part, (_, crc) in zip(parts, answers, strict=True):
                 part["ChecksumCRC32C"] = crc
-            parts.append(part)
-        if not all("ChecksumCRC32C" in p for p in parts):
-            for part in parts:  # all or none: a store that refused some takes none
-                part.pop("ChecksumCRC32C", None)
         self.store._run(
             "complete_multipart_upload",
             self.name,

@@ -16,6 +16,7 @@ import threading
 from typing import Any, Sequence
 
 from ..codec import checksum
+from .retry import s3_error
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,10 @@ class EndpointChecksums:
         """What ``exc`` says if it may be the store refusing the header (``None`` otherwise); the
         caller retries without it and calls ``refused_by`` only if that succeeds, so an error some
         other header caused changes nothing."""
-        response = getattr(exc, "response", None)
-        if self.accepted or not isinstance(response, dict):
+        answer = s3_error(exc)
+        if self.accepted or answer is None:
             return None
-        code = str((response.get("Error") or {}).get("Code", ""))
-        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        code, status = answer
         return f"{status} {code}" if code in REFUSED_CODES or status == 501 else None
 
     def refused_by(self, answer: str) -> None:
