@@ -273,14 +273,14 @@ def load_shared(
     for key, read_item, source in triples:
         by_index[key].append((read_item, source))
     for segments in plan.rounds:
-        own: dict[Segment, memoryview] = {}
+        exchange = _Exchange(segments, rank, plan.world_size)
         if failure is None:
             try:
-                own = _read_segments(store, [s for s in segments if s.reader == rank], records, verify, recorded_sizes)
+                _read_segments(store, exchange.own, records, verify, recorded_sizes)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
                 failure = exc
         _agree(failure, rank, group)
-        held = _exchange(segments, own, rank, plan.world_size, group)
+        held = exchange.run(group)
         spans: dict[str, list[tuple[int, memoryview]]] = defaultdict(list)
         for segment, data in held.items():
             spans[segment.file].append((segment.start, data))
@@ -294,22 +294,20 @@ def load_shared(
 
 def _read_segments(
     store: FsspecStore,
-    segments: list[Segment],
+    own: dict[Segment, memoryview],
     records: Callable[[MetadataIndex], StoredItem],
     verify: bool,
     recorded_sizes: dict[str, int],
-) -> dict[Segment, memoryview]:
-    """Read this rank's segments and check every block (the rank that reads is the one that names
-    a damaged block first)."""
-    out = {s: memoryview(np.empty(s.size, dtype=np.uint8)).cast("B") for s in segments}
+) -> None:
+    """Read this rank's segments into ``own`` and check every block (the rank that reads is the
+    one that names a damaged block first)."""
     # no gaps bridged: the bytes between two of this rank's segments are another rank's to read
-    _read_all(store, [ReadPiece(s.file, s.start, out[s]) for s in segments], recorded_sizes, gap=0)
-    for s, data in out.items() if verify else ():
+    _read_all(store, [ReadPiece(s.file, s.start, data) for s, data in own.items()], recorded_sizes, gap=0)
+    for s, data in own.items() if verify else ():
         item = records(s.index)
         for b in range(s.first, s.last):
             lo, hi = item.block_offsets[b] - s.start, item.block_offsets[b + 1] - s.start
             verify_block(item, b, [data[lo:hi]], f"key {s.index.fqn!r} in {s.file}")
-    return out
 
 
 def _agree(failure: BaseException | None, rank: int, group: Any) -> None:
@@ -335,40 +333,65 @@ def _agree(failure: BaseException | None, rank: int, group: Any) -> None:
     )
 
 
-def _exchange(
-    segments: list[Segment], own: dict[Segment, memoryview], rank: int, world: int, group: Any
-) -> dict[Segment, memoryview]:
-    """One all-to-all: each rank sends the segments it read to the other ranks that need them;
-    returns every segment this rank needs, by segment."""
-    send_parts: list[list[Segment]] = [[] for _ in range(world)]
-    recv_parts: list[list[Segment]] = [[] for _ in range(world)]
-    for s in segments:
-        for peer in s.needers:
-            if s.reader == rank and peer != rank:
-                send_parts[peer].append(s)
-            elif peer == rank and s.reader != rank:
-                recv_parts[s.reader].append(s)
-    send_sizes = [sum(s.size for s in part) for part in send_parts]
-    recv_sizes = [sum(s.size for s in part) for part in recv_parts]
-    held = {s: data for s, data in own.items() if rank in s.needers}
-    if not any(len(s.needers) > 1 for s in segments):  # the same answer on every rank
+class _Exchange:
+    """One round's all-to-all. Each rank sends the segments it reads to the other ranks that need
+    them, the bytes for each peer back to back in one send buffer. A segment is read straight into
+    its first place in that buffer (``own``), so nothing is copied before sending but a segment
+    that more than one peer needs. Buffers are numpy memory: numpy asks for huge pages for large
+    arrays, so fresh ones cost a fraction of the page faults a ``torch.empty`` of that size does."""
+
+    def __init__(self, segments: list[Segment], rank: int, world: int):
+        self.send_parts: list[list[Segment]] = [[] for _ in range(world)]
+        self.recv_parts: list[list[Segment]] = [[] for _ in range(world)]
+        for s in segments:
+            for peer in s.needers:
+                if s.reader == rank and peer != rank:
+                    self.send_parts[peer].append(s)
+                elif peer == rank and s.reader != rank:
+                    self.recv_parts[s.reader].append(s)
+        self.rank = rank
+        self.exchanged = any(len(s.needers) > 1 for s in segments)  # the same answer on every rank
+        sent = [s for part in self.send_parts for s in part]
+        self.send = np.empty(_total(sent), dtype=np.uint8)
+        places: dict[Segment, list[memoryview]] = defaultdict(list)
+        for s, view in zip(sent, _slices(self.send, sent), strict=True):
+            places[s].append(view)
+        unsent = [s for s in segments if s.reader == rank and s not in places]  # needed by this rank alone
+        self.own = dict(zip(unsent, _slices(np.empty(_total(unsent), dtype=np.uint8), unsent), strict=True))
+        self.own.update((s, views[0]) for s, views in places.items())
+        self.copies = [(views[0], view) for views in places.values() for view in views[1:]]
+
+    def run(self, group: Any) -> dict[Segment, memoryview]:
+        """Send and receive; every segment this rank needs, by segment."""
+        held = {s: data for s, data in self.own.items() if self.rank in s.needers}
+        if not self.exchanged:
+            return held
+        for source, copy in self.copies:
+            copy[:] = source
+        received_segments = [s for part in self.recv_parts for s in part]
+        received = np.empty(_total(received_segments), dtype=np.uint8)
+        dist.all_to_all_single(
+            torch.from_numpy(received),
+            torch.from_numpy(self.send),
+            [_total(part) for part in self.recv_parts],
+            [_total(part) for part in self.send_parts],
+            group=group,
+        )
+        held.update(zip(received_segments, _slices(received, received_segments), strict=True))
         return held
-    send = torch.empty(sum(send_sizes), dtype=torch.uint8)
-    view = memoryview(send.numpy()).cast("B")
-    at = 0
-    for part in send_parts:
-        for s in part:
-            view[at : at + s.size] = own[s]
-            at += s.size
-    received = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-    dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group)
-    data = memoryview(received.numpy()).cast("B")
-    at = 0
-    for part in recv_parts:
-        for s in part:
-            held[s] = data[at : at + s.size]
-            at += s.size
-    return held
+
+
+def _total(segments: list[Segment]) -> int:
+    return sum(s.size for s in segments)
+
+
+def _slices(buffer: np.ndarray, segments: list[Segment]) -> list[memoryview]:
+    """Views of ``buffer`` for ``segments``, back to back in order."""
+    view, at, out = memoryview(buffer).cast("B"), 0, []
+    for s in segments:
+        out.append(view[at : at + s.size])
+        at += s.size
+    return out
 
 
 _NETWORK_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph", "glusterfs", "9p")
