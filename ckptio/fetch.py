@@ -246,11 +246,12 @@ class _Window:
         item, read_item = self.job.item, self.job.read_item
         dtype = dtype_from_name(item.dtype)
         first, last = self.blocks[0], self.blocks[-1]
-        span = bytearray(sum(item.block_logical_len(b) for b in range(first, last + 1)))
+        # Only the needed blocks are filled, and the view reads only their bytes: no zeroing needed.
+        span = np.empty(sum(item.block_logical_len(b) for b in range(first, last + 1)), dtype=np.uint8)
         for b in self.blocks:
             at = (b - first) * item.block_size
-            span[at : at + item.block_logical_len(b)] = blocks[b]
-        flat = torch.frombuffer(span, dtype=torch.uint8).view(dtype)
+            span[at : at + item.block_logical_len(b)] = np.frombuffer(blocks[b], dtype=np.uint8)
+        flat = torch.from_numpy(span).view(dtype)
         strides = row_major_strides(item.shape)
         start = sum(o * s for o, s in zip(read_item.storage_offsets, strides, strict=True))
         start -= first * item.block_size // dtype.itemsize
