@@ -7,12 +7,17 @@ takes a ticket where it is made (the training loop's thread: the same order on e
 save waits, before its first collective, until the save of the previous ticket has returned.
 With the PROCESS executor the save runs in torch's background process, sent there by a thread
 of the executor's own, which pickles the Writer: that thread is the one that waits, and the one
-waited for.
+waited for. torch decides on the caller's thread whether that process must be started (a
+collective on every rank) but starts it on the executor's thread, so a save staged while the
+previous one is still starting it would start a second one, at a different moment on each rank
+(the ranks then pair up different processes and the save hangs): ``await_previous_start`` holds
+such a save until the previous one has begun.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 
 log = logging.getLogger(__name__)
@@ -60,6 +65,24 @@ class Ticket:
             if ticket.joinable and ticket.thread is not threading.current_thread():
                 ticket.thread.join()
             return
+
+
+def await_previous_start(ticket: Ticket | None) -> None:
+    """Where ``dcp.async_save`` stages a save (the caller's thread, before torch's executor takes
+    it): if the save before ``ticket`` was staged too but has not begun, and torch's PROCESS
+    executor has no background process yet, wait until that save has begun: by then the process it
+    started is torch's. A Writer made but never staged is not waited for here."""
+    previous = ticket.previous if ticket is not None else None
+    if previous is None or not previous.staged or previous.started.is_set() or _background_process_up():
+        return
+    if not previous.started.wait(START_WAIT_S):
+        log.warning("ckptio: the previous asynchronous save never began; staging this one without waiting")
+
+
+def _background_process_up() -> bool:
+    """Whether torch's PROCESS executor has its background process (``True`` if torch has no such executor)."""
+    module = sys.modules.get("torch.distributed.checkpoint._async_process_executor")
+    return module is None or getattr(module, "_CHECKPOINT_PROCESS", True) is not None
 
 
 def take() -> Ticket:

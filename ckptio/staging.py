@@ -53,7 +53,9 @@ class Stager(AsyncStager):
         self._lock = threading.Lock()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return self.stage_for(state_dict, ordering.claim_latest())
+        user = ordering.claim_latest()
+        ordering.await_previous_start(user)
+        return self.stage_for(state_dict, user)
 
     @torch.no_grad()
     def stage_for(self, state_dict: dict[str, Any], user: ordering.Ticket | None) -> dict[str, Any]:

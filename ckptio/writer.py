@@ -106,11 +106,13 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The state's host copy for ``dcp.async_save``: into the process's reused buffers (see
         ``WriterConfig.reuse_staging_buffers``), or fresh memory."""
-        if not self.config.reuse_staging_buffers:
-            return staging.stage_fresh(state_dict)
         if self._ticket is None or self._ticket.started.is_set():  # this Writer saved before
             self._take_ticket()
-        return staging.writer_stager().stage_for(state_dict, ordering.claim(self._ticket))
+        ordering.await_previous_start(self._ticket)
+        user = ordering.claim(self._ticket)
+        if not self.config.reuse_staging_buffers:
+            return staging.stage_fresh(state_dict)
+        return staging.writer_stager().stage_for(state_dict, user)
 
     def _take_ticket(self) -> None:
         """A new place in this process's order of saves; freeing this Writer unused gives it up."""
