@@ -101,14 +101,18 @@ _radosgw_startup: _RadosgwStartup | None = None
 
 
 def pytest_collection_modifyitems(config, items):
+    """Tests that need radosgw run last (in their order), so its cluster starts while the others run."""
     global _radosgw_startup
 
     def needs_radosgw(item) -> bool:
         params = getattr(getattr(item, "callspec", None), "params", {})
         return "radosgw" in getattr(item, "fixturenames", ()) or params.get("s3") == "radosgw"
 
-    if _radosgw_startup is None and any(needs_radosgw(item) for item in items):
-        _radosgw_startup = _RadosgwStartup()
+    on_radosgw = [item for item in items if needs_radosgw(item)]
+    if on_radosgw:
+        items[:] = [item for item in items if not needs_radosgw(item)] + on_radosgw
+        if _radosgw_startup is None:
+            _radosgw_startup = _RadosgwStartup()
 
 
 def pytest_sessionfinish(session):
