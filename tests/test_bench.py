@@ -13,6 +13,7 @@ from ckptio.bench.__main__ import main as bench_main
 
 import ckptio
 
+from .conftest import S3_SERVERS
 from .metadata_view import readable_metadata
 
 
@@ -155,6 +156,7 @@ def test_workload_byte_counts_match_what_ranks_hold_and_ckptio_stores(tmp_path):
     assert stored == sizes["unique_bytes"]
 
 
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
 def test_s3_requests_are_counted_on_the_client(s3):
     base, options = s3
     counting.install_s3_counter()

@@ -347,6 +347,7 @@ def test_two_saves_racing_to_one_path_commit_exactly_once_on_s3(s3):
     findings.race_two_saves(f"{base}/race", options)
 
 
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
 def test_s3_compatible_stores_without_conditional_writes_still_commit(s3_proxy):
     proxy, base, options = s3_proxy
     url = f"{base}/no-conditional"

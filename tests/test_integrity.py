@@ -113,6 +113,7 @@ def test_nonexistent_path_and_bucket(tmp_path, s3):
         ckptio.save(STATE, "s3://no-such-bucket-ckptio/x", storage_options=options)
 
 
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
 def test_permission_denied_names_the_object(s3_proxy):
     proxy, base, options = s3_proxy
     proxy.faults.append(Fault(lambda r: r.operation == "GET", 403))

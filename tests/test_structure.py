@@ -19,6 +19,8 @@ from ckptio.config import MAX_REQUEST_BYTES
 from ckptio.layout import Header, MeshRecord, SavedConfig, parse_data_file_name
 from ckptio.ranges import ReadPiece, plan_requests
 
+from .conftest import S3_SERVERS
+
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
@@ -141,6 +143,7 @@ def test_reads_a_gap_apart_merge_when_the_gap_is_cheaper_than_a_request():
     assert len(plan_requests(pieces, max_len=1000)) == 5
 
 
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
 def test_a_large_tensor_is_fetched_in_capped_parallel_requests(s3_proxy):
     proxy, base, options = s3_proxy
     url = f"{base}/big"
