@@ -27,7 +27,7 @@ import sys
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import crc32c
 import numpy as np
@@ -54,6 +54,57 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 def checksum(data: bytes | memoryview, crc: int = 0) -> int:
     """CRC32C of ``data``; pass the CRC of the preceding bytes as ``crc`` to continue it."""
     return crc32c.crc32c(data, crc)
+
+
+#: CRC32C's polynomial, bit-reflected as the checksums are computed (bit 31 holds x^0).
+_CRC32C_POLYNOMIAL = 0x82F63B78
+_X0 = 1 << 31
+
+
+def _multiply(a: int, b: int) -> int:
+    """``a * b`` modulo CRC32C's polynomial, both bit-reflected."""
+    product, bit = 0, _X0
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _CRC32C_POLYNOMIAL if b & 1 else b >> 1  # b * x
+    return product
+
+
+def _powers_of_x() -> list[int]:
+    """``x^(8 * 2^k)`` modulo the polynomial for k = 0..63: appending ``2^k`` zero bytes."""
+    power, powers = _multiply(_X0 >> 8, _X0), []  # x^8
+    for _ in range(64):
+        powers.append(power)
+        power = _multiply(power, power)
+    return powers
+
+
+_BYTE_SHIFTS = _powers_of_x()
+
+
+def checksum_concat(crc_a: int, crc_b: int, length_b: int) -> int:
+    """The CRC32C of bytes A followed by bytes B, from ``checksum(A)``, ``checksum(B)`` and B's length,
+    without reading either: A's CRC is carried past ``length_b`` bytes, then B's added (the CRCs'
+    initial and final values cancel out, as in zlib's crc32_combine)."""
+    shifted, k = crc_a, 0
+    while length_b:
+        if length_b & 1:
+            shifted = _multiply(shifted, _BYTE_SHIFTS[k])
+        length_b >>= 1
+        k += 1
+    return shifted ^ crc_b
+
+
+def checksum_of_pieces(pieces: Iterable[tuple[bytes | memoryview, int | None]]) -> int:
+    """The CRC32C of ``(data, its CRC32C or None)`` pieces back to back: known CRCs are combined
+    (``checksum_concat``), and only pieces without one are read."""
+    crc = 0  # the CRC32C of no bytes
+    for data, known in pieces:
+        crc = checksum_concat(crc, checksum(data) if known is None else known, len(data))
+    return crc
 
 
 def block_size_for(item_bytes: int, max_block_size: int) -> int:

@@ -69,7 +69,7 @@ def encode_items(
             codec, planes = encoder.codec_for(item.data, itemsize)
             blocks = []
             for stored, crc in encoder.encode(item.data, block_size, codec, planes):
-                sink.write(stored)
+                sink.write(stored, crc)
                 blocks.append((len(stored), crc))
             placed.append((item, codec, offset, block_size, tuple(blocks)))
             offset += sum(n for n, _ in blocks)
@@ -108,7 +108,7 @@ class _InlineOrFileSink:
         self.sink = None if limit > 0 else store.open_sink(name)
         self.inline: bytes | None = None
 
-    def write(self, data: Any) -> None:
+    def write(self, data: Any, crc: int | None = None) -> None:
         if self.buffer is not None and len(self.buffer) + len(data) <= self.limit:
             self.buffer += data
             return
@@ -116,7 +116,7 @@ class _InlineOrFileSink:
             self.sink = self.store.open_sink(self.name)
             self.sink.write(self.buffer)
             self.buffer = None
-        self.sink.write(data)
+        self.sink.write(data, crc)
 
     def close(self) -> None:
         if self.sink is None:

@@ -20,9 +20,10 @@ log = logging.getLogger(__name__)
 class Sink(Protocol):
     """A data file being written front to back."""
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview, crc: int | None = None) -> None:
         """Append ``data``, which must stay unchanged until ``close`` returns: a sink may send it
-        from where it is instead of copying it (``s3.MultipartSink`` does)."""
+        from where it is instead of copying it (``s3.MultipartSink`` does). ``crc``: its CRC32C, when
+        the caller has it (an S3 sink derives each part's CRC32C from them instead of reading it)."""
 
     def close(self) -> None:
         """Make the file durable under its final name."""
@@ -203,7 +204,7 @@ class _FileSink:
     def __init__(self, store: FsspecStore, name: str, handle: Any):
         self.store, self.name, self.handle = store, name, handle
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview, crc: int | None = None) -> None:
         self.store._guard(self.name, "write", lambda: self.handle.write(data))
 
     def close(self) -> None:

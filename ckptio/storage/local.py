@@ -190,7 +190,7 @@ class _LocalSink:
     def __init__(self, store: LocalStore, name: str, handle):
         self.store, self.name, self.handle = store, name, handle
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview, crc: int | None = None) -> None:
         view = memoryview(data).cast("B")
         while view:
             piece = view[:MAX_SYSCALL_BYTES]

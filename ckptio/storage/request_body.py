@@ -3,7 +3,7 @@ encoded blocks (views of the staged tensors, or compressed blocks) without joini
 
 The body is an aiohttp ``Payload``, so aiohttp sends it slice by slice straight from that memory, and
 a file-like object, which is what botocore accepts as a body (it reads it only to hash the payload
-when the request is signed that way). ``len`` is its size for ``Content-Length``.
+when the request is signed that way, a piece at a time). ``len`` is its size for ``Content-Length``.
 """
 
 from __future__ import annotations
@@ -64,22 +64,17 @@ class RequestBody(payload.Payload):
             await writer.write(small)
 
     # --- botocore: a seekable file ------------------------------------------------------
-    def read(self, size: int | None = -1) -> bytes | memoryview:
-        """The next ``size`` bytes (all that is left by default): a view when they lie in one piece
-        (botocore only hashes them), a copy when they span pieces."""
-        want = self._size - self._position
-        if size is not None and size >= 0:
-            want = min(want, size)
-        chunks = []
+    def read(self, size: int | None = -1) -> memoryview:
+        """The next bytes, at most ``size``, as a view of one piece: a short read, as a raw stream
+        may return (botocore reads until an empty one to hash the payload), so nothing is copied."""
         index = bisect.bisect_right(self._starts, self._position) - 1
-        while want > 0:
-            at = self._position - self._starts[index]
-            chunk = self._pieces[index][at : at + want]
-            chunks.append(chunk)
-            self._position += len(chunk)
-            want -= len(chunk)
-            index += 1
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if index >= len(self._pieces):
+            return memoryview(b"")
+        at = self._position - self._starts[index]
+        want = len(self._pieces[index]) - at if size is None or size < 0 else size
+        chunk = self._pieces[index][at : at + want]
+        self._position += len(chunk)
+        return chunk
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]

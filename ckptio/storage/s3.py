@@ -135,30 +135,33 @@ class S3Store(FsspecStore):
         return self._endpoint
 
     async def _upload(
-        self, operation: str, name: str, pieces: Sequence[Any] | None = None, **params: Any
+        self, operation: str, name: str, pieces: Sequence[tuple[Any, int | None]] | None = None, **params: Any
     ) -> tuple[dict, str | None]:
-        """PUT or UploadPart ``pieces`` with their CRC32C, or CreateMultipartUpload declaring CRC32C
-        (no ``pieces``), as ``s3_checksums`` says; returns the answer and the CRC32C header sent
-        (``None`` where none was: no body, or a store that refuses them)."""
+        """PUT or UploadPart ``pieces`` (``(data, its CRC32C or None)``) with their CRC32C, or
+        CreateMultipartUpload declaring CRC32C (no ``pieces``), as ``s3_checksums`` says; returns the
+        answer and the CRC32C header sent (``None`` where none was: no body, or a store that refuses them)."""
         endpoint = await self._checksums()
+        body = None if pieces is None else [data for data, _ in pieces]
         if endpoint.send_crc32c:
             crc = crc32c_header(pieces) if pieces is not None else None
             checksum = {"ChecksumCRC32C": crc} if crc is not None else {"ChecksumAlgorithm": "CRC32C"}
             unsigned = pieces is not None and endpoint.unsigned_payload
             try:
-                response = await self._request(operation, name, body=pieces, unsigned=unsigned, **checksum, **params)
+                response = await self._request(operation, name, body=body, unsigned=unsigned, **checksum, **params)
                 endpoint.observe(response, crc)
                 return response, crc
             except Exception as exc:
                 refusal = endpoint.refusal(exc)
                 if refusal is None:
                     raise
-            response = await self._request(operation, name, body=pieces, **params)
+            response = await self._request(operation, name, body=body, **params)
             endpoint.refused_by(refusal)
             return response, None
-        return await self._request(operation, name, body=pieces, **params), None
+        return await self._request(operation, name, body=body, **params), None
 
-    def _run_upload(self, operation: str, name: str, pieces: Sequence[Any] | None = None, **params: Any) -> dict:
+    def _run_upload(
+        self, operation: str, name: str, pieces: Sequence[tuple[Any, int | None]] | None = None, **params: Any
+    ) -> dict:
         return self._sync(operation, name, self._upload, operation, name, pieces, Key=self.key(name), **params)[0]
 
     def _translate(self, exc: BaseException, operation: str, name: str) -> BaseException:
@@ -200,13 +203,13 @@ class S3Store(FsspecStore):
         return int(self._run("head_object", name, Key=self.key(name))["ContentLength"])
 
     def put_atomic(self, name: str, data: bytes) -> None:
-        self._run_upload("put_object", name, [data])
+        self._run_upload("put_object", name, [(data, None)])
 
     def put_if_absent(self, name: str, data: bytes) -> None:
         """A conditional PUT (``If-None-Match: *``): S3 refuses it if the key exists, atomically.
         S3-compatible stores without conditional writes get the generic check-then-write (racy)."""
         try:
-            self._run_upload("put_object", name, [data], IfNoneMatch="*")
+            self._run_upload("put_object", name, [(data, None)], IfNoneMatch="*")
         except _PreconditionFailed:
             raise FileExistsError(self.describe(name)) from None
         except StorageError as exc:
@@ -316,22 +319,23 @@ class MultipartSink:
     Part sizes grow with the part count (``part_size_for``) to stay within S3's limits.
 
     Nothing is copied here: a part is the list of views of the written pieces it spans (the one
-    piece that straddles a part boundary is split as two views), sent as they are. Written data
-    must therefore stay unchanged until ``close`` returns (``Sink``)."""
+    piece that straddles a part boundary is split as two views), sent as they are, and its CRC32C
+    is combined from the pieces' own (only a split piece is read for it). Written data must
+    therefore stay unchanged until ``close`` returns (``Sink``)."""
 
     def __init__(self, store: S3Store, name: str):
         self.store, self.name = store, name
         self.key = store.key(name)
-        self.pending: collections.deque[memoryview] = collections.deque()
+        self.pending: collections.deque[tuple[memoryview, int | None]] = collections.deque()  # (data, CRC32C)
         self.pending_bytes = 0
         self.upload_id: str | None = None
         self.parts: list[concurrent.futures.Future] = []
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, data: bytes | memoryview, crc: int | None = None) -> None:
         view = memoryview(data).cast("B")
         if not len(view):
             return
-        self.pending.append(view)
+        self.pending.append((view, crc))
         self.pending_bytes += len(view)
         while True:
             # The next part leaves once a quarter more than it is buffered (a short tail joins the
@@ -341,22 +345,22 @@ class MultipartSink:
                 return
             self._send_part(self._take(size))
 
-    def _take(self, size: int) -> list[memoryview]:
-        """The pending views that make up the next ``size`` bytes."""
+    def _take(self, size: int) -> list[tuple[memoryview, int | None]]:
+        """The pending pieces that make up the next ``size`` bytes (a split piece's halves without a CRC32C)."""
         pieces, need = [], size
         while need:
-            head = self.pending[0]
+            head, crc = self.pending[0]
             if len(head) <= need:
                 pieces.append(self.pending.popleft())
                 need -= len(head)
             else:
-                pieces.append(head[:need])
-                self.pending[0] = head[need:]
+                pieces.append((head[:need], None))
+                self.pending[0] = (head[need:], None)
                 need = 0
         self.pending_bytes -= size
         return pieces
 
-    def _send_part(self, pieces: list[memoryview]) -> None:
+    def _send_part(self, pieces: list[tuple[memoryview, int | None]]) -> None:
         if self.upload_id is None:
             self.upload_id = self.store._run_upload("create_multipart_upload", self.name)["UploadId"]
         in_flight = [f for f in self.parts if not f.done()]

@@ -1,11 +1,11 @@
 """How an S3 upload's bytes are checked on their way to the store: each PUT and each part carries its
-CRC32C (``x-amz-checksum-crc32c``), computed by ckptio at memory speed, and the client computes no
-checksum of its own; the payload goes unsigned (no SHA-256 pass) wherever the CRC32C is known to be
-checked: over TLS, or once the store has echoed a CRC32C back (AWS S3 does; it then refuses a
-damaged part with ``BadDigest``, which is retried). Where that is not known (plain HTTP to a store
-that does not echo, e.g. radosgw 16, which accepts and ignores the header), the payload is SHA-256
-signed, which every SigV4 store verifies. A store that refuses the header gets uploads without it,
-signed, and one warning per endpoint.
+CRC32C (``x-amz-checksum-crc32c``), combined from the CRC32Cs ckptio keeps of every block (no second
+pass over the bytes), and the client computes no checksum of its own; the payload goes unsigned (no
+SHA-256 pass) wherever the CRC32C is known to be checked: over TLS, or once the store has echoed a
+CRC32C back (AWS S3 does; it then refuses a damaged part with ``BadDigest``, which is retried). Where
+that is not known (plain HTTP to a store that does not echo, e.g. radosgw 16, which accepts and
+ignores the header), the payload is SHA-256 signed, which every SigV4 store verifies. A store that
+refuses the header gets uploads without it, signed, and one warning per endpoint.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Any, Sequence
 
-from ..codec import checksum
+from ..codec import checksum_of_pieces
 from .retry import s3_error
 
 log = logging.getLogger(__name__)
@@ -25,12 +25,10 @@ log = logging.getLogger(__name__)
 REFUSED_CODES = frozenset({"InvalidArgument", "InvalidRequest", "NotImplemented", "501", "400"})
 
 
-def crc32c_header(pieces: Sequence[Any]) -> str:
-    """The value of ``x-amz-checksum-crc32c`` for the bytes of ``pieces`` back to back."""
-    crc = 0
-    for piece in pieces:
-        crc = checksum(piece, crc)
-    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
+def crc32c_header(pieces: Sequence[tuple[Any, int | None]]) -> str:
+    """The value of ``x-amz-checksum-crc32c`` for ``(data, its CRC32C or None)`` pieces back to back:
+    the CRC32Cs the encoder computed are combined, not computed again (``codec.checksum_of_pieces``)."""
+    return base64.b64encode(checksum_of_pieces(pieces).to_bytes(4, "big")).decode("ascii")
 
 
 class EndpointChecksums:
