@@ -309,3 +309,18 @@ def test_compressed_runs_also_save_the_training_state_with_the_zstd_writers():
     assert pass_for() is None  # not compressed
     assert pass_for("--compressed", "--data", "bf16-weights") is None  # the run's own state already
     assert pass_for("--compressed", "--writers", "ckptio all_ranks") is None  # no compressed writer chosen
+
+
+def test_the_s3_client_benchmark_reads_back_what_each_client_wrote(moto_server):
+    from ckptio.bench import s3_clients
+
+    server = {"endpoint": moto_server, "key": "testing", "secret": "testing"}
+    s3_clients._create_bucket(server)
+    rows = [
+        {"server": "moto", **s3_clients.measure_one(client, server, 2 << 20, 5 << 20, 1, signed)}
+        for client in ("ckptio", "s3fs")
+        for signed in (True, False)
+    ]  # each measurement checks the bytes read back
+    for row in rows:
+        assert row["upload_cpu_s_per_gib"][0] > 0 and row["download_mb_s"][1] > 0
+    assert "| moto | s3fs | unsigned |" in s3_clients.table(rows)
