@@ -252,17 +252,21 @@ def measure_one(client: str, server: dict, size: int, part: int, repeats: int, s
     }
 
 
-def _delete(server: dict, key: str) -> None:
-    """Remove what a repeat wrote (radosgw's store is memory), whichever client wrote it."""
+def _boto3(server: dict):
     import boto3
 
-    s3 = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=server["endpoint"],
         aws_access_key_id=server["key"],
         aws_secret_access_key=server["secret"],
         region_name="us-east-1",
     )
+
+
+def _delete(server: dict, key: str) -> None:
+    """Remove what a repeat wrote (radosgw's store is memory), whichever client wrote it."""
+    s3 = _boto3(server)
     for prefix in IMPLEMENTATIONS:
         s3.delete_object(Bucket=BUCKET, Key=f"{prefix}/{key}")
 
@@ -307,15 +311,7 @@ def _servers(args: argparse.Namespace):
 
 
 def _create_bucket(server: dict) -> None:
-    import boto3
-
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=server["endpoint"],
-        aws_access_key_id=server["key"],
-        aws_secret_access_key=server["secret"],
-        region_name="us-east-1",
-    )
+    s3 = _boto3(server)
     with contextlib.suppress(s3.exceptions.BucketAlreadyOwnedByYou, s3.exceptions.BucketAlreadyExists):
         s3.create_bucket(Bucket=BUCKET)
 
