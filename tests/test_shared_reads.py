@@ -14,19 +14,19 @@ from .harness import spawn
 LOADS = [(4, (2, 2)), (4, (4, 1)), (2, (1, 2))]
 
 
-def _stored_data_bytes(moto_server: str, url: str) -> int:
+def _stored_data_bytes(options: dict, url: str) -> int:
     from .test_s3 import _objects
 
-    return sum(size for key, size in _objects(moto_server, url).items() if key.endswith(".ckio"))
+    return sum(size for key, size in _objects(options, url).items() if key.endswith(".ckio"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,compression", [("replica_group", None), ("all_ranks", "zstd")], ids=["raw", "zstd"])
-def test_s3_serves_each_stored_byte_once(s3_proxy, moto_server, mode, compression):
+def test_s3_serves_each_stored_byte_once(s3_proxy, mode, compression):
     proxy, base, options = s3_proxy
     url = f"{base}/{mode}"
     spawn(4, partial(scenarios.save, compression=compression), url, (2, 2), mode, options)
-    stored = _stored_data_bytes(moto_server, url)
+    stored = _stored_data_bytes(options, url)
     proxy.reset()
     for procs, mesh in LOADS if compression is None else LOADS[1:2]:  # zstd: the replicas' case
         assert spawn(procs, scenarios.load_shared, url, mesh, options, True) == [[]] * procs
