@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from .codec import BlockSizeError, checksum, decode_block
 from .config import DECODE_TASK_BYTES, MAX_REQUEST_BYTES, READ_BATCH_BYTES, cpu_threads
 from .errors import CorruptCheckpointError
+from .host_memory import empty_bytes
 from .layout import METADATA_NAME, Codec, ItemKind, StoredItem, dtype_from_name
 from .ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests, row_major_strides
 from .storage import FsspecStore
@@ -247,7 +248,7 @@ class _Window:
         dtype = dtype_from_name(item.dtype)
         first, last = self.blocks[0], self.blocks[-1]
         # Only the needed blocks are filled, and the view reads only their bytes: no zeroing needed.
-        span = np.empty(sum(item.block_logical_len(b) for b in range(first, last + 1)), dtype=np.uint8)
+        span = empty_bytes(sum(item.block_logical_len(b) for b in range(first, last + 1)))
         for b in self.blocks:
             at = (b - first) * item.block_size
             span[at : at + item.block_logical_len(b)] = np.frombuffer(blocks[b], dtype=np.uint8)
@@ -292,9 +293,9 @@ class StagingArea:
 
     def take(self, n: int) -> memoryview:
         if n > READ_BATCH_BYTES - self.used:
-            return memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+            return memoryview(empty_bytes(n))
         if self.buffer is None:
-            self.buffer = memoryview(np.empty(READ_BATCH_BYTES, dtype=np.uint8)).cast("B")
+            self.buffer = memoryview(empty_bytes(READ_BATCH_BYTES))
         self.used += n
         return self.buffer[self.used - n : self.used]
 
@@ -350,7 +351,7 @@ def _fetch_blocks(
 ) -> dict[int, memoryview]:
     if item.inline is not None:
         return {b: memoryview(item.inline)[_span(item, b)] for b in blocks}
-    stored = {b: memoryview(np.empty(item.blocks[b][0], dtype=np.uint8)).cast("B") for b in blocks}
+    stored = {b: memoryview(empty_bytes(item.blocks[b][0])) for b in blocks}
     _read_all(store, [ReadPiece(item.file, item.block_offsets[b], stored[b]) for b in blocks], recorded_sizes)
     return stored
 

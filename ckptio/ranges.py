@@ -8,6 +8,7 @@ from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
+from .host_memory import empty_bytes
 from .storage.base import ReadRequest
 
 # Past this many separate row runs, a sub-box touches (nearly) every block in its span anyway.
@@ -115,7 +116,7 @@ def plan_requests(pieces: Iterable[ReadPiece], max_len: int, gap: int = 0) -> li
 def _bridge_gaps(spans: list[tuple[str, int, int, memoryview]], gap: int, max_len: int) -> list:
     """``spans`` plus, between two of one file at most ``gap`` bytes apart, a span for the bytes
     between them into a throwaway buffer, wherever the merged request stays within ``max_len``."""
-    scratch = memoryview(np.empty(gap, dtype=np.uint8)).cast("B")  # shared by every bridge: never read
+    scratch = memoryview(empty_bytes(gap))  # shared by every bridge: never read
     out: list[tuple[str, int, int, memoryview]] = []
     run_start = 0
     for span in sorted(spans, key=lambda s: (s[0], s[1], s[2])):

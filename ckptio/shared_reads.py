@@ -28,6 +28,7 @@ from . import errors
 from .config import MAX_REQUEST_BYTES, SHARED_READ_MIN_REPLICATION, SHARED_READ_MIN_SAVED_BYTES
 from .errors import CheckpointError
 from .fetch import _Job, _read_all, verify_block
+from .host_memory import empty_bytes
 from .layout import StoredItem
 from .ranges import ReadPiece
 from .storage import FsspecStore, ReadRequest
@@ -337,8 +338,7 @@ class _Exchange:
     """One round's all-to-all. Each rank sends the segments it reads to the other ranks that need
     them, the bytes for each peer back to back in one send buffer. A segment is read straight into
     its first place in that buffer (``own``), so nothing is copied before sending but a segment
-    that more than one peer needs. Buffers are numpy memory: numpy asks for huge pages for large
-    arrays, so fresh ones cost a fraction of the page faults a ``torch.empty`` of that size does."""
+    that more than one peer needs."""
 
     def __init__(self, segments: list[Segment], rank: int, world: int):
         self.send_parts: list[list[Segment]] = [[] for _ in range(world)]
@@ -352,12 +352,12 @@ class _Exchange:
         self.rank = rank
         self.exchanged = any(len(s.needers) > 1 for s in segments)  # the same answer on every rank
         sent = [s for part in self.send_parts for s in part]
-        self.send = np.empty(_total(sent), dtype=np.uint8)
+        self.send = empty_bytes(_total(sent))
         places: dict[Segment, list[memoryview]] = defaultdict(list)
         for s, view in zip(sent, _slices(self.send, sent), strict=True):
             places[s].append(view)
         unsent = [s for s in segments if s.reader == rank and s not in places]  # needed by this rank alone
-        self.own = dict(zip(unsent, _slices(np.empty(_total(unsent), dtype=np.uint8), unsent), strict=True))
+        self.own = dict(zip(unsent, _slices(empty_bytes(_total(unsent)), unsent), strict=True))
         self.own.update((s, views[0]) for s, views in places.items())
         self.copies = [(views[0], view) for views in places.values() for view in views[1:]]
 
@@ -369,7 +369,7 @@ class _Exchange:
         for source, copy in self.copies:
             copy[:] = source
         received_segments = [s for part in self.recv_parts for s in part]
-        received = np.empty(_total(received_segments), dtype=np.uint8)
+        received = empty_bytes(_total(received_segments))
         dist.all_to_all_single(
             torch.from_numpy(received),
             torch.from_numpy(self.send),
