@@ -117,9 +117,6 @@ class TrainingStep:
 def run_rank(cfg: dict) -> list[dict]:
     """One record per (setup, executor) with this rank's per-save figures."""
     rank = dist.get_rank()
-    # As torchrun does (OMP_NUM_THREADS=1 for several processes per node): the ranks' thread pools
-    # share the cores instead of each spinning on all of them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     if cfg["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     mesh = mesh_of(tuple(cfg["mesh"]), cfg["device"])

@@ -30,6 +30,11 @@ def _rank_main(
     os.chdir(directory)
     if log_path:
         redirect_output(log_path, f"rank {rank}")
+    if "OMP_NUM_THREADS" not in environment:
+        # As torchrun does (OMP_NUM_THREADS=1 for several processes per node): the ranks' thread
+        # pools share the cores instead of each spinning on all of them, which every writer's CPU
+        # figures would count.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
