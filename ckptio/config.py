@@ -49,6 +49,11 @@ REMOTE_READ_GAP_BYTES = 8 * MiB
 #: Shared reads (Reader(dedup_reads=...)): stored bytes exchanged per round, so a rank holds at most
 #: this much received data at a time (one stored item larger than it makes a round of its own).
 SHARED_READ_ROUND_BYTES = 256 * MiB
+#: Shared reads: a segment at least this large travels between two ranks as a message of its own,
+#: straight from and into the memory each holds it in; smaller ones travel together, copied in and
+#: out (a message costs tens of microseconds; copying into fresh memory costs more than that from
+#: here on).
+SHARED_READ_MESSAGE_BYTES = 256 << 10
 #: dedup_reads="auto" shares reads from remote stores when the ranks need at least this many times
 #: the distinct bytes they read (HSDP with 2 replicas: 2.0; a resharded load: 1.0 plus the blocks
 #: that straddle two ranks' shards).

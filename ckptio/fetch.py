@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -38,14 +38,33 @@ def load_items(
 ) -> None:
     """Deliver every ``(ReadItem, StoredItem)`` to ``planner``, in batches that stage at most
     ``READ_BATCH_BYTES`` (or one sub-box item larger than that); ``workers`` threads check and
-    decode blocks."""
+    decode blocks. Destinations are resolved one item at a time, as the batches reach them."""
+    load_jobs(store, prepared_jobs(pairs, planner), planner, verify, recorded_sizes, workers)
+
+
+def prepared_jobs(pairs: Iterable[tuple[ReadItem, StoredItem]], planner: LoadPlanner) -> Iterator["_Job"]:
+    """Each pair's job, its destination resolved (``planner.resolve_tensor``, once per read item)."""
+    for read_item, item in pairs:
+        job = _Job.build(read_item, item)
+        job.prepare(planner)
+        yield job
+
+
+def load_jobs(
+    store: FsspecStore,
+    jobs: Iterable["_Job"],
+    planner: LoadPlanner,
+    verify: bool,
+    recorded_sizes: dict[str, int],
+    workers: int = 4,
+) -> None:
+    """``load_items`` for jobs already prepared."""
     batch: list[_Window] = []
     size = 0
     actual_sizes = _ActualSizes(store)
     staging = StagingArea()
-    for read_item, item in pairs:
-        job = _Job.build(read_item, item)
-        job.prepare(planner)
+    for job in jobs:
+        item = job.item
         for window in job.windows(READ_BATCH_BYTES):
             staged = 0 if window.direct else window.fetch_bytes
             if staged > MAX_REQUEST_BYTES:
@@ -145,11 +164,19 @@ class _Job:
         ):
             self.dest = memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
+    @property
+    def direct(self) -> bool:
+        """Whether the stored bytes of ``run`` are read straight into ``dest`` (raw, in a data file)."""
+        return self.dest is not None and self.item.codec == Codec.RAW and self.item.inline is None
+
+    def placement(self) -> tuple[str, int, memoryview] | None:
+        """``(file, offset, dest)``: where a direct job's stored bytes lie, and the memory they go to."""
+        return (self.item.file, self.item.offset + self.run[0], self.dest) if self.direct else None
+
     def windows(self, max_bytes: int) -> Iterator["_Window"]:
         """The job in windows of blocks: only jobs that decode straight into ``dest`` are split."""
-        direct = self.dest is not None and self.item.codec == Codec.RAW and self.item.inline is None
-        if self.dest is None or direct or not self.blocks:
-            yield _Window(self, self.blocks, last=True, direct=direct)
+        if self.dest is None or self.direct or not self.blocks:
+            yield _Window(self, self.blocks, last=True, direct=self.direct)
             return
         start, size = 0, 0
         for i, b in enumerate(self.blocks):

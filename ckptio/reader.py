@@ -25,7 +25,7 @@ from .errors import (
     PerRankStateError,
     remember_metadata_error,
 )
-from .fetch import load_items
+from .fetch import load_items, load_jobs
 from .keys import CanonicalKeyDict, canonical_index
 from .layout import (
     METADATA_NAME,
@@ -157,11 +157,13 @@ class Reader(CheckpointLocation, StorageReader):
                 failure = exc
             keys = {segment.index for segments in shared.rounds for segment in segments}
 
-            def deliver(source: FsspecStore, pairs: list[tuple[ReadItem, Any]]) -> None:
-                self._deliver(source, pairs, planner)
+            def deliver(source: FsspecStore, jobs: list) -> None:
+                load_jobs(source, jobs, planner, self.verify, files, self.storage_config.max_concurrency)
 
             shared_triples = [t for t in triples if t[0] in keys]
-            load_shared(store, shared, shared_triples, self._items.__getitem__, deliver, self.verify, files, failure)
+            load_shared(
+                store, shared, shared_triples, self._items.__getitem__, planner, deliver, self.verify, files, failure
+            )
             self._deliver(store, [(ri, item) for key, ri, item in triples if key not in keys], planner)
         future: Future[None] = Future()
         future.set_result(None)

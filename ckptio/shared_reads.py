@@ -25,9 +25,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from . import errors
-from .config import MAX_REQUEST_BYTES, SHARED_READ_MIN_REPLICATION, SHARED_READ_MIN_SAVED_BYTES
+from .config import (
+    MAX_REQUEST_BYTES,
+    SHARED_READ_MESSAGE_BYTES,
+    SHARED_READ_MIN_REPLICATION,
+    SHARED_READ_MIN_SAVED_BYTES,
+)
 from .errors import CheckpointError
-from .fetch import _Job, _read_all, verify_block
+from .fetch import _Job, _read_all, prepared_jobs, verify_block
 from .host_memory import empty_bytes
 from .layout import StoredItem
 from .ranges import ReadPiece
@@ -225,7 +230,8 @@ class CachedBlocks:
                 while done < len(buffer):
                     source = self._find(request.name, at + done)
                     n = min(len(buffer) - done, len(source))
-                    buffer[done : done + n] = source[:n]
+                    if _address(source) != _address(buffer[done:]):  # not exchanged into its place already
+                        buffer[done : done + n] = source[:n]
                     done += n
                 at += len(buffer)
             counts.append(request.length)
@@ -259,24 +265,30 @@ def load_shared(
     plan: SharedReadPlan,
     triples: list[tuple[MetadataIndex, ReadItem, Any]],
     records: Callable[[MetadataIndex], StoredItem],
-    deliver: Callable[[Any, list[tuple[ReadItem, Any]]], None],
+    planner: Any,
+    deliver: Callable[[Any, list[_Job]], None],
     verify: bool,
     recorded_sizes: dict[str, int],
     failure: BaseException | None = None,
 ) -> None:
     """Run the rounds of ``plan`` on this rank: read its segments (checked against ``records``'
-    checksums when ``verify``), exchange, then ``deliver(store, pairs)`` its shared ``(stored key,
-    read item, source)`` triples from the bytes held, through a stand-in for the store.
-    ``failure``: what already went wrong on this rank (it still takes part in the first
-    agreement, so every rank raises instead of waiting)."""
+    checksums when ``verify``), exchange, then ``deliver(store, jobs)`` its shared ``(stored key,
+    read item, source)`` triples (as ``fetch`` jobs, their destinations resolved by ``planner``) from
+    the bytes held, through a stand-in for the store. Raw bytes whose destination is one contiguous
+    run are read or received straight into it (``_Placements``). ``failure``: what already went
+    wrong on this rank (it still takes part in the first agreement, so every rank raises instead
+    of waiting)."""
     rank, group = dist.get_rank(), exchange_group()
     by_index: dict[MetadataIndex, list[tuple[ReadItem, Any]]] = defaultdict(list)
     for key, read_item, source in triples:
         by_index[key].append((read_item, source))
     for segments in plan.rounds:
-        exchange = _Exchange(segments, rank, plan.world_size)
+        mine = [pair for index in dict.fromkeys(s.index for s in segments) for pair in by_index.pop(index, [])]
+        jobs: list[_Job] = []
         if failure is None:
             try:
+                jobs = list(prepared_jobs(mine, planner))
+                exchange = _Exchange(segments, rank, _Placements(jobs))
                 _read_segments(store, exchange.own, records, verify, recorded_sizes)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
                 failure = exc
@@ -285,9 +297,8 @@ def load_shared(
         spans: dict[str, list[tuple[int, memoryview]]] = defaultdict(list)
         for segment, data in held.items():
             spans[segment.file].append((segment.start, data))
-        mine = [pair for index in dict.fromkeys(s.index for s in segments) for pair in by_index.pop(index, [])]
         try:
-            deliver(CachedBlocks(store, spans), mine)
+            deliver(CachedBlocks(store, spans), jobs)
         except Exception as exc:  # noqa: BLE001
             failure = exc
     _agree(failure, rank, group)
@@ -334,58 +345,112 @@ def _agree(failure: BaseException | None, rank: int, group: Any) -> None:
     )
 
 
-class _Exchange:
-    """One round's all-to-all. Each rank sends the segments it reads to the other ranks that need
-    them, the bytes for each peer back to back in one send buffer. A segment is read straight into
-    its first place in that buffer (``own``), so nothing is copied before sending but a segment
-    that more than one peer needs."""
+class _Placements:
+    """Where this rank's direct jobs want stored bytes: a segment that lies wholly inside one job's
+    stored run is read or received into that part of the job's destination, not into a buffer
+    (fresh memory costs a page fault per page, which on the bench's VM cost more than the read)."""
 
-    def __init__(self, segments: list[Segment], rank: int, world: int):
-        self.send_parts: list[list[Segment]] = [[] for _ in range(world)]
-        self.recv_parts: list[list[Segment]] = [[] for _ in range(world)]
-        for s in segments:
-            for peer in s.needers:
-                if s.reader == rank and peer != rank:
-                    self.send_parts[peer].append(s)
-                elif peer == rank and s.reader != rank:
-                    self.recv_parts[s.reader].append(s)
-        self.rank = rank
+    def __init__(self, jobs: list[_Job]):
+        runs: dict[str, list[tuple[int, memoryview]]] = defaultdict(list)
+        for placement in filter(None, (job.placement() for job in jobs)):
+            file, start, dest = placement
+            runs[file].append((start, dest))
+        self._runs = {file: sorted(found, key=lambda r: r[0]) for file, found in runs.items()}
+        self._starts = {file: [start for start, _ in found] for file, found in self._runs.items()}
+
+    def __call__(self, segment: Segment) -> memoryview | None:
+        at = bisect.bisect_right(self._starts.get(segment.file, []), segment.start) - 1
+        if at < 0:
+            return None
+        start, dest = self._runs[segment.file][at]
+        if segment.end > start + len(dest):
+            return None
+        return dest[segment.start - start : segment.end - start]
+
+
+class _Exchange:
+    """One round's exchange, point to point. Between two ranks, the segments one reads and the other
+    needs travel in a fixed order both derive from the plan (``_messages``): the small ones together
+    in one message, copied in and out of a buffer, then each segment of at least
+    ``SHARED_READ_MESSAGE_BYTES`` as a message of its own, sent from and received into wherever
+    each rank holds it (its destination tensor when ``placed`` gives one), so nothing is copied;
+    a segment several peers need is sent to each from the same memory."""
+
+    def __init__(self, segments: list[Segment], rank: int, placed: Callable[[Segment], Any]):
+        self.segments, self.rank, self.placed = segments, rank, placed
         self.exchanged = any(len(s.needers) > 1 for s in segments)  # the same answer on every rank
-        sent = [s for part in self.send_parts for s in part]
-        self.send = empty_bytes(_total(sent))
-        places: dict[Segment, list[memoryview]] = defaultdict(list)
-        for s, view in zip(sent, _slices(self.send, sent), strict=True):
-            places[s].append(view)
-        unsent = [s for s in segments if s.reader == rank and s not in places]  # needed by this rank alone
-        self.own = dict(zip(unsent, _slices(empty_bytes(_total(unsent)), unsent), strict=True))
-        self.own.update((s, views[0]) for s, views in places.items())
-        self.copies = [(views[0], view) for views in places.values() for view in views[1:]]
+        read = [s for s in segments if s.reader == rank]
+        self.own = {s: view for s in read if rank in s.needers and (view := placed(s)) is not None}
+        unplaced = [s for s in read if s not in self.own]
+        self.own.update(zip(unplaced, _slices(empty_bytes(_total(unplaced)), unplaced), strict=True))
 
     def run(self, group: Any) -> dict[Segment, memoryview]:
         """Send and receive; every segment this rank needs, by segment."""
         held = {s: data for s, data in self.own.items() if self.rank in s.needers}
         if not self.exchanged:
             return held
-        for source, copy in self.copies:
-            copy[:] = source
-        received_segments = [s for part in self.recv_parts for s in part]
-        received = empty_bytes(_total(received_segments))
-        dist.all_to_all_single(
-            torch.from_numpy(received),
-            torch.from_numpy(self.send),
-            [_total(part) for part in self.recv_parts],
-            [_total(part) for part in self.send_parts],
-            group=group,
-        )
-        held.update(zip(received_segments, _slices(received, received_segments), strict=True))
+        to_peer: dict[int, list[Segment]] = defaultdict(list)
+        from_peer: dict[int, list[Segment]] = defaultdict(list)
+        for s in self.segments:
+            if s.reader == self.rank:
+                for peer in s.needers:
+                    if peer != self.rank:
+                        to_peer[peer].append(s)
+            elif self.rank in s.needers:
+                from_peer[s.reader].append(s)
+        pending = []
+        for peer, segments in from_peer.items():
+            for tag, message in enumerate(_messages(segments)):
+                buffer, views = self._incoming(message)
+                held.update(views)
+                pending.append(dist.irecv(_as_tensor(buffer), peer, group, tag))
+        for peer, segments in to_peer.items():
+            for tag, message in enumerate(_messages(segments)):
+                pending.append(dist.isend(_as_tensor(self._outgoing(message)), peer, group, tag))
+        for work in pending:
+            work.wait()
         return held
+
+    def _outgoing(self, message: list[Segment]) -> memoryview:
+        if len(message) == 1:
+            return self.own[message[0]]
+        buffer = memoryview(empty_bytes(_total(message)))
+        for s, view in zip(message, _slices(buffer, message), strict=True):
+            view[:] = self.own[s]
+        return buffer
+
+    def _incoming(self, message: list[Segment]) -> tuple[memoryview, dict[Segment, memoryview]]:
+        """The buffer a message is received into, and the segment views it holds."""
+        if len(message) == 1:
+            view = self.placed(message[0])
+            if view is not None:
+                return view, {message[0]: view}
+        buffer = memoryview(empty_bytes(_total(message)))
+        return buffer, dict(zip(message, _slices(buffer, message), strict=True))
+
+
+def _messages(sent: list[Segment]) -> list[list[Segment]]:
+    """The segments one rank sends another in a round (in plan order), message by message: the small
+    ones together, then each large one alone. Both ranks derive the same list, so the message
+    number is the tag that pairs each send with its receive."""
+    sent = [s for s in sent if s.size > 0]
+    small = [s for s in sent if s.size < SHARED_READ_MESSAGE_BYTES]
+    return ([small] if small else []) + [[s] for s in sent if s.size >= SHARED_READ_MESSAGE_BYTES]
+
+
+def _as_tensor(buffer: memoryview) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8))
+
+
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
 def _total(segments: list[Segment]) -> int:
     return sum(s.size for s in segments)
 
 
-def _slices(buffer: np.ndarray, segments: list[Segment]) -> list[memoryview]:
+def _slices(buffer: Any, segments: list[Segment]) -> list[memoryview]:
     """Views of ``buffer`` for ``segments``, back to back in order."""
     view, at, out = memoryview(buffer).cast("B"), 0, []
     for s in segments:

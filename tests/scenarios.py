@@ -172,6 +172,28 @@ def bench_load(url: str, size: int, mesh_shape, storage_options=None, **reader) 
     return workload.check_state(state, specs, False, dist.get_rank()), needed
 
 
+def bench_load_growth(url: str, size: int, mesh_shape, storage_options=None, **reader) -> tuple[list[str], int, int]:
+    """``bench_load``, and how far this rank's resident memory rose above where it stood when the
+    load began (the kernel's high-water mark, reset first): the load's transient memory."""
+    from ckptio.bench import workload
+    from ckptio.bench.runner import mesh_of
+
+    specs = workload.tensor_specs(size)
+    state = workload.build_state(mesh_of(tuple(mesh_shape), "cpu"), specs, False, dist.get_rank(), empty=True)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS
+    before = _status_bytes("VmRSS")
+    ckptio.load(state, url, storage_options=storage_options, **reader)
+    growth = _status_bytes("VmHWM") - before
+    needed = sum(v.to_local().numel() * v.to_local().element_size() for v in _dtensors(state))
+    return workload.check_state(state, specs, False, dist.get_rank()), growth, needed
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
 def _dtensors(state):
     for value in state.values():
         if isinstance(value, dict):

@@ -48,6 +48,22 @@ def test_local_layouts_and_one_process(tmp_path):
     assert spawn(0, scenarios.load_shared, url, None, None, True) == [[]]
 
 
+def test_exchanged_bytes_land_in_the_destination_tensors(tmp_path):
+    """Raw stored chunks that a rank loads whole are read and received straight into its tensors: the
+    shared load's transient memory is what a plain load's is, not a copy of the exchanged bytes;
+    values exact on the saved layout, on all replicas (4x1) and on a reshard (1x4: blocks at the
+    shard edges are not whole in one tensor, and travel through buffers)."""
+    url, size = str(tmp_path / "ckpt"), 32 << 20
+    spawn(4, scenarios.bench_save, url, size, (2, 2), "all_ranks")
+    plain = spawn(4, partial(scenarios.bench_load_growth, dedup_reads=False), url, size, (2, 2))
+    for mesh in ((2, 2), (4, 1), (1, 4)):
+        shared = spawn(4, partial(scenarios.bench_load_growth, dedup_reads=True), url, size, mesh)
+        assert [bad for bad, _, _ in shared] == [[]] * 4, mesh
+        if mesh != (1, 4):
+            for (_, growth, needed), (_, baseline, _) in zip(shared, plain, strict=True):
+                assert growth - baseline < needed // 8, (mesh, growth >> 20, baseline >> 20, needed >> 20)
+
+
 @pytest.mark.slow
 def test_fsdp_tp_strided_layouts(tmp_path):
     reference = str(tmp_path / "reference.pt")
