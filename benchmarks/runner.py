@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from . import counting, workload
 from .writers import WRITERS
@@ -44,9 +45,15 @@ def _timed(fn) -> float:
     return elapsed
 
 
-def _warm_up(cfg: dict, writers: dict) -> None:
-    """One tiny untimed save per writer and target, so clients, sessions and imports are not timed."""
-    tiny = {"warmup": torch.zeros(8)}
+def _warm_up(cfg: dict, writers: dict, mesh) -> None:
+    """One tiny untimed save and load per writer and target, so clients, sessions and imports are not
+    timed. Its tensor is split over both mesh dimensions, so every rank writes a chunk of its own (a
+    replicated tensor is written by one rank, and the others' clients would start in the first
+    timed save: ~0.2 CPU-s each, loading botocore's service models); 128 KiB a chunk, so that no rank's
+    part is small enough to go inline into the metadata."""
+    rows, cols = mesh.shape
+    chunk = (2, 16 << 10)  # float32
+    tiny = {"warmup": distribute_tensor(torch.zeros(chunk[0] * rows, chunk[1] * cols), mesh, [Shard(0), Shard(1)])}
     for target in cfg["targets"]:
         for name in cfg["writers"]:
             spec = writers[name]
@@ -69,7 +76,7 @@ def run_rank(cfg: dict) -> list[dict]:
     if cfg.get("shared_reads"):  # built once: each mesh makes process groups
         cfg = {**cfg, "load_meshes": {shape: mesh_of(shape, cfg["device"]) for shape in _load_shapes(cfg["mesh"])}}
     writers = {w.name: w for w in WRITERS}
-    _warm_up(cfg, writers)
+    _warm_up(cfg, writers, mesh)
     records = []
     # Repeats outermost: every writer sees the same page-cache and writeback conditions.
     for rep in range(cfg["repeats"]):
