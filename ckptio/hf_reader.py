@@ -192,6 +192,12 @@ class HFReader(Reader):
     def _deliver(self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
         load_boxes(store, pairs, planner, store.read_gap_bytes)  # held shared bytes: 0, nothing bridged
 
+    def _prepare_shared(self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> tuple[Any, list]:
+        return pairs, []  # box reads resolve their destinations as they go: the exchange uses buffers
+
+    def _deliver_prepared(self, source: FsspecStore, prepared: Any, planner: LoadPlanner) -> None:
+        self._deliver(source, prepared, planner)
+
 
 def _shared_read_record(tensor: FileTensor) -> StoredItem:
     """The tensor as a raw item of ``SHARED_UNIT_BYTES`` blocks (no checksums): what shared-read

@@ -25,7 +25,7 @@ from .errors import (
     PerRankStateError,
     remember_metadata_error,
 )
-from .fetch import load_items, load_jobs
+from .fetch import load_items, load_jobs, prepared_jobs
 from .keys import CanonicalKeyDict, canonical_index
 from .layout import (
     METADATA_NAME,
@@ -157,12 +157,15 @@ class Reader(CheckpointLocation, StorageReader):
                 failure = exc
             keys = {segment.index for segments in shared.rounds for segment in segments}
 
-            def deliver(source: FsspecStore, jobs: list) -> None:
-                load_jobs(source, jobs, planner, self.verify, files, self.storage_config.max_concurrency)
+            def prepare(pairs: list[tuple[ReadItem, Any]]) -> tuple[Any, list]:
+                return self._prepare_shared(pairs, planner)
+
+            def deliver(source: FsspecStore, prepared: Any) -> None:
+                self._deliver_prepared(source, prepared, planner)
 
             shared_triples = [t for t in triples if t[0] in keys]
             load_shared(
-                store, shared, shared_triples, self._items.__getitem__, planner, deliver, self.verify, files, failure
+                store, shared, shared_triples, self._items.__getitem__, prepare, deliver, self.verify, files, failure
             )
             self._deliver(store, [(ri, item) for key, ri, item in triples if key not in keys], planner)
         future: Future[None] = Future()
@@ -170,10 +173,23 @@ class Reader(CheckpointLocation, StorageReader):
         return future
 
     def _deliver(self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
-        """Fetch, check and hand ``(read item, source)`` pairs to the planner (``fetch.py``); ``store``
-        is the real one or, for shared reads, the bytes this rank holds."""
+        """Fetch, check and hand ``(read item, source)`` pairs to the planner (``fetch.py``)."""
         files = self.manifest.files if self.manifest else {}
         load_items(store, pairs, planner, self.verify, files, self.storage_config.max_concurrency)
+
+    def _prepare_shared(
+        self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner
+    ) -> tuple[Any, list[tuple[str, int, memoryview]]]:
+        """A shared-read round's pairs, ready to deliver once the bytes are held: here ``fetch`` jobs
+        with their destinations resolved; and where raw stored bytes can land unchanged (``(file,
+        offset, destination)``), which the exchange reads and receives straight into."""
+        jobs = list(prepared_jobs(pairs, planner))
+        return jobs, [placement for placement in (job.placement() for job in jobs) if placement is not None]
+
+    def _deliver_prepared(self, source: FsspecStore, prepared: Any, planner: LoadPlanner) -> None:
+        """Hand a shared-read round's prepared pairs to the planner from ``source``, the bytes held."""
+        files = self.manifest.files if self.manifest else {}
+        load_jobs(source, prepared, planner, self.verify, files, self.storage_config.max_concurrency)
 
     def _shared_read_plan(self, plans: list[LoadPlan]) -> SharedReadPlan | None:
         """Coordinator: whether the ranks share reads (``dedup_reads``), and who reads what."""

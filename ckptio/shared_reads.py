@@ -32,7 +32,7 @@ from .config import (
     SHARED_READ_MIN_SAVED_BYTES,
 )
 from .errors import CheckpointError
-from .fetch import _Job, _read_all, prepared_jobs, verify_block
+from .fetch import _Job, _read_all, verify_block
 from .host_memory import empty_bytes
 from .layout import StoredItem
 from .ranges import ReadPiece
@@ -265,30 +265,30 @@ def load_shared(
     plan: SharedReadPlan,
     triples: list[tuple[MetadataIndex, ReadItem, Any]],
     records: Callable[[MetadataIndex], StoredItem],
-    planner: Any,
-    deliver: Callable[[Any, list[_Job]], None],
+    prepare: Callable[[list[tuple[ReadItem, Any]]], tuple[Any, list[tuple[str, int, memoryview]]]],
+    deliver: Callable[[Any, Any], None],
     verify: bool,
     recorded_sizes: dict[str, int],
     failure: BaseException | None = None,
 ) -> None:
     """Run the rounds of ``plan`` on this rank: read its segments (checked against ``records``'
-    checksums when ``verify``), exchange, then ``deliver(store, jobs)`` its shared ``(stored key,
-    read item, source)`` triples (as ``fetch`` jobs, their destinations resolved by ``planner``) from
-    the bytes held, through a stand-in for the store. Raw bytes whose destination is one contiguous
-    run are read or received straight into it (``_Placements``). ``failure``: what already went
-    wrong on this rank (it still takes part in the first agreement, so every rank raises instead
-    of waiting)."""
+    checksums when ``verify``), exchange, then deliver its shared ``(stored key, read item, source)``
+    triples from the bytes held, through a stand-in for the store: ``prepare(pairs)`` first gives
+    what ``deliver(store, prepared)`` takes, and the ``(file, offset, memory)`` places where stored
+    bytes may land unchanged, which segments are read and received straight into (``_Placements``).
+    ``failure``: what already went wrong on this rank (it still takes part in the first agreement,
+    so every rank raises instead of waiting)."""
     rank, group = dist.get_rank(), exchange_group()
     by_index: dict[MetadataIndex, list[tuple[ReadItem, Any]]] = defaultdict(list)
     for key, read_item, source in triples:
         by_index[key].append((read_item, source))
     for segments in plan.rounds:
         mine = [pair for index in dict.fromkeys(s.index for s in segments) for pair in by_index.pop(index, [])]
-        jobs: list[_Job] = []
+        prepared: Any = None
         if failure is None:
             try:
-                jobs = list(prepared_jobs(mine, planner))
-                exchange = _Exchange(segments, rank, _Placements(jobs))
+                prepared, places = prepare(mine)
+                exchange = _Exchange(segments, rank, _Placements(places))
                 _read_segments(store, exchange.own, records, verify, recorded_sizes)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
                 failure = exc
@@ -298,7 +298,7 @@ def load_shared(
         for segment, data in held.items():
             spans[segment.file].append((segment.start, data))
         try:
-            deliver(CachedBlocks(store, spans), jobs)
+            deliver(CachedBlocks(store, spans), prepared)
         except Exception as exc:  # noqa: BLE001
             failure = exc
     _agree(failure, rank, group)
@@ -346,14 +346,14 @@ def _agree(failure: BaseException | None, rank: int, group: Any) -> None:
 
 
 class _Placements:
-    """Where this rank's direct jobs want stored bytes: a segment that lies wholly inside one job's
-    stored run is read or received into that part of the job's destination, not into a buffer
-    (fresh memory costs a page fault per page, which on the bench's VM cost more than the read)."""
+    """Where this rank wants stored bytes to land unchanged: a segment that lies wholly inside one
+    ``(file, offset, memory)`` place is read or received into that part of its memory (a destination
+    tensor), not into a buffer (fresh memory costs a page fault per page, which on the bench's VM
+    cost more than the read)."""
 
-    def __init__(self, jobs: list[_Job]):
+    def __init__(self, places: list[tuple[str, int, memoryview]]):
         runs: dict[str, list[tuple[int, memoryview]]] = defaultdict(list)
-        for placement in filter(None, (job.placement() for job in jobs)):
-            file, start, dest = placement
+        for file, start, dest in places:
             runs[file].append((start, dest))
         self._runs = {file: sorted(found, key=lambda r: r[0]) for file, found in runs.items()}
         self._starts = {file: [start for start, _ in found] for file, found in self._runs.items()}
