@@ -25,7 +25,7 @@ from .errors import (
     PerRankStateError,
     remember_metadata_error,
 )
-from .fetch import load_items, load_jobs, prepared_jobs
+from .fetch import load_jobs, prepared_jobs
 from .keys import CanonicalKeyDict, canonical_index
 from .layout import (
     METADATA_NAME,
@@ -173,9 +173,9 @@ class Reader(CheckpointLocation, StorageReader):
         return future
 
     def _deliver(self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
-        """Fetch, check and hand ``(read item, source)`` pairs to the planner (``fetch.py``)."""
-        files = self.manifest.files if self.manifest else {}
-        load_items(store, pairs, planner, self.verify, files, self.storage_config.max_concurrency)
+        """Fetch, check and hand ``(read item, source)`` pairs to the planner (``fetch.py``), each
+        destination resolved as its batch comes."""
+        self._deliver_prepared(store, prepared_jobs(pairs, planner), planner)
 
     def _prepare_shared(
         self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner
@@ -187,7 +187,8 @@ class Reader(CheckpointLocation, StorageReader):
         return jobs, [placement for placement in (job.placement() for job in jobs) if placement is not None]
 
     def _deliver_prepared(self, source: FsspecStore, prepared: Any, planner: LoadPlanner) -> None:
-        """Hand a shared-read round's prepared pairs to the planner from ``source``, the bytes held."""
+        """Hand prepared pairs (``fetch`` jobs) to the planner from ``source``: the store, or for a
+        shared-read round the bytes held."""
         files = self.manifest.files if self.manifest else {}
         load_jobs(source, prepared, planner, self.verify, files, self.storage_config.max_concurrency)
 
