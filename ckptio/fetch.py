@@ -213,9 +213,14 @@ class _Window:
         if item.inline is not None:
             self.stored = {b: memoryview(item.inline)[_span(item, b)] for b in self.blocks}
             return []
+        # The blocks a sub-box needs need not be consecutive (a column slice of a row-major chunk
+        # skips whole blocks between rows): they are packed one after another in the staging area.
         area = staging.take(self.fetch_bytes)
-        at = item.block_offsets[self.blocks[0]]
-        self.stored = {b: area[item.block_offsets[b] - at : item.block_offsets[b + 1] - at] for b in self.blocks}
+        at = 0
+        for b in self.blocks:
+            size = item.blocks[b][0]
+            self.stored[b] = area[at : at + size]
+            at += size
         return [ReadPiece(item.file, item.block_offsets[b], self.stored[b]) for b in self.blocks]
 
     def _direct_pieces(self) -> list[ReadPiece]:
