@@ -10,7 +10,6 @@ inside a row, across rows, skipping whole blocks between rows (the class of issu
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tempfile
 
@@ -85,9 +84,7 @@ class BoxLoadPlanner(DefaultLoadPlanner):
         for k, (offsets, sizes) in enumerate(self.boxes):
             for chunk in chunks:
                 lo = [max(a, b) for a, b in zip(offsets, chunk.offsets, strict=True)]
-                hi = [
-                    min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)
-                ]
+                hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, chunk.offsets, chunk.sizes, strict=True)]
                 if any(h <= low for low, h in zip(lo, hi, strict=True)):
                     continue  # no element in common (an empty box meets no chunk)
                 lengths = [h - low for low, h in zip(lo, hi, strict=True)]
