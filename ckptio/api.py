@@ -58,16 +58,23 @@ def load(
     process_group=None,
     verify: bool = True,
     dedup_reads: bool | str = "auto",
+    allow_rounding: bool = False,
 ) -> None:
     """Load into ``state_dict`` in place (tensors in place, objects replaced under the caller's keys).
     Objects are restored safely unless ``planner`` says otherwise; keys match canonically.
-    ``dedup_reads``: see ``Reader``.
+    ``dedup_reads``, ``allow_rounding``: see ``Reader``.
 
     ``checkpoint_id`` may be a ``ckptio.HFReader`` (Hugging Face safetensors weights): the state
     keys it holds are loaded, the others (optimizer state, step) are left as they are."""
     if isinstance(checkpoint_id, HFReader):
         return _load_hf(state_dict, checkpoint_id, planner, process_group)
-    reader = Reader(checkpoint_id, storage_options=storage_options, verify=verify, dedup_reads=dedup_reads)
+    reader = Reader(
+        checkpoint_id,
+        storage_options=storage_options,
+        verify=verify,
+        dedup_reads=dedup_reads,
+        allow_rounding=allow_rounding,
+    )
     manifest = reader.prefetch_metadata(process_group)  # one rank reads, every rank gets it (or its error)
     state = canonicalize(state_dict)
     restore_per_rank = prepare_for_load(state, list(manifest.metadata.state_dict_metadata))
@@ -121,9 +128,16 @@ def raising_checkpoint_errors(what: str) -> Iterator[None]:
         ) from exc
 
 
-def unwrap(exc: CheckpointException) -> CheckpointError:
+def unwrap(exc: BaseException) -> CheckpointError:
     """The ckptio error inside torch's ``CheckpointException`` (the first failing rank's), with its
-    class; any other failure becomes a ``CheckpointError`` naming the rank and the cause."""
+    class; any other failure becomes a ``CheckpointError`` naming the rank and the cause. A ckptio
+    error (what ``ckptio.save``/``load`` raise) comes back unchanged, so one handler serves both APIs."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if not isinstance(exc, CheckpointException):
+        wrapped = CheckpointError(f"{type(exc).__name__}: {exc}")
+        wrapped.__cause__ = exc
+        return wrapped
     failures = exc.failures
     ranks = sorted(failures)
     others = f" (ranks that failed: {ranks})" if len(ranks) > 1 else ""

@@ -20,7 +20,8 @@ import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from .config import MAX_REQUEST_BYTES, READ_BATCH_BYTES
-from .errors import CheckpointFormatError, CorruptCheckpointError, StorageError
+from .conversion import check_conversion
+from .errors import CorruptCheckpointError, StorageError
 from .fetch import StagingArea
 from .ranges import ReadPiece, exact_box_runs, plan_requests, row_major_strides
 from .storage import FsspecStore, LocalStore, ReadRequest
@@ -35,42 +36,22 @@ class RawTensor(Protocol):
     start: int
 
 
-def check_conversion(stored: torch.dtype, wanted: torch.dtype, where: str) -> None:
-    """Loads convert between floating-point types (bf16 into fp32 exactly; fp32 into bf16 rounds to
-    nearest even), between complex types, and widen integers; anything else is refused."""
-    if stored == wanted:
-        return
-    if stored.is_floating_point and wanted.is_floating_point:
-        return
-    if stored.is_complex and wanted.is_complex:
-        return
-    integers = stored not in (torch.bool,) and wanted not in (torch.bool,)
-    integers = integers and not (stored.is_floating_point or stored.is_complex)
-    integers = integers and not (wanted.is_floating_point or wanted.is_complex)
-    if integers:
-        have, want = torch.iinfo(stored), torch.iinfo(wanted)
-        if want.min <= have.min and have.max <= want.max:
-            return
-    raise CheckpointFormatError(
-        f"{where} holds {stored}, but the state's tensor is {wanted}: ckptio converts between floating-point "
-        "types and widens integers, nothing else. Give the state a tensor of the stored dtype"
-    )
-
-
 def load_boxes(
     store: FsspecStore,
     pairs: list[tuple[ReadItem, RawTensor]],
     planner: LoadPlanner,
     gap_bytes: int,
+    allow_rounding: bool = False,
 ) -> None:
-    """Deliver every read item's box of its raw tensor to ``planner``, batch by batch."""
+    """Deliver every read item's box of its raw tensor to ``planner``, batch by batch (dtypes
+    converted as ``conversion.check_conversion`` allows)."""
     staging = StagingArea()
     batch: list[_BoxJob] = []
     staged = 0
     for read_item, tensor in pairs:
         where = f"key {read_item.storage_index.fqn!r} ({tensor.file})"
         target = planner.resolve_tensor(read_item).detach()
-        check_conversion(tensor.dtype, target.dtype, where)
+        check_conversion(tensor.dtype, target.dtype, where, allow_rounding)
         for job in _jobs(read_item, tensor, target, gap_bytes):
             if batch and staged + job.staged_bytes > READ_BATCH_BYTES:
                 _run(store, batch, planner, staging)

@@ -35,6 +35,11 @@ class NotCkptioCheckpointError(CheckpointFormatError):
     """The location holds a checkpoint written by another tool (e.g. torch DCP)."""
 
 
+class LossyConversionError(CheckpointFormatError):
+    """Loading would convert a stored dtype into the state's with values changed (narrowing,
+    truncation, rounding not opted into). A ``CheckpointFormatError``, as ``HFReader`` raised before."""
+
+
 class StorageError(CheckpointError):
     """The storage backend failed (after retries) for a named object."""
 

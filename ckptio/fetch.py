@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from .codec import BlockSizeError, checksum, decode_block
 from .config import DECODE_TASK_BYTES, MAX_REQUEST_BYTES, READ_BATCH_BYTES, cpu_threads
+from .conversion import check_conversion
 from .errors import CorruptCheckpointError
 from .host_memory import empty_bytes
 from .layout import METADATA_NAME, Codec, ItemKind, StoredItem, dtype_from_name
@@ -42,11 +43,14 @@ def load_items(
     load_jobs(store, prepared_jobs(pairs, planner), planner, verify, recorded_sizes, workers)
 
 
-def prepared_jobs(pairs: Iterable[tuple[ReadItem, StoredItem]], planner: LoadPlanner) -> Iterator["_Job"]:
-    """Each pair's job, its destination resolved (``planner.resolve_tensor``, once per read item)."""
+def prepared_jobs(
+    pairs: Iterable[tuple[ReadItem, StoredItem]], planner: LoadPlanner, allow_rounding: bool = False
+) -> Iterator["_Job"]:
+    """Each pair's job, its destination resolved (``planner.resolve_tensor``, once per read item) and
+    its dtype conversion checked (``conversion.check_conversion``)."""
     for read_item, item in pairs:
         job = _Job.build(read_item, item)
-        job.prepare(planner)
+        job.prepare(planner, allow_rounding)
         yield job
 
 
@@ -150,11 +154,12 @@ class _Job:
     def where(self) -> str:
         return f"key {self.read_item.storage_index.fqn!r} in {self.item.file or METADATA_NAME}"
 
-    def prepare(self, planner: LoadPlanner) -> None:
+    def prepare(self, planner: LoadPlanner, allow_rounding: bool = False) -> None:
         if self.item.kind != ItemKind.TENSOR:
             return
         self.target = planner.resolve_tensor(self.read_item).detach()
         t = self.target
+        check_conversion(dtype_from_name(self.item.dtype), t.dtype, self.where, allow_rounding)
         if (
             self.run
             and t.device.type == "cpu"

@@ -72,8 +72,11 @@ class HFReader(Reader):
     state key (``None`` leaves that tensor out). ``read_gap_bytes``: merge reads of one file this
     close together (default: the store's, 0 for local files, 1 MiB for object stores).
 
-    dtypes convert on load between floating-point types (a bf16 file into fp32 parameters is
-    exact; fp32 into bf16 rounds to nearest even) and widen integers; anything else is refused.
+    dtypes convert on load as ``Reader``'s do (``conversion.py``: exact widenings, such as a bf16
+    file into fp32 parameters), except that rounding (fp32 weights into bf16 parameters, to nearest
+    even) is allowed unless ``allow_rounding=False``: that is what loading weights into a model of
+    lower precision means. Truncation and wrap-around (floats into integers, narrower integers) are
+    always refused.
     Through ``ckptio.load`` the state may hold keys the file lacks (optimizer state, step): they
     are left as they are and logged. Through plain ``dcp.load`` every state key must be in the
     file, as torch's planner requires, unless it is given ``DefaultLoadPlanner(allow_partial_load=True)``.
@@ -90,6 +93,7 @@ class HFReader(Reader):
         storage_config: StorageConfig | None = None,
         dedup_reads: bool | str = "auto",
         read_gap_bytes: int | None = None,
+        allow_rounding: bool = True,
     ):
         if not (key_map is None or isinstance(key_map, str) or callable(key_map)):
             raise TypeError(f"key_map must be a prefix string, a function or None, got {type(key_map).__name__}")
@@ -104,6 +108,7 @@ class HFReader(Reader):
             verify=False,  # safetensors files carry no checksums; headers and sizes are still checked
             storage_config=storage_config,
             dedup_reads=dedup_reads,
+            allow_rounding=allow_rounding,
         )
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -190,7 +195,8 @@ class HFReader(Reader):
             ) from None
 
     def _deliver(self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
-        load_boxes(store, pairs, planner, store.read_gap_bytes)  # held shared bytes: 0, nothing bridged
+        # held shared bytes: read_gap_bytes 0, nothing bridged
+        load_boxes(store, pairs, planner, store.read_gap_bytes, self.allow_rounding)
 
     def _prepare_shared(self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> tuple[Any, list]:
         return pairs, []  # box reads resolve their destinations as they go: the exchange uses buffers
