@@ -37,6 +37,7 @@ from .layout import (
 )
 from .location import CheckpointLocation
 from .read_once import DIRECT, load_group, read_once
+from .safe_load import restore_objects_under_held_keys
 from .shared_reads import (
     SharedReadPlan,
     load_shared,
@@ -56,6 +57,9 @@ class Reader(CheckpointLocation, StorageReader):
 
     Every block read is checked against its CRC32C unless ``verify=False``. ``storage_config``
     sets read concurrency and retries (default: ``WriterConfig()``'s, environment included).
+    A stored dtype loads into a tensor of another only when no value can change (``conversion.py``:
+    bf16 into fp32, int32 into int64); ``allow_rounding=True`` also lets floating-point values round
+    (fp32 into bf16). Truncation and wrap-around (floats into ints, narrower ints) are always refused.
 
     DCP calls it in this order (torch's ``StorageReader`` protocol):
 
@@ -81,6 +85,7 @@ class Reader(CheckpointLocation, StorageReader):
         storage_config: StorageConfig | None = None,
         dedup_reads: bool | str = "auto",
         dedup_round_bytes: int = SHARED_READ_ROUND_BYTES,
+        allow_rounding: bool = False,
     ):
         super().__init__()
         if dedup_reads not in (True, False, "auto"):
@@ -91,6 +96,7 @@ class Reader(CheckpointLocation, StorageReader):
         self.verify = verify
         self.dedup_reads = dedup_reads
         self.dedup_round_bytes = dedup_round_bytes
+        self.allow_rounding = allow_rounding
         self.storage_config = storage_config if storage_config is not None else WriterConfig().storage()
         self.checkpoint_id: str | None = None
         self.manifest: Manifest | None = None
@@ -146,6 +152,7 @@ class Reader(CheckpointLocation, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         store, files = self._open_store(), self.manifest.files if self.manifest else {}
+        restore_objects_under_held_keys(planner, plan)
         shared = plan.storage_data if isinstance(plan.storage_data, SharedReadPlan) else None
         if shared is None:
             self._deliver(store, [(read_item, self._item_for(read_item)) for read_item in plan.items], planner)
@@ -175,7 +182,7 @@ class Reader(CheckpointLocation, StorageReader):
     def _deliver(self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
         """Fetch, check and hand ``(read item, source)`` pairs to the planner (``fetch.py``), each
         destination resolved as its batch comes."""
-        self._deliver_prepared(store, prepared_jobs(pairs, planner), planner)
+        self._deliver_prepared(store, prepared_jobs(pairs, planner, self.allow_rounding), planner)
 
     def _prepare_shared(
         self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner
@@ -183,7 +190,7 @@ class Reader(CheckpointLocation, StorageReader):
         """A shared-read round's pairs, ready to deliver once the bytes are held: here ``fetch`` jobs
         with their destinations resolved; and where raw stored bytes can land unchanged (``(file,
         offset, destination)``), which the exchange reads and receives straight into."""
-        jobs = list(prepared_jobs(pairs, planner))
+        jobs = list(prepared_jobs(pairs, planner, self.allow_rounding))
         return jobs, [placement for placement in (job.placement() for job in jobs) if placement is not None]
 
     def _deliver_prepared(self, source: FsspecStore, prepared: Any, planner: LoadPlanner) -> None:
