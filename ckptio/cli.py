@@ -86,8 +86,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if not garbage.files and not garbage.uploads:
         print(f"{args.url}: nothing left over by saves that never committed")
     elif args.delete:
-        collect_garbage(store, garbage)
-        print(f"deleted {len(garbage.files)} file(s), aborted {len(garbage.uploads)} upload(s)")
+        failed = collect_garbage(store, garbage)
+        removed = len(garbage.files) + len(garbage.uploads) - len(failed)
+        print(f"removed {removed} of {len(garbage.files)} file(s) and {len(garbage.uploads)} upload(s)")
+        for what, cause in failed.items():
+            print(f"could not remove {what}: {cause}", file=sys.stderr)
+        if failed:
+            print(
+                f"{len(failed)} left over: fix the cause (permissions: s3:DeleteObject and s3:AbortMultipartUpload) "
+                "and run ckptio gc --delete again",
+                file=sys.stderr,
+            )
+            return 1
     else:
         print("run again with --delete to remove them (only while no save to this location is running)")
     return 0

@@ -48,11 +48,11 @@ def publish(store: FsspecStore, document: bytes, files: dict[str, int], supersed
         try:
             store.put_if_absent(METADATA_NAME, document)
         except FileExistsError:
-            store.delete(sorted(files))
+            store.delete_best_effort(sorted(files))
             raise CheckpointExistsError(
                 f"another save committed {store.describe(METADATA_NAME)} while this one was writing; this save's "
                 "data files were removed and the other checkpoint is intact. Save each job to its own path"
             ) from None
     stale = [name for name in superseded if name not in files]
     if stale:
-        store.delete(stale)
+        store.delete_best_effort(stale)

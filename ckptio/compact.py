@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
+from .config import INT64_LIMIT
 from .errors import CheckpointError, CheckpointFormatError
 from .layout import parse_data_file_names, planner_data_json
 
@@ -83,8 +84,8 @@ def encode_packed(values: Iterable[int], letter: str | None = None) -> str:
 def decode_column(value: Any, count: int, what: str, packed_only: bool = False) -> list[int]:
     """``count`` non-negative integers from a COL (a BLOCKS string when ``packed_only``)."""
     if isinstance(value, int) and not isinstance(value, bool) and not packed_only:
-        if value < 0:
-            raise CheckpointFormatError(f"{what} must hold non-negative integers, got {value}")
+        if not 0 <= value < INT64_LIMIT:
+            raise CheckpointFormatError(f"{what} must hold integers within 0..2^63-1, got {value}")
         return [value] * count
     return PackedBlocks(value, count, what, packed_only)[:].tolist()
 
@@ -131,6 +132,8 @@ class PackedBlocks:
         packed = array.array(self._typecode, raw[skip : skip + end - first])
         if sys.byteorder != "little":
             packed.byteswap()
+        if self._typecode == "Q" and packed and max(packed) >= INT64_LIMIT:
+            raise CheckpointFormatError(f"{self._what} holds {max(packed)}, past the largest count or offset (2^63-1)")
         return packed
 
 

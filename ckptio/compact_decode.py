@@ -28,10 +28,13 @@ from .layout import (
     SAVE_ID,
     _ints,
     check_block_lengths,
+    check_shape,
     chunks_overlap,
     data_file_name,
     decode_inline,
     dtype_from_name,
+    is_list_index,
+    list_index_bound,
     refuse_data_file_name,
 )
 from .stored_items import StoredItems, StoredKey
@@ -141,7 +144,7 @@ def _decode_objects(table: Any, context: _Context) -> tuple[StoredKey, list[str]
 
 
 def decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, ...]:
-    """A flat key's path from its code (see ``encode_path``); list indices below ``keys``, as version 1 checks."""
+    """A flat key's path from its code (see ``encode_path``); list indices as ``list_index_bound`` allows."""
     if code is None:
         return tuple(fqn.split("."))
     parts = fqn.split(".")
@@ -152,9 +155,15 @@ def decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, 
     for n in code:
         if n == 0:
             part = parts[at] if at < len(parts) else ""
-            if not part.isdecimal() or not part.isascii() or str(int(part)) != part or int(part) >= keys:
+            if (
+                not part.isdecimal()
+                or not part.isascii()
+                or str(int(part)) != part
+                or not is_list_index(int(part), keys)
+            ):
                 raise CheckpointFormatError(
-                    f"{where}: the path of key {fqn!r:.80} has a list index {part!r:.20} that is not below {keys}"
+                    f"{where}: the path of key {fqn!r:.80} has a list index {part!r:.20} that is not below "
+                    f"{list_index_bound(keys)}"
                 )
             path.append(int(part))
             at += 1
@@ -188,7 +197,7 @@ def _decode_key(fqn: str, record: Any, context: _Context) -> tuple[Any, StoredKe
 
 
 def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: str) -> TensorStorageMetadata:
-    size = tuple(_ints(record["size"]))
+    size = tuple(_ints(record["size"], where))
     offsets, sizes = record["offsets"], record["sizes"]
     if not isinstance(offsets, list) or not isinstance(sizes, list) or not len(offsets) == len(sizes) == len(size):
         raise CheckpointFormatError(f"{where} must have one offsets and one sizes column per dimension ({len(size)})")
@@ -201,6 +210,7 @@ def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: s
     if len(set(key.offsets)) != count:
         raise CheckpointFormatError(f"{where}: a chunk is listed twice (two chunks start at the same offsets)")
     dtype = dtype_from_name(record["dtype"])
+    check_shape(size, dtype.itemsize, where)
     key.dtype = str(dtype).removeprefix("torch.")
     volumes = list(map(math.prod, key.sizes))
     key.logical = [n * dtype.itemsize for n in volumes]

@@ -61,6 +61,18 @@ SHARED_READ_MIN_REPLICATION = 1.02
 #: ... and when that saves at least this many bytes of reads: below it, the exchange's fixed cost
 #: (measured on a loopback S3 server: 64 MiB 2x2 loads were not faster shared, 256 MiB ones were).
 SHARED_READ_MIN_SAVED_BYTES = 128 * MiB
+#: Every count, size and offset read from a header (ckptio.json, safetensors) is below this: torch
+#: sizes and file offsets are int64, so a larger number is a damaged or crafted header, refused where it
+#: is parsed rather than failing later as an overflow that names nothing.
+INT64_LIMIT = 1 << 63
+#: A compressed block holds at most this many logical bytes per stored byte: zstd spends at least 4
+#: bytes (a 3-byte block header and one byte of run) on each 128 KiB it decodes to. Bounds what a
+#: crafted document can declare (and a loader allocate) for a few stored bytes.
+ZSTD_MAX_RATIO = 32768
+#: A list index in a key's path (torch's flattening map) is below the number of keys or this, whichever
+#: is larger: a list of empty containers before the one holding a tensor makes an index past the key
+#: count, and a loader builds a list that long (8 bytes a slot), so a hostile document must not choose it.
+LIST_INDEX_LIMIT = 1 << 20
 #: Largest block the format accepts (written or read): bounds what one block can make a reader allocate.
 MAX_BLOCK_SIZE_LIMIT = 64 * MiB
 #: Cross-rank check of plain tensors saved under one key (objects.py): tensors up to this size are

@@ -31,7 +31,7 @@ from . import __version__
 from .errors import CheckpointError
 from .fetch import load_items
 from .layout import Manifest
-from .reader import Reader
+from .reader import Reader, check_file_sizes
 from .safetensors_format import DTYPE_NAMES, INDEX_NAME
 from .storage import FsspecStore, open_store
 
@@ -111,6 +111,9 @@ def export_safetensors(
     group is initialised), the ranks share the shards."""
     reader = Reader(checkpoint_id, storage_options=storage_options)
     manifest = reader.prefetch_metadata()
+    # Each shard's tensors are allocated whole before their bytes are read: first check that the data
+    # files hold what the metadata claims, so a crafted shape cannot make an export allocate beyond them.
+    check_file_sizes(reader._open_store(), manifest)
     shards = plan_shards(manifest, keys, parse_size(max_shard_size))
     rank, world = (
         (dist.get_rank(process_group), dist.get_world_size(process_group)) if dist.is_initialized() else (0, 1)

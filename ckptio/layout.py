@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .chunks import TooIrregular, outside, overlapping_pair
-from .config import MAX_BLOCK_SIZE_LIMIT
+from .config import INT64_LIMIT, LIST_INDEX_LIMIT, MAX_BLOCK_SIZE_LIMIT, ZSTD_MAX_RATIO
 from .errors import CheckpointFormatError
 from .gc_pause import paused_gc
 
@@ -104,6 +104,28 @@ def parse_data_file_name(name: str) -> DataFileName | None:
 
 def is_data_file_name(name: str) -> bool:
     return parse_data_file_name(name) is not None
+
+
+def list_index_bound(keys: int) -> int:
+    """List indices in a key's path must be below this (``LIST_INDEX_LIMIT``): the one rule every
+    version's decoder applies, and what a save checks before it commits."""
+    return max(keys, LIST_INDEX_LIMIT)
+
+
+def is_list_index(part: Any, keys: int) -> bool:
+    return isinstance(part, int) and not isinstance(part, bool) and 0 <= part < list_index_bound(keys)
+
+
+def shape_too_large(shape: Any, itemsize: int) -> bool:
+    """Whether a tensor of ``shape`` could not exist: its non-zero dimensions alone need more than
+    2^63-1 bytes (torch refuses such a size even beside a 0, as an overflow naming nothing)."""
+    return math.prod(n for n in shape if n) * itemsize >= INT64_LIMIT
+
+
+def check_shape(shape: Any, itemsize: int, where: str) -> None:
+    """The one rule on a tensor shape read from a header (every dimension is already within int64)."""
+    if shape_too_large(shape, itemsize):
+        raise CheckpointFormatError(f"{where}: shape {list(shape)!r:.200} has more elements than a tensor can hold")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -536,17 +558,14 @@ def _manifest(
     unchecked = checked_planner_data is _UNCHECKED
     planner_data = doc.get("planner_data") if unchecked else checked_planner_data
     if planner_data is not None and unchecked:
-        # A path's list indices are below the number of keys: a huge one would make a loader build a huge list.
+        # A huge list index would make a loader build a huge list (``list_index_bound``).
         if not isinstance(planner_data, dict) or not all(
-            isinstance(v, (list, tuple))
-            and all(
-                (isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(state)) or isinstance(p, str)
-                for p in v
-            )
+            isinstance(v, (list, tuple)) and all(isinstance(p, str) or is_list_index(p, len(state)) for p in v)
             for v in planner_data.values()
         ):
             raise CheckpointFormatError(
-                f"{where}: 'planner_data' must map keys to paths of names and list indices below {len(state)}"
+                f"{where}: 'planner_data' must map keys to paths of names and list indices below "
+                f"{list_index_bound(len(state))}"
             )
         planner_data = {k: tuple(v) for k, v in planner_data.items()}
     metadata = Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=items)
@@ -562,7 +581,7 @@ def _decode_state_entry(entry: Any, fqn: str, where: str) -> Any:
         return BytesStorageMetadata()
     if entry.get("type") != ItemKind.TENSOR.value:
         raise CheckpointFormatError(f"{where}: key {fqn!r:.80} has unknown type {entry.get('type')!r:.40}")
-    size = torch.Size(_ints(entry["size"]))
+    size = torch.Size(_ints(entry["size"], f"{where}: key {fqn!r:.80}"))
     chunks = []
     for c in entry["chunks"]:
         offsets, sizes = _ints(c["offsets"]), _ints(c["sizes"])
@@ -572,6 +591,7 @@ def _decode_state_entry(entry: Any, fqn: str, where: str) -> Any:
             )
         chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
     props = TensorProperties(dtype=dtype_from_name(entry["dtype"]), requires_grad=bool(entry["requires_grad"]))
+    check_shape(size, props.dtype.itemsize, f"{where}: key {fqn!r:.80}")
     return TensorStorageMetadata(properties=props, size=size, chunks=chunks)
 
 
@@ -628,7 +648,8 @@ def chunks_overlap(boxes: list[tuple[Any, Any]], where: str) -> bool:
 
 
 def check_block_lengths(lengths: list[int], logical: int, block: int, raw: bool, where: str) -> int:
-    """The stored bytes of an item's blocks, each checked against its logical length (equal when ``raw``)."""
+    """The stored bytes of an item's blocks, each checked against its logical length: equal when
+    ``raw``; compressed, no longer and no more than ``ZSTD_MAX_RATIO`` times shorter."""
     if not lengths:
         return 0
     last = logical - (len(lengths) - 1) * block
@@ -636,9 +657,15 @@ def check_block_lengths(lengths: list[int], logical: int, block: int, raw: bool,
     fits = min(lengths) > 0 and max(full, default=block) <= block and lengths[-1] <= last
     if raw:
         fits = fits and full.count(block) == len(full) and lengths[-1] == last
+    else:
+        fits = fits and min(full, default=block) * ZSTD_MAX_RATIO >= block and lengths[-1] * ZSTD_MAX_RATIO >= last
     if not fits:
         expected = [block] * len(full) + [last]
-        i = next(i for i, (n, m) in enumerate(zip(lengths, expected, strict=True)) if n <= 0 or n > m or raw and n != m)
+        i = next(
+            i
+            for i, (n, m) in enumerate(zip(lengths, expected, strict=True))
+            if n <= 0 or n > m or (n != m if raw else n * ZSTD_MAX_RATIO < m)
+        )
         raise CheckpointFormatError(f"{where} block {i} has stored length {lengths[i]} for {expected[i]} logical bytes")
     return sum(lengths)
 
@@ -753,13 +780,13 @@ def decode_inline(value: Any, where: str) -> bytes | None:
         raise CheckpointFormatError(f"{where}: an inline item is not valid base64") from None
 
 
-def _require_int(value: Any, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise CheckpointFormatError(f"ckptio metadata: {what} must be a non-negative integer, got {value!r:.40}")
+def _require_int(value: Any, what: str, where: str = "ckptio metadata") -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < INT64_LIMIT:
+        raise CheckpointFormatError(f"{where}: {what} must be an integer within 0..2^63-1, got {value!r:.40}")
     return value
 
 
-def _ints(values: Any) -> list[int]:
+def _ints(values: Any, where: str = "ckptio metadata") -> list[int]:
     if not isinstance(values, list):
-        raise CheckpointFormatError(f"ckptio metadata: a shape or offset must be a list, got {values!r:.40}")
-    return [_require_int(v, "a shape or offset entry") for v in values]
+        raise CheckpointFormatError(f"{where}: a shape or offset must be a list, got {values!r:.40}")
+    return [_require_int(v, "a shape or offset entry", where) for v in values]

@@ -148,11 +148,21 @@ def find_garbage(store: FsspecStore) -> Garbage:
     return Garbage(orphaned_files(store, manifest), uploads)
 
 
-def collect_garbage(store: FsspecStore, garbage: Garbage) -> None:
-    """Abort the uploads and delete the files of ``garbage``."""
+def collect_garbage(store: FsspecStore, garbage: Garbage) -> dict[str, str]:
+    """Abort the uploads and delete the files of ``garbage``; return what could not be removed
+    (``{description: cause}``, empty when everything went): a refused delete is reported, not logged."""
+    failed: dict[str, str] = {}
     for name, upload_id in garbage.uploads:
-        store.abort_upload(name, upload_id)
-    store.delete(garbage.files)
+        try:
+            store.abort_upload(name, upload_id)
+        except CheckpointError as exc:
+            failed[f"upload {upload_id} of {store.describe(name)}"] = str(exc)
+    for name in garbage.files:
+        try:
+            store.remove(name)
+        except CheckpointError as exc:
+            failed[store.describe(name)] = str(exc)
+    return failed
 
 
 #: The file whose presence makes a folder a loadable checkpoint -> the format it is in.

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from .config import INT64_LIMIT
 from .errors import CheckpointFormatError
+from .layout import check_shape
 
 #: safetensors' own bound on the JSON header (its reader refuses larger ones).
 MAX_HEADER_BYTES = 100_000_000
@@ -101,7 +103,8 @@ def parse_header(raw: bytes, file: str, file_size: int, where: str | None = None
             )
         shape = entry["shape"]
         if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(n) for n in shape):
-            raise CheckpointFormatError(f"{at}: shape {shape!r} is not a list of non-negative integers")
+            raise CheckpointFormatError(f"{at}: shape {shape!r:.200} is not a list of integers within 0..2^63-1")
+        check_shape(shape, dtype.itemsize, at)
         offsets = entry["data_offsets"]
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(n) for n in offsets):
             raise CheckpointFormatError(f"{at}: data_offsets {offsets!r} is not [begin, end]")
@@ -145,7 +148,7 @@ def is_plain_file_name(name: str) -> bool:
 
 
 def _is_count(value: Any) -> bool:
-    return type(value) is int and value >= 0
+    return type(value) is int and 0 <= value < INT64_LIMIT
 
 
 def _json_object(raw: bytes, where: str) -> dict[str, Any]:

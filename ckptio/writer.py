@@ -28,10 +28,20 @@ from . import __version__, ordering, staging
 from .commit import check_target, publish
 from .config import StorageConfig, WriterConfig
 from .encode import encode_items, item_bytes, pickled_objects
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointFormatError
 from .gc_pause import paused_gc
 from .keys import canonical_planner_data, canonical_write_items
-from .layout import Header, ItemKind, MeshRecord, SavedConfig, StoredItem, data_file_name, encode_metadata
+from .layout import (
+    METADATA_NAME,
+    Header,
+    ItemKind,
+    MeshRecord,
+    SavedConfig,
+    StoredItem,
+    data_file_name,
+    decode_metadata,
+    encode_metadata,
+)
 from .location import CheckpointLocation
 from .objects import ObjectReport, attach_report, own_copies, per_rank_values, split_reports, value_digests
 from .planning import Holdings, assign_writers
@@ -222,8 +232,21 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         header = _header(self.config, metadata, files, writers, reports, self._save_id, world_size=len(results))
         metadata.planner_data = canonical_planner_data(metadata.planner_data)
         document = encode_metadata(metadata, items, header, per_rank)
+        refuse_unloadable(document, self._open_store().describe(METADATA_NAME))
         publish(self._open_store(), document, header.files, self._superseded, self.config.overwrite)
         metadata.storage_meta = self.storage_meta()
+
+
+def refuse_unloadable(document: bytes, where: str) -> None:
+    """A save that reports success must load: its metadata goes through the decoder every load uses
+    before it is committed, so a rule the encoder missed fails the save, not a later restart."""
+    try:
+        decode_metadata(document, where)
+    except CheckpointFormatError as exc:
+        raise CheckpointError(
+            f"this save's metadata would not load, so the save was not committed: {exc}. The state holds "
+            "something ckptio cannot store; please report it with the state's key layout"
+        ) from None
 
 
 def _header(

@@ -118,7 +118,9 @@ class FsspecStore:
     def abort_upload(self, name: str, upload_id: str) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no multipart uploads")
 
-    def delete(self, names: Sequence[str]) -> None:
+    def delete_best_effort(self, names: Sequence[str]) -> None:
+        """Delete ``names``, logging what fails: only for cleanup that must not fail a commit (superseded
+        files, a failed save's partial file). ``remove`` raises instead."""
         for name in names:
             try:
                 self.fs.rm_file(self.path(name))
@@ -216,4 +218,4 @@ class _FileSink:
             discard() if discard else self.handle.close()
         except Exception:  # noqa: BLE001
             pass
-        self.store.delete([self.name])
+        self.store.delete_best_effort([self.name])

@@ -209,7 +209,7 @@ class _LocalSink:
         try:
             self.handle.close()
         finally:
-            self.store.delete([self.name])
+            self.store.delete_best_effort([self.name])
 
 
 def _fsync_dir(path: str) -> None:

@@ -235,7 +235,7 @@ class S3Store(FsspecStore):
     def abort_upload(self, name: str, upload_id: str) -> None:
         self._run("abort_multipart_upload", name, Key=self.key(name), UploadId=upload_id)
 
-    def delete(self, names: Sequence[str]) -> None:
+    def delete_best_effort(self, names: Sequence[str]) -> None:
         for name in names:
             try:
                 self._run("delete_object", name, Key=self.key(name))
