@@ -85,7 +85,7 @@ def decode_column(value: Any, count: int, what: str, packed_only: bool = False) 
     """``count`` non-negative integers from a COL (a BLOCKS string when ``packed_only``)."""
     if isinstance(value, int) and not isinstance(value, bool) and not packed_only:
         if not 0 <= value < INT64_LIMIT:
-            raise CheckpointFormatError(f"{what} must hold integers within 0..2^63-1, got {value}")
+            raise CheckpointFormatError(f"{what} must hold non-negative integers below 2^63, got {value}")
         return [value] * count
     return PackedBlocks(value, count, what, packed_only)[:].tolist()
 

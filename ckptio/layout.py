@@ -782,7 +782,7 @@ def decode_inline(value: Any, where: str) -> bytes | None:
 
 def _require_int(value: Any, what: str, where: str = "ckptio metadata") -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < INT64_LIMIT:
-        raise CheckpointFormatError(f"{where}: {what} must be an integer within 0..2^63-1, got {value!r:.40}")
+        raise CheckpointFormatError(f"{where}: {what} must be a non-negative integer below 2^63, got {value!r:.40}")
     return value
 
 

@@ -103,7 +103,7 @@ def parse_header(raw: bytes, file: str, file_size: int, where: str | None = None
             )
         shape = entry["shape"]
         if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(n) for n in shape):
-            raise CheckpointFormatError(f"{at}: shape {shape!r:.200} is not a list of integers within 0..2^63-1")
+            raise CheckpointFormatError(f"{at}: shape {shape!r:.200} is not a list of non-negative integers below 2^63")
         check_shape(shape, dtype.itemsize, at)
         offsets = entry["data_offsets"]
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(n) for n in offsets):

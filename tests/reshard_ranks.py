@@ -1,0 +1,57 @@
+"""Rank bodies for the resharding property: a state of DTensors saved on one mesh and placement, loaded
+on another (any world size), every local shard compared with the reference cut of the full tensor.
+Cases are plain data (drawn by hypothesis in the test process): see ``tests/test_reshard_ranks.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import ckptio
+
+
+def _placements(spec: list[tuple]) -> list:
+    return [Shard(p[1]) if p[0] == "S" else Replicate() for p in spec]
+
+
+def full_tensors(case: dict[str, Any]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(case["seed"])
+    out = {}
+    for k, (shape, dtype) in enumerate(case["tensors"]):
+        dtype = getattr(torch, dtype)
+        values = torch.randn(shape, generator=g) * 100
+        out[f"t{k}"] = values.to(dtype) if dtype.is_floating_point else values.to(torch.int64).to(dtype)
+    return out
+
+
+def _distributed(case: dict[str, Any], side: str, zeros: bool) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", tuple(case[f"{side}_mesh"]))
+    state: dict[str, Any] = {}
+    for (key, full), spec in zip(full_tensors(case).items(), case[f"{side}_placements"], strict=True):
+        # every rank holds the full tensor: no broadcast (gloo has none for bf16)
+        value = torch.zeros_like(full) if zeros else full
+        state[key] = distribute_tensor(value, mesh, _placements(spec), src_data_rank=None)
+    state["step"] = case["seed"]
+    return state
+
+
+def save(case: dict[str, Any], url: str) -> None:
+    config = ckptio.WriterConfig(
+        mode=case["mode"], compression=case["compression"], max_block_size=case["max_block_size"]
+    )
+    dcp.save(_distributed(case, "save", zeros=False), storage_writer=ckptio.Writer(url, config))
+
+
+def load_and_compare(case: dict[str, Any], url: str) -> list[str]:
+    """Load into zeroed DTensors of the load layout; the keys whose local shard is not exactly the
+    reference's (``distribute_tensor`` of the full tensor on the same layout)."""
+    target = _distributed(case, "load", zeros=True)
+    target["step"] = -1
+    dcp.load(target, storage_reader=ckptio.Reader(url, dedup_reads=case["dedup_reads"]))
+    reference = _distributed(case, "load", zeros=False)
+    wrong = [k for k in reference if k != "step" and not torch.equal(target[k].to_local(), reference[k].to_local())]
+    return wrong + ([] if target["step"] == case["seed"] else ["step"])
