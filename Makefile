@@ -1,8 +1,11 @@
 # `make bench` and `make test` set up everything they need in .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch is pinned here (a CPU build these machines keep on disk); pyproject.toml states the supported range.
+# torch is pinned here (a CPU build these machines keep on disk); pyproject.toml states the supported range,
+# whose newest release (a CUDA build that runs on CPU, also on disk) runs the DCP-protocol tests in a second venv.
 TORCH ?= torch==2.13.0
+NEWEST_TORCH ?= torch==2.14.1
+NEWEST_VENV ?= .venv-torch-newest
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -11,7 +14,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test,bench,torchtitan,lint]'
 	touch $@
 
-.PHONY: bench test test-fast lint radosgw
+$(NEWEST_VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST_VENV)/bin/python -m pip install -q $(NEWEST_TORCH)
+	$(NEWEST_VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: bench test test-fast test-torch-newest lint radosgw
 bench: $(VENV)/.installed
 	$(VENV)/bin/ckptio bench $(ARGS)
 
@@ -19,7 +29,13 @@ bench: $(VENV)/.installed
 # install meanwhile (independent of the venv the lint step builds on first use).
 test:
 	@$(MAKE) --no-print-directory radosgw & \
-	$(MAKE) --no-print-directory lint && wait && $(PY) -m pytest -q $(ARGS)
+	$(MAKE) --no-print-directory lint && wait && $(PY) -m pytest -q $(ARGS) && \
+	$(MAKE) --no-print-directory test-torch-newest
+
+# The tests marked `protocol` (plain dcp.save/load/async_save on gloo ranks, read-once, staging, resharding)
+# on the newest torch release pyproject.toml admits.
+test-torch-newest: $(NEWEST_VENV)/.installed
+	$(NEWEST_VENV)/bin/python -m pytest -q -m "protocol and not slow" $(ARGS)
 
 # Ceph radosgw, the production S3 server the S3 tests also run against (Debian packages, ~15 s once).
 # Without root or apt-get, its tests skip and say so.

@@ -507,6 +507,7 @@ def test_async_save_with_both_executors(tmp_path, executor):
     assert spawn(2, findings.async_saves, str(tmp_path), executor) == [[], []]
 
 
+@pytest.mark.protocol
 @pytest.mark.parametrize("stager", [0, 1, 2], ids=["torch-stager", "ckptio-stager-1", "ckptio-stager-2"])
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_async_saves_in_flight_together_run_one_after_the_other(tmp_path, executor, stager):
@@ -515,12 +516,14 @@ def test_async_saves_in_flight_together_run_one_after_the_other(tmp_path, execut
     assert spawn(2, findings.async_saves, str(tmp_path), executor, True, stager, timeout=180) == [[], []]
 
 
+@pytest.mark.protocol
 @pytest.mark.parametrize("plain", [False, True], ids=["ckptio-stager", "writer-staging"])
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_stager_restages_when_the_state_layout_changes(tmp_path, executor, plain):
     assert spawn(2, findings.stager_across_layout_changes, str(tmp_path), executor, plain, timeout=180) == [[], []]
 
 
+@pytest.mark.protocol
 @pytest.mark.parametrize("executor", ["thread", "process"])
 def test_plain_async_save_stages_into_reused_buffers(tmp_path, executor):
     # Values at call time, a failed background save followed by a good one, and one set of

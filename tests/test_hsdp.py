@@ -12,6 +12,9 @@ from . import scenarios
 from .harness import spawn
 from .metadata_view import readable_metadata
 
+#: Also run against the newest torch on disk (make test-torch-newest).
+pytestmark = pytest.mark.protocol
+
 LOAD_MESHES = [(4, (2, 2)), (2, (1, 2)), (4, (4, 1)), (0, None)]  # (processes, mesh); 0 = one process, no PG
 
 

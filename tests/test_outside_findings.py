@@ -23,6 +23,9 @@ from tests.conftest import S3_SERVERS, s3_client
 from tests.harness import spawn
 from tests.random_states import blank, differences, round_trip, states
 
+#: Also run against the newest torch on disk (make test-torch-newest).
+pytestmark = pytest.mark.protocol
+
 # --- item 1: what the writer accepts, every reader accepts -------------------------------------------
 T = torch.arange(6.0)
 PATH_SHAPES = {

@@ -8,6 +8,9 @@ import pytest
 from . import hf, scenarios
 from .harness import spawn
 
+#: Also run against the newest torch on disk (make test-torch-newest).
+pytestmark = pytest.mark.protocol
+
 
 def _gets(stats, suffix: str) -> int:
     return sum(1 for r in stats.log if r.operation == "GET" and r.key.endswith(suffix))

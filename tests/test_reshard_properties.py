@@ -33,6 +33,9 @@ from torch.distributed.checkpoint.planner import (
 import ckptio
 from ckptio.config import StorageConfig
 
+#: Also run against the newest torch on disk (make test-torch-newest).
+pytestmark = pytest.mark.protocol
+
 DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.int16, torch.uint8]
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 

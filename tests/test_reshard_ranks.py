@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 from tests import reshard_ranks
 from tests.harness import spawn
 
+#: Also run against the newest torch on disk (make test-torch-newest).
+pytestmark = pytest.mark.protocol
+
 MESHES = {1: [(1,)], 2: [(2,)], 4: [(4,), (2, 2)]}
 
 
@@ -85,3 +88,24 @@ def test_any_saved_layout_loads_exactly_on_any_other_many(tmp_path_factory):
         check(case, str(tmp_path_factory.mktemp(f"reshard{next(counter)}") / "ckpt"))
 
     run()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_shards_load_as_column_shards_on_the_same_ranks(tmp_path, compression, dtype):
+    """Issue 34's report, as a user met it: 16x5120 saved as Shard(0) on 2 ranks, loaded as Shard(1)."""
+    case = {
+        "tensors": [([16, 5120], dtype)],
+        "save_world": 2,
+        "save_mesh": [2],
+        "save_placements": [[("S", 0)]],
+        "load_world": 2,
+        "load_mesh": [2],
+        "load_placements": [[("S", 1)]],
+        "mode": "all_ranks",
+        "compression": compression,
+        "max_block_size": 256 << 10,
+        "dedup_reads": False,
+        "seed": 0,
+    }
+    check(case, str(tmp_path / "ckpt"))
