@@ -91,6 +91,27 @@ def test_random_nested_states_round_trip_in_one_process(state, tmp_path_factory)
     assert round_trip(state, url) == []
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(state=states())
+def test_random_nested_states_through_plain_dcp_load_exact_or_refused(state, tmp_path_factory):
+    """Plain dcp.save/dcp.load with Writer and Reader: ckptio.SafeLoadPlanner restores every random
+    state exactly; torch's DefaultLoadPlanner restores it exactly or fails loudly, never leaving a
+    stale value without a word."""
+    url = str(tmp_path_factory.mktemp("plain") / "ckpt")
+    dcp.save(state, storage_writer=ckptio.Writer(url), no_dist=True)
+    target = blank(state)
+    dcp.load(target, storage_reader=ckptio.Reader(url), planner=ckptio.SafeLoadPlanner(), no_dist=True)
+    assert differences(state, target) == []
+    target = blank(state)
+    try:
+        dcp.load(target, storage_reader=ckptio.Reader(url), no_dist=True)
+    except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException
+        message = str(ckptio.unwrap(exc))
+        assert "Missing key" in message or "ckptio.SafeLoadPlanner" in message, message
+        return
+    assert differences(state, target) == []
+
+
 def _round_trip_on_ranks(state: dict, url: str) -> list[str]:
     return round_trip(state, url)
 
