@@ -35,7 +35,8 @@ READ_BATCH_BYTES = 64 * MiB
 #: in scheduling than the block's decode).
 DECODE_TASK_BYTES = 1 * MiB
 #: Longest single ranged read: touching reads are merged up to it, longer ones are split, so one
-#: large item still reads in parallel. The only request-merging policy (ranges.plan_requests).
+#: large item still reads in parallel (ranges.plan_requests; safetensors box reads send pieces that
+#: neither touch another nor exceed it as they are, box_reads._read_pieces).
 MAX_REQUEST_BYTES = 32 * MiB
 #: Loads: two reads of one file at most this many bytes apart become one request, the gap read and
 #: dropped (ranges.plan_requests; safetensors boxes too), unless WriterConfig.read_gap_bytes says

@@ -84,11 +84,6 @@ def blocks_for_runs(runs: Iterable[tuple[int, int]], itemsize: int, block_size: 
     return sorted(needed)
 
 
-def coalesce(spans: Iterable[tuple[str, int, int]], max_len: int) -> list[tuple[str, int, int]]:
-    """Merge byte spans that touch (same file, next start == previous end), up to ``max_len`` each."""
-    return [(name, start, end) for name, start, end, _ in _merge_touching([(*s, None) for s in spans], max_len)]
-
-
 class ReadPiece(NamedTuple):
     """Bytes of file ``name`` from ``offset`` on, to land in ``buffer``."""
 

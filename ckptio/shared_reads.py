@@ -5,8 +5,11 @@ The coordinator plans (``plan_shared_reads``): consecutive blocks of a stored it
 same set of ranks form a segment (cut at ``MAX_REQUEST_BYTES``), read by the least loaded of
 those ranks; segments go into rounds of at most ``budget`` bytes, whole items at a time. Every
 rank then runs the rounds in order (``load_shared``): read and check its segments, agree that
-every rank succeeded, exchange (one all-to-all of host bytes over gloo), and load its read items
-of that round from the bytes it now holds. A failure on any rank becomes the same error on all.
+every rank succeeded, exchange (point-to-point messages over gloo in an order both sides derive from
+the plan: small segments bundled per pair, each segment of at least ``SHARED_READ_MESSAGE_BYTES`` a
+message of its own, read and received straight into its destination where its bytes land unchanged),
+and load its read items of that round from the bytes it now holds. A failure on any rank becomes the
+same error on all.
 """
 
 from __future__ import annotations

@@ -209,10 +209,9 @@ def test_safe_loading_refuses_code_in_objects(tmp_path):
 
 def test_errors_are_exceptions_not_base_exceptions(tmp_path):
     assert issubclass(ckptio.CheckpointError, Exception)
-    try:
+    with pytest.raises(Exception) as info:  # noqa: B017 - the point of the test: caught as an Exception
         ckptio.load(fresh(), str(tmp_path / "missing"))
-    except Exception as exc:  # noqa: BLE001 - the point of the test
-        assert isinstance(exc, ckptio.CheckpointNotFoundError)
+    assert isinstance(info.value, ckptio.CheckpointNotFoundError)
 
 
 def test_inspect_and_verify_cli(tmp_path, capsys):

@@ -14,7 +14,7 @@ from ckptio import CheckpointFormatError, WriterConfig
 from ckptio.codec import BlockEncoder, block_size_for, checksum, decode_block
 from ckptio.config import MiB
 from ckptio.layout import FORMAT_VERSION, _pack, data_file_name, decode_metadata, is_data_file_name
-from ckptio.ranges import blocks_for_runs, box_runs, coalesce
+from ckptio.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
 
 
 # --- codec ----------------------------------------------------------------------------
@@ -57,14 +57,21 @@ def test_box_runs_column_slices_match_a_reference():
     assert got == ref
 
 
-def test_blocks_for_runs_and_coalesce():
+def test_blocks_for_runs_and_request_merging():
     assert blocks_for_runs([(0, 256), (250, 300), (1024, 1025)], itemsize=4, block_size=1024) == [0, 1, 4]
-    assert coalesce([("f", 10, 20), ("f", 0, 10), ("g", 0, 5), ("f", 30, 40)], max_len=100) == [
+
+    def spans(pieces, max_len, gap=0):
+        pieces = [ReadPiece(name, start, memoryview(bytearray(end - start))) for name, start, end in pieces]
+        return [(r.name, r.offset, r.offset + r.length) for r in plan_requests(pieces, max_len, gap)]
+
+    assert spans([("f", 10, 20), ("f", 0, 10), ("g", 0, 5), ("f", 30, 40)], max_len=100) == [
         ("f", 0, 20),
         ("f", 30, 40),
         ("g", 0, 5),
     ]
-    assert coalesce([("f", 0, 10), ("f", 10, 20)], max_len=15) == [("f", 0, 10), ("f", 10, 20)]
+    assert spans([("f", 0, 10), ("f", 10, 20)], max_len=15) == [("f", 0, 10), ("f", 10, 20)]
+    assert spans([("f", 0, 10), ("f", 30, 40)], max_len=100, gap=20) == [("f", 0, 40)]  # the gap read and dropped
+    assert spans([("f", 0, 40)], max_len=15) == [("f", 0, 15), ("f", 15, 30), ("f", 30, 40)]  # split
 
 
 # --- layout ---------------------------------------------------------------------------
