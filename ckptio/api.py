@@ -16,10 +16,10 @@ from .errors import CheckpointError, recall_metadata_error
 from .hf_reader import HFReader, report_hf_matches
 from .keys import canonicalize, copy_back
 from .per_rank import expand_for_save, prepare_for_load
-from .read_once import fail_together
 from .reader import Reader
 from .safe_load import SafeLoadPlanner
 from .save_planner import SavePlanner
+from .together import fail_together
 from .writer import Writer
 
 

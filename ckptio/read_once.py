@@ -16,6 +16,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from .errors import CheckpointError
+from .together import fail_together
 
 T = TypeVar("T")
 
@@ -61,21 +62,6 @@ def _each_reads(read: Callable[[], T], group: Any) -> T:
     outcome = _outcome(read)
     fail_together(None if outcome[0] else outcome[1], group)
     return _result(outcome)
-
-
-def fail_together(error: CheckpointError | None, group: Any) -> None:
-    """Called by every rank of ``group`` (``None``: the default group) with what went wrong on it, if
-    anything: if any rank failed, every rank raises (its own error, or the lowest failing rank's), so
-    none goes on alone into a collective the others never reach."""
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        failures: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(failures, error, group=group)
-        failed = [(rank, e) for rank, e in enumerate(failures) if e is not None]
-        if failed and error is None:
-            rank, first = failed[0]
-            raise type(first)(f"rank {rank}: {first}")
-    if error is not None:
-        raise error
 
 
 def _outcome(read: Callable[[], T]) -> tuple[bool, Any]:

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
-from . import errors
 from .config import (
     MAX_REQUEST_BYTES,
     SHARED_READ_MESSAGE_BYTES,
@@ -40,6 +39,7 @@ from .host_memory import empty_bytes
 from .layout import StoredItem
 from .ranges import ReadPiece
 from .storage import FsspecStore, ReadRequest
+from .together import fail_together
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +261,7 @@ def exchange_group() -> Any:
 
 
 _GLOO_GROUP = None
+_SHARED_FAILURE = "failed reading stored bytes shared with other ranks"
 
 
 def load_shared(
@@ -295,7 +296,7 @@ def load_shared(
                 _read_segments(store, exchange.own, records, verify, recorded_sizes)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
                 failure = exc
-        _agree(failure, rank, group)
+        fail_together(failure, group, _SHARED_FAILURE)
         held = exchange.run(group)
         spans: dict[str, list[tuple[int, memoryview]]] = defaultdict(list)
         for segment, data in held.items():
@@ -304,7 +305,7 @@ def load_shared(
             deliver(CachedBlocks(store, spans), prepared)
         except Exception as exc:  # noqa: BLE001
             failure = exc
-    _agree(failure, rank, group)
+    fail_together(failure, group, _SHARED_FAILURE)
 
 
 def _read_segments(
@@ -323,29 +324,6 @@ def _read_segments(
         for b in range(s.first, s.last):
             lo, hi = item.block_offsets[b] - s.start, item.block_offsets[b + 1] - s.start
             verify_block(item, b, [data[lo:hi]], f"key {s.index.fqn!r} in {s.file}")
-
-
-def _agree(failure: BaseException | None, rank: int, group: Any) -> None:
-    """Raise the same error on every rank if any rank failed (the lowest failing rank's, its class kept)."""
-    failed_anywhere = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
-    dist.all_reduce(failed_anywhere, group=group)  # one small collective when all is well
-    if not failed_anywhere.item():
-        return
-    mine = None if failure is None else (type(failure).__name__, str(failure))
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    failed = [(r, f) for r, f in enumerate(everyone) if f is not None]
-    if not failed:
-        return
-    first_rank, (kind, message) = failed[0]
-    if first_rank == rank and isinstance(failure, CheckpointError):
-        raise failure
-    cls = getattr(errors, kind, None)
-    cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
-    raise cls(
-        f"rank {first_rank} failed reading stored bytes shared with other ranks: {kind}: {message}"
-        + (f" (ranks that failed: {[r for r, _ in failed]})" if len(failed) > 1 else "")
-    )
 
 
 class _Placements:
