@@ -264,3 +264,41 @@ def test_any_box_of_any_chunk_grid_loads_exactly_s3(moto_server):
         save_and_load_boxes(case, f"s3://ckptio-box-properties/c{next(counter)}", options)
 
     run()
+
+
+@st.composite
+def safetensors_cases(draw):
+    """One tensor stored whole in a safetensors file (beside others, so reads start mid-file), any
+    boxes of it, any read gap."""
+    case = draw(st.one_of(cases(), transposed_cases()))
+    case["dtype"] = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.float64]))
+    case["chunks"] = [((0,) * len(case["shape"]), tuple(case["shape"]))]
+    return case
+
+
+def test_any_box_of_a_safetensors_tensor_loads_exactly(tmp_path):
+    """The same property for HFReader's box reads (safetensors: no blocks, a tensor's raw row-major
+    bytes read run by run or as one span, by read gap)."""
+    from safetensors.torch import save_file
+
+    counter = iter(range(10**9))
+
+    @settings(max_examples=PROPERTY_EXAMPLES, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=safetensors_cases())
+    def run(case):
+        folder = tmp_path / f"hf{next(counter)}"
+        folder.mkdir()
+        full = full_tensor(case)
+        save_file(
+            {"a.before": torch.arange(7, dtype=torch.int16), "t": full, "z.after": torch.ones(3)},
+            folder / "model.safetensors",
+        )
+        targets = [torch.full(sizes, 7, dtype=full.dtype) for _, sizes in case["boxes"]]
+        reader = ckptio.HFReader(folder, read_gap_bytes=case["read_gap_bytes"] or 0)
+        dcp.load(
+            {"t": torch.empty(0)}, storage_reader=reader, planner=BoxLoadPlanner(case["boxes"], targets), no_dist=True
+        )
+        for box, target in zip(case["boxes"], targets, strict=True):
+            assert torch.equal(target, full[_slices(box)]), f"box {box} of {case['shape']} {case['dtype']} differs"
+
+    run()
