@@ -86,7 +86,12 @@ def decode_keys(
 ) -> tuple[dict[str, Any], StoredItems, dict[str, dict[int, Any]], Any]:
     """DCP's ``state_dict_metadata``, the item records, the per-rank copies and, when the document
     stores it as per-key paths, the planner data of a version 3 document's ``keys`` and ``objects``."""
-    context = _Context(names, files, doc.get("block_size"), doc_bytes, where)
+    default_block = doc.get("block_size")
+    if default_block is not None and (
+        type(default_block) is not int or not 0 < default_block <= MAX_BLOCK_SIZE_LIMIT or default_block % 64
+    ):
+        raise CheckpointFormatError(f"{where}: 'block_size' {default_block!r:.40} is not a valid block size")
+    context = _Context(names, files, default_block, doc_bytes, where)
     state: dict[str, Any] = {}
     keys: dict[str, StoredKey] = {}
     per_rank: dict[str, dict[int, Any]] = {}

@@ -335,7 +335,7 @@ def _mesh_from_json(mesh: dict[str, Any], where: str) -> MeshRecord:
     shape, dims = mesh.get("shape"), mesh.get("dims", [])
     if not isinstance(shape, list) or not isinstance(dims, list) or not all(isinstance(d, str) for d in dims):
         raise CheckpointFormatError(f"{where}: 'mesh' must be {{'shape': [ints], 'dims': [names]}}, got {mesh!r}")
-    return MeshRecord(tuple(_ints(shape)), tuple(dims))
+    return MeshRecord(tuple(_ints(shape, f"{where}: mesh")), tuple(dims))
 
 
 class _FieldReader:

@@ -277,10 +277,17 @@ V3_FIELDS = {
     "chunk offsets": lambda doc, v: doc["keys"]["w"].__setitem__("offsets", [v]),
     "block size": lambda doc, v: doc["keys"]["w"].__setitem__("block_size", v),
     "object length": lambda doc, v: doc["objects"].__setitem__("length", v),
+    "document block size": lambda doc, v: doc.__setitem__("block_size", v),
 }
 #: Past int64 only: a file size larger than the file is a claim the decoder cannot see through (it
 #: reads no file); loads find the file short, and paths that allocate first check sizes (below).
-V3_FIELDS_INT64_ONLY = {"file size": lambda doc, v: doc["files"].__setitem__("sizes", v)}
+V3_FIELDS_INT64_ONLY = {
+    "file size": lambda doc, v: doc["files"].__setitem__("sizes", v),
+    "world size": lambda doc, v: doc.__setitem__("world_size", v),
+    "file rank": lambda doc, v: doc["files"].__setitem__("ranks", v),
+    "mesh shape": lambda doc, v: doc.__setitem__("mesh", {"shape": [v], "dims": ["dp"]}),
+    "configured block size": lambda doc, v: doc["config"].__setitem__("max_block_size", v),
+}
 
 
 @pytest.mark.parametrize(
@@ -297,6 +304,35 @@ def test_ckptio_json_numbers_past_int64_or_the_file_are_format_errors_at_decode(
     with pytest.raises(ckptio.CheckpointFormatError) as info:
         ckptio.Reader(url).read_metadata()
     assert "ckptio.json" in str(info.value), info.value
+
+
+LEGACY_FIELDS = {
+    "item offset": lambda doc, v: doc["items"][0].__setitem__("offset", v),
+    "file size": lambda doc, v: doc["files"].__setitem__(next(iter(doc["files"])), v),
+    "tensor size": lambda doc, v: doc["state"]["w"].__setitem__("size", [v]),
+    "chunk offset": lambda doc, v: doc["state"]["w"]["chunks"][0].__setitem__("offsets", [v]),
+    "logical bytes": lambda doc, v: doc["items"][0].__setitem__("logical_bytes", v),
+    "list index": lambda doc, v: doc["planner_data"].__setitem__("w", ["w", v]),
+}
+
+
+@pytest.mark.parametrize("value", HUGE[:2])
+@pytest.mark.parametrize("field", list(LEGACY_FIELDS))
+def test_version_1_documents_bound_the_same_numbers(field, value, raw_checkpoint):
+    """ckptio 0.1's schema (a JSON object per item), which every later ckptio still reads: the same
+    bounds, through the same rule functions."""
+    from ckptio.layout import legacy_document
+
+    url, _ = raw_checkpoint
+    reader = ckptio.Reader(url)
+    reader.read_metadata()
+    doc = legacy_document(reader.manifest)
+    assert doc["format_version"] == 1 and doc["items"][0]["fqn"] == "w"
+    LEGACY_FIELDS[field](doc, value)
+    _write_doc(url, doc)
+    with pytest.raises(ckptio.CheckpointFormatError) as info:
+        ckptio.Reader(url).read_metadata()
+    assert "ckptio" in str(info.value), info.value
 
 
 def test_a_tensor_declared_far_beyond_its_files_is_refused_by_every_export_before_allocating(raw_checkpoint):
