@@ -18,9 +18,14 @@ import torch
 
 from .errors import LossyConversionError
 
+_INTEGERS = {
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64
+}  # fmt: skip
+
 
 def _is_int(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool) and dtype.itemsize <= 8
+    """A plain integer type: not bool, not quantized (whose values carry a scale)."""
+    return dtype in _INTEGERS
 
 
 def _component(dtype: torch.dtype) -> torch.dtype:
@@ -36,13 +41,17 @@ def _significand_bits(dtype: torch.dtype) -> int:
 
 
 def _float_holds(wide: torch.dtype, narrow: torch.dtype) -> bool:
-    """Whether every value of floating-point type ``narrow`` is a value of ``wide``."""
-    w, n = torch.finfo(wide), torch.finfo(narrow)
-    return (
-        _significand_bits(wide) >= _significand_bits(narrow)
-        and w.max >= n.max
-        and w.smallest_normal * w.eps <= n.smallest_normal * n.eps  # the smallest subnormals
-    )
+    """Whether every value of floating-point type ``narrow`` is a value of ``wide`` (types torch
+    gives no full ``finfo``, such as packed sub-byte floats, hold nothing for certain)."""
+    try:
+        w, n = torch.finfo(wide), torch.finfo(narrow)
+        return (
+            _significand_bits(wide) >= _significand_bits(narrow)
+            and w.max >= n.max
+            and w.smallest_normal * w.eps <= n.smallest_normal * n.eps  # the smallest subnormals
+        )
+    except (TypeError, NotImplementedError, RuntimeError):
+        return False
 
 
 def is_exact(stored: torch.dtype, wanted: torch.dtype) -> bool:
@@ -59,7 +68,7 @@ def is_exact(stored: torch.dtype, wanted: torch.dtype) -> bool:
         return False
     if _is_int(stored):
         info = torch.iinfo(stored)
-        return max(-info.min, info.max) <= 2 ** _significand_bits(target)
+        return _float_holds(target, target) and max(-info.min, info.max) <= 2 ** _significand_bits(target)
     source = _component(stored)
     return source.is_floating_point and _float_holds(target, source)
 
