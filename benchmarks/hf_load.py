@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ckptio.export import parse_size
+from ckptio.hf.export import parse_size
 
 from . import counting
 from .launch import launch

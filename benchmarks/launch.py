@@ -72,7 +72,7 @@ PRELOAD = [
     "torch._dynamo",
     "s3fs",
     "ckptio",
-    "ckptio.compact_decode",
+    "ckptio.format.v3_decode",
     "ckptio.storage.s3",
     "ckptio.bench.runner",
 ]

@@ -67,7 +67,7 @@ class _Ckptio(_Client):
         self.store = open_store(f"s3://{BUCKET}/ckptio", options, StorageConfig(part_size=self.part))
 
     def upload(self, key, data):
-        from ckptio.codec import checksum
+        from ckptio.format.codec import checksum
 
         sink = self.store.open_sink(key)
         for at in range(0, len(data), WRITE_BYTES):  # each block with its CRC32C, as a save encodes it

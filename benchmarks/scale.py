@@ -148,7 +148,7 @@ def local_plans(layout: str, ranks: int, layers: int) -> list[SavePlan]:
 
 
 def _ckptio_result(item: WriteItem, rank: int, offset: int, block_size: int):
-    from ckptio.layout import Codec, ItemKind, StoredItem
+    from ckptio.format.records import Codec, ItemKind, StoredItem
 
     if item.type == WriteItemType.BYTE_IO:
         logical, kind, dtype, shape = 64, ItemKind.BYTES, None, None
@@ -164,7 +164,7 @@ def _ckptio_result(item: WriteItem, rank: int, offset: int, block_size: int):
 
 def ckptio_results(plans: list[SavePlan], block_size: int) -> list[list[WriteResult]]:
     """What each rank's ckptio ``write_data`` returns for its final plan (with its object report)."""
-    from ckptio.objects import ObjectReport, attach_report
+    from ckptio.saving.consistency import ObjectReport, attach_report
 
     out = []
     for rank, plan in enumerate(plans):
@@ -224,7 +224,7 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
         path = os.path.join(root, "ckpt")
         if writer == "ckptio":
             import ckptio
-            from ckptio.layout import decode_metadata
+            from ckptio.format.versions import decode_metadata
 
             storage = ckptio.Writer(path)
             storage.set_up_storage_writer(True, rank=0)

@@ -1,11 +1,9 @@
 """ckptio: a PyTorch Distributed Checkpoint writer and reader for S3 and shared filesystems."""
 
-__version__ = "0.2.0"
-
-from . import convert  # noqa: E402, F401 - ckptio.convert.load_full / to_torch_save
-from .api import load, save, unwrap  # noqa: E402
-from .config import WriterConfig  # noqa: E402
-from .errors import (  # noqa: E402
+from ckptio import deprecated_paths
+from ckptio.api import load, save, unwrap  # noqa: E402
+from ckptio.config import WriterConfig  # noqa: E402
+from ckptio.errors import (  # noqa: E402
     CheckpointError,
     CheckpointExistsError,
     CheckpointFormatError,
@@ -18,14 +16,22 @@ from .errors import (  # noqa: E402
     StorageError,
     UnsafeObjectError,
 )
-from .export import export_safetensors  # noqa: E402
-from .hf_reader import HFReader  # noqa: E402
-from .per_rank import PerRank  # noqa: E402
-from .reader import Reader  # noqa: E402
-from .safe_load import SafeLoadPlanner  # noqa: E402
-from .save_planner import SavePlanner  # noqa: E402
-from .staging import Stager, release_staging_buffers  # noqa: E402
-from .writer import Writer  # noqa: E402
+from ckptio.hf.export import export_safetensors  # noqa: E402
+from ckptio.hf.reader import HFReader  # noqa: E402
+from ckptio.loading.reader import Reader  # noqa: E402
+from ckptio.loading.safe_load import SafeLoadPlanner  # noqa: E402
+from ckptio.saving.planner import SavePlanner  # noqa: E402
+from ckptio.saving.staging import Stager, release_staging_buffers  # noqa: E402
+from ckptio.saving.writer import Writer  # noqa: E402
+from ckptio.state.per_rank import PerRank  # noqa: E402
+from ckptio.version import __version__  # noqa: E402
+
+deprecated_paths.install()
+
+
+def __getattr__(name: str):
+    return deprecated_paths.moved_attribute(name)
+
 
 __all__ = [
     "CheckpointError",

@@ -11,16 +11,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .config import WriterConfig
-from .errors import CheckpointError, recall_metadata_error
-from .hf_reader import HFReader, report_hf_matches
-from .keys import canonicalize, copy_back
-from .per_rank import expand_for_save, prepare_for_load
-from .reader import Reader
-from .safe_load import SafeLoadPlanner
-from .save_planner import SavePlanner
-from .together import fail_together
-from .writer import Writer
+from ckptio.config import WriterConfig
+from ckptio.errors import CheckpointError, recall_metadata_error
+from ckptio.hf.reader import HFReader, report_hf_matches
+from ckptio.loading.reader import Reader
+from ckptio.loading.safe_load import SafeLoadPlanner
+from ckptio.loading.together import fail_together
+from ckptio.saving.planner import SavePlanner
+from ckptio.saving.writer import Writer
+from ckptio.state.keys import canonicalize, copy_back
+from ckptio.state.per_rank import expand_for_save, prepare_for_load
 
 
 def save(

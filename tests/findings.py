@@ -129,7 +129,7 @@ def plain_async_saves(base: str, executor: str) -> tuple[list[str], int]:
     save must still go through. Returns what loaded wrong, and the staging buffer sets held."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    from ckptio import staging
+    from ckptio.saving import staging
 
     kind = AsyncCheckpointerType.PROCESS if executor == "process" else AsyncCheckpointerType.THREAD
     live = {"w": torch.zeros(256, 1024), "step": torch.tensor(0.0), "meta": {"epoch": 0}}
@@ -219,7 +219,7 @@ def switch_mode_under_plan_cache(base: str) -> tuple[list[str], bool]:
         def emit(self, record: logging.LogRecord) -> None:
             messages.append(record.getMessage())
 
-    logging.getLogger("ckptio.writer").addHandler(Collect())
+    logging.getLogger("ckptio.saving.writer").addHandler(Collect())
     state = {"w": torch.arange(2048.0).reshape(64, 32)}  # replicated on both ranks
     for i, mode in enumerate(("all_ranks", "replica_group")):
         writer = ckptio.Writer(f"{base}/{i}", ckptio.WriterConfig(mode=mode))

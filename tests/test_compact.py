@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ckptio.compact import encode_column, encode_packed
 from ckptio.errors import CheckpointFormatError
-from ckptio.layout import data_file_name, decode_metadata, legacy_document
+from ckptio.format.records import data_file_name, legacy_document
+from ckptio.format.v3 import encode_column, encode_packed
+from ckptio.format.versions import decode_metadata
 
 FILE = data_file_name("0123456789abcdef", 0)
 
@@ -113,7 +114,7 @@ def test_empty_chunks_never_overlap():
 
 
 def test_per_block_columns_decode_any_slice_on_use_and_check_their_length_first():
-    from ckptio.compact import PackedBlocks
+    from ckptio.format.v3 import PackedBlocks
 
     for values in ([], [3], [1, 2], [0, 1 << 16], [7, 1 << 31, 5], list(range(0, 1 << 40, 1 << 33))):
         column = PackedBlocks(encode_packed(values), len(values), "col")
@@ -143,7 +144,7 @@ def test_a_chunk_outside_its_shape_is_refused(chunk):
 
 
 def test_chunks_too_irregular_to_check_are_refused(monkeypatch):
-    from ckptio import chunks
+    from ckptio.format import chunks
 
     grid = [([r, c], [1, 1]) for r in range(8) for c in range(8)]
     assert len(decode(compact_doc([8, 8], grid)).items) == 64
@@ -357,8 +358,8 @@ def test_any_field_replaced_by_a_hostile_value_is_a_named_error_or_loads_the_ori
 def test_a_key_no_rank_reported_writing_fails_the_commit_naming_it():
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-    from ckptio.compact import encode_document
     from ckptio.errors import CheckpointError
+    from ckptio.format.v3 import encode_document
 
     metadata = Metadata(state_dict_metadata={"step": BytesStorageMetadata(), "loader": BytesStorageMetadata()})
     with pytest.raises(CheckpointError, match="no rank reported writing key 'loader'"):

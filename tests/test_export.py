@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.cli import main as cli_main
+from ckptio.tools.cli import main as cli_main
 
 from . import llama
 from .harness import spawn

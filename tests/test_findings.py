@@ -15,10 +15,10 @@ import zstandard
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
-from ckptio.cli import main as cli_main
-from ckptio.codec import checksum
 from ckptio.config import StorageConfig
-from ckptio.layout import METADATA_NAME, _pack, _unpack
+from ckptio.format.codec import checksum
+from ckptio.format.records import METADATA_NAME, pack_counts, unpack_counts
+from ckptio.tools.cli import main as cli_main
 
 from . import findings
 from .conftest import S3_SERVERS, s3_client
@@ -79,11 +79,11 @@ def _replace_first_block(url: str, key: str, stored: bytes) -> None:
     item = next(i for i in doc["items"] if i["fqn"] == key)
     path = os.path.join(url, item["file"])
     data = open(path, "rb").read()
-    lengths, crcs = _unpack(item["stored_lengths"], "x"), _unpack(item["crc32c"], "x")
+    lengths, crcs = unpack_counts(item["stored_lengths"], "x"), unpack_counts(item["crc32c"], "x")
     start = item["offset"]
     data = data[:start] + stored + data[start + lengths[0] :]
     lengths[0], crcs[0] = len(stored), checksum(stored)
-    item["stored_lengths"], item["crc32c"] = _pack(lengths), _pack(crcs)
+    item["stored_lengths"], item["crc32c"] = pack_counts(lengths), pack_counts(crcs)
     doc["files"][item["file"]] = len(data)
     open(path, "wb").write(data)
     _write_doc(url, doc)
@@ -146,11 +146,11 @@ def _two_chunk_checkpoint(tmp_path) -> str:
     (entry,) = [i for i in doc["items"] if i["fqn"] == "w"]
     top, bottom = dict(entry), dict(entry)
     half = entry["logical_bytes"] // 2
-    blocks = _unpack(entry["crc32c"], "x")
+    blocks = unpack_counts(entry["crc32c"], "x")
     per = len(blocks) // 2
-    top.update(shape=[32, 64], logical_bytes=half, crc32c=_pack(blocks[:per]))
+    top.update(shape=[32, 64], logical_bytes=half, crc32c=pack_counts(blocks[:per]))
     bottom.update(shape=[32, 64], chunk_offset=[32, 0], offset=entry["offset"] + half, logical_bytes=half)
-    bottom.update(crc32c=_pack(blocks[per:]), index=1)
+    bottom.update(crc32c=pack_counts(blocks[per:]), index=1)
     doc["items"] = [i for i in doc["items"] if i["fqn"] != "w"] + [top, bottom]
     doc["state"]["w"]["chunks"] = [{"offsets": [0, 0], "sizes": [32, 64]}, {"offsets": [32, 0], "sizes": [32, 64]}]
     _write_doc(url, doc)
@@ -268,7 +268,7 @@ def test_declared_sizes_are_checked_before_anything_large_is_allocated(tmp_path)
     blob = next(i for i in doc["items"] if i["fqn"] == "blob")
     name = blob["file"]
     block = 64 << 20
-    blob.update(logical_bytes=4 << 30, block_size=block, crc32c=_pack([0] * 64))
+    blob.update(logical_bytes=4 << 30, block_size=block, crc32c=pack_counts([0] * 64))
     blob["offset"] = doc["files"][name]
     doc["files"][name] += 4 << 30  # the file "holds" 4 GiB more
     _write_doc(url, doc)
@@ -285,7 +285,7 @@ def test_convert_does_not_allocate_from_a_declared_shape_or_planner_index(tmp_pa
     doc = _read_doc(url)
     w = next(i for i in doc["items"] if i["fqn"] == "w")
     n = 1 << 28  # a 1 GiB fp32 tensor, from a 280 KB file
-    w.update(shape=[n], logical_bytes=4 * n, block_size=64 << 20, crc32c=_pack([0] * 16))
+    w.update(shape=[n], logical_bytes=4 * n, block_size=64 << 20, crc32c=pack_counts([0] * 16))
     doc["state"]["w"].update(size=[n], chunks=[{"offsets": [0], "sizes": [n]}])
     doc["files"][w["file"]] = w["offset"] + 4 * n
     _write_doc(url, doc)
@@ -465,7 +465,7 @@ def test_conjugate_and_negative_bit_views_save_their_values(tmp_path):
 
 def test_convert_is_reachable_after_import_ckptio(tmp_path):
     url = _saved(tmp_path)
-    full = ckptio.convert.load_full(url)
+    full = ckptio.tools.convert.load_full(url)
     assert torch.equal(full["w"], torch.arange(70000.0)) and full["blob"] == b"x" * 100
 
 
@@ -541,7 +541,7 @@ def test_a_mode_change_under_torchs_plan_cache_is_reported(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_writer_made_but_never_used_does_not_hold_up_later_saves(tmp_path, monkeypatch):
-    from ckptio import ordering
+    from ckptio.saving import ordering
 
     monkeypatch.setattr(ordering, "START_WAIT_S", 1e6)  # a wait for the unused Writer would hang
     unused = ckptio.Writer(str(tmp_path / "never"))

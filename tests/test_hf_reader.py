@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import ckptio
 from ckptio.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
-from ckptio.safetensors_format import HEADER_PROBE_BYTES, parse_header, parse_index
+from ckptio.hf.format import HEADER_PROBE_BYTES, parse_header, parse_index
 
 from . import hf
 from .conftest import S3_SERVERS
@@ -256,8 +256,8 @@ def test_column_and_block_boxes_read_exactly_from_local_files(tmp_path, gap, dty
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-    from ckptio.box_reads import load_boxes
-    from ckptio.hf_reader import read_catalog
+    from ckptio.hf.reader import read_catalog
+    from ckptio.loading.box_reads import load_boxes
     from ckptio.storage import open_store
 
     full = torch.randn(37, 3, 50).to(torch.bfloat16)

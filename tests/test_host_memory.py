@@ -1,5 +1,5 @@
 """Load buffers come in ordinary pages: memory advised for huge pages can cost a synchronous
-compaction on every fault (see ckptio.host_memory)."""
+compaction on every fault (see ckptio.loading.host_memory)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from ckptio.host_memory import empty_bytes
+from ckptio.loading.host_memory import empty_bytes
 
 SIZE = 64 << 20
 

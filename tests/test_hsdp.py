@@ -5,8 +5,8 @@ from __future__ import annotations
 import fsspec
 import pytest
 
-from ckptio.cli import main as cli_main
-from ckptio.layout import is_data_file_name
+from ckptio.format.records import is_data_file_name
+from ckptio.tools.cli import main as cli_main
 
 from . import scenarios
 from .harness import spawn

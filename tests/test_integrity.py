@@ -13,8 +13,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
-from ckptio.cli import main as cli_main
-from ckptio.layout import METADATA_NAME
+from ckptio.format.records import METADATA_NAME
+from ckptio.tools.cli import main as cli_main
 
 from . import scenarios
 from .conftest import S3_SERVERS

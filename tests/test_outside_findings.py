@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import ckptio
-from ckptio.cli import main as cli_main
-from ckptio.conversion import is_exact, is_rounding
+from ckptio.loading.conversion import is_exact, is_rounding
+from ckptio.tools.cli import main as cli_main
 from tests.conftest import S3_SERVERS, s3_client
 from tests.harness import spawn
 from tests.random_states import blank, differences, round_trip, states
@@ -73,7 +73,7 @@ def test_plain_dcp_load_restores_every_path_shape_or_says_why(name, planner, tmp
 
 
 def test_a_save_whose_metadata_would_not_load_is_refused_before_it_commits(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckptio.layout, "LIST_INDEX_LIMIT", 3)  # the decoder's bound on a list index
+    monkeypatch.setattr(ckptio.format.records, "LIST_INDEX_LIMIT", 3)  # the decoder's bound on a list index
     url = str(tmp_path / "ckpt")
     with pytest.raises(ckptio.CheckpointError, match="would not load, so the save was not committed.*list index"):
         ckptio.save({"l": [{}, {}, {}, {}, {"p": T}]}, url)
@@ -321,7 +321,7 @@ LEGACY_FIELDS = {
 def test_version_1_documents_bound_the_same_numbers(field, value, raw_checkpoint):
     """ckptio 0.1's schema (a JSON object per item), which every later ckptio still reads: the same
     bounds, through the same rule functions."""
-    from ckptio.layout import legacy_document
+    from ckptio.format.records import legacy_document
 
     url, _ = raw_checkpoint
     reader = ckptio.Reader(url)

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 import ckptio
-from ckptio.planning import Holdings, item_size
-from ckptio.planning import assign_writers as assign_with_flags
+from ckptio.saving.planning import Holdings, item_size
+from ckptio.saving.planning import assign_writers as assign_with_flags
 
 
 def assign_writers(plans, mode):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckptio.convert import to_torch_save
+from ckptio.tools.convert import to_torch_save
 
 from . import models
 from .harness import spawn

@@ -99,8 +99,8 @@ def test_a_failed_read_is_the_same_error_on_every_rank(tmp_path):
 def test_plan_reads_every_needed_block_once_by_a_rank_that_needs_it():
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from ckptio.layout import Codec, ItemKind, StoredItem
-    from ckptio.shared_reads import _sweep, plan_shared_reads
+    from ckptio.format.records import Codec, ItemKind, StoredItem
+    from ckptio.loading.shared_reads import _sweep, plan_shared_reads
 
     assert _sweep([(0, 10, 0), (5, 15, 1), (12, 15, 2)]) == [
         (0, 5, frozenset({0})),
@@ -136,7 +136,7 @@ def test_plan_reads_every_needed_block_once_by_a_rank_that_needs_it():
 
 
 def test_auto_shares_remote_loads_that_save_enough_reads():
-    from ckptio.shared_reads import worth_sharing
+    from ckptio.loading.shared_reads import worth_sharing
 
     gib = 1 << 30
     assert worth_sharing(True, 2 * gib, gib)  # HSDP 2 replicas on S3

@@ -269,8 +269,8 @@ def test_a_safetensors_tensor_above_2_gib_whole_by_columns_and_by_rows(tmp_path)
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-    from ckptio.box_reads import load_boxes
-    from ckptio.hf_reader import read_catalog
+    from ckptio.hf.reader import read_catalog
+    from ckptio.loading.box_reads import load_boxes
     from ckptio.storage import open_store
 
     big = big_tensor()

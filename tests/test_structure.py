@@ -14,10 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptio
-from ckptio.cli import main as cli_main
 from ckptio.config import MAX_REQUEST_BYTES
-from ckptio.layout import Header, MeshRecord, SavedConfig, parse_data_file_name
-from ckptio.ranges import ReadPiece, plan_requests
+from ckptio.format.records import Header, MeshRecord, SavedConfig, parse_data_file_name
+from ckptio.loading.ranges import ReadPiece, plan_requests
+from ckptio.tools.cli import main as cli_main
 
 from .conftest import S3_SERVERS
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ckptio
-from ckptio.together import fail_together
+from ckptio.loading.together import fail_together
 
 from .harness import spawn
 

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # n
 from torchtitan.components.checkpointer import BaseCheckpointManager  # noqa: E402
 
 import ckptio  # noqa: E402
-from ckptio import cli  # noqa: E402
 from ckptio.integrations.torchtitan import CheckpointManager  # noqa: E402
+from ckptio.tools import cli  # noqa: E402
 
 from . import titan  # noqa: E402
 from .harness import spawn  # noqa: E402
@@ -168,7 +168,7 @@ def test_switch_from_torch_dcp_checkpoints(tmp_path):
     assert os.path.exists(os.path.join(folder, "step-4", ".metadata")) and committed(folder) == []
     converted = str(tmp_path / "converted")
     assert cli.main(["convert", os.path.join(folder, "step-2"), converted, "--format", "ckptio"]) == 0
-    assert differences(torch_dcp_full(os.path.join(folder, "step-2")), ckptio.convert.load_full(converted)) == []
+    assert differences(torch_dcp_full(os.path.join(folder, "step-2")), ckptio.tools.convert.load_full(converted)) == []
     switched = spawn(2, titan.train_with, folder, "fsdp:2", 6, {"keep_latest_k": 2})
     assert switched[0]["resumed"] == 4 and differences(torch_run[0]["snapshots"][4], switched[0]["loaded"]) == []
     assert switched[1]["batches"] == {5: 17.0, 6: 21.0}  # the data position came back too

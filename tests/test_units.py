@@ -11,10 +11,11 @@ import torch
 
 import ckptio
 from ckptio import CheckpointFormatError, WriterConfig
-from ckptio.codec import BlockEncoder, block_size_for, checksum, decode_block
 from ckptio.config import MiB
-from ckptio.layout import FORMAT_VERSION, _pack, data_file_name, decode_metadata, is_data_file_name
-from ckptio.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
+from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_block
+from ckptio.format.records import FORMAT_VERSION, data_file_name, is_data_file_name, pack_counts
+from ckptio.format.versions import decode_metadata
+from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
 
 
 # --- codec ----------------------------------------------------------------------------
@@ -105,7 +106,7 @@ def minimal_doc(**changes) -> dict:
                 "shape": [4],
                 "codec": "raw",
                 "block_size": 1024,
-                "crc32c": _pack([1]),
+                "crc32c": pack_counts([1]),
             }
         ],
     }
@@ -153,7 +154,7 @@ def test_decode_rejects_garbage_future_versions_and_inconsistent_sizes():
 
 def test_data_file_names():
     assert is_data_file_name(data_file_name("0123456789abcdef", 12)) and not is_data_file_name("x.ckio")
-    from ckptio.layout import parse_data_file_names
+    from ckptio.format.records import parse_data_file_names
 
     names = [data_file_name("0123456789abcdef", 7), data_file_name("fedcba9876543210", 100000)]
     assert parse_data_file_names(names) == (["0123456789abcdef", "fedcba9876543210"], [7, 100000])
@@ -211,7 +212,7 @@ def test_the_read_gap_is_the_backends_unless_configured(clean_env, monkeypatch, 
 # --- byte planes (format version 2) ---------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int16])
 def test_byte_planes_round_trip_and_beat_whole_block_zstd(dtype):
-    from ckptio.layout import Codec
+    from ckptio.format.records import Codec
 
     values = (torch.randn(30_001) * 100).to(dtype)  # an odd count: the last block is partial
     data = memoryview(values.view(torch.uint8).numpy()).cast("B")
@@ -237,7 +238,7 @@ def test_byte_planes_round_trip_and_beat_whole_block_zstd(dtype):
 
 
 def test_small_integers_take_whole_block_zstd_where_it_is_smaller():
-    from ckptio.layout import Codec
+    from ckptio.format.records import Codec
 
     values = (torch.randn(30_001) * 100).to(torch.int64)  # 6 of 8 bytes are sign extension
     data = memoryview(values.view(torch.uint8).numpy()).cast("B")
@@ -256,7 +257,7 @@ def test_small_integers_take_whole_block_zstd_where_it_is_smaller():
 
 
 def test_incompressible_items_are_stored_raw_from_a_sample():
-    from ckptio.layout import Codec
+    from ckptio.format.records import Codec
 
     enc = BlockEncoder(16384, "zstd")
     noise = memoryview(os.urandom(1 << 20))
@@ -269,7 +270,7 @@ def test_saves_write_version_3_and_the_readable_view_keeps_each_codecs_oldest_ve
     import torch.distributed.checkpoint as dcp
 
     import ckptio
-    from ckptio.layout import legacy_document
+    from ckptio.format.records import legacy_document
 
     cases = {"raw": (None, torch.float32), "zstd-bytes": ("zstd", torch.uint8), "planes": ("zstd", torch.bfloat16)}
     for name, (compression, dtype) in cases.items():
@@ -304,7 +305,7 @@ def chunked_doc(shape: list[int], chunks: list[tuple[list[int], list[int]]]) -> 
                 offset=at,
                 logical_bytes=n,
                 shape=sizes,
-                crc32c=_pack([1]),
+                crc32c=pack_counts([1]),
             )
         )
         at += n
@@ -329,7 +330,7 @@ def test_decode_finds_overlapping_chunks_among_many():
 
 
 def test_decode_refuses_chunks_too_irregular_to_check(monkeypatch):
-    from ckptio import chunks
+    from ckptio.format import chunks
 
     grid = [([r, c], [1, 1]) for r in range(8) for c in range(8)]
     assert len(decode(chunked_doc([8, 8], grid)).items) == 64
@@ -387,7 +388,7 @@ def test_part_size_is_bounded_by_s3s_limits(clean_env):
 
 
 def test_object_reports_find_every_key_whose_value_differs_between_ranks():
-    from ckptio.objects import ObjectReport, differing_keys
+    from ckptio.saving.consistency import ObjectReport, differing_keys
 
     # each rank also holds a key of its own (a data loader's): one holder never differs
     reports = [ObjectReport(r, {"lr": ("object", 1, 8), f"loader.{r}": ("object", r, 8)}) for r in range(6)]
@@ -439,7 +440,7 @@ def test_a_request_body_sends_and_reads_its_pieces_back_to_back_without_joining_
 def test_crc32c_of_pieces_combines_known_crcs_exactly():
     import random
 
-    from ckptio.codec import checksum, checksum_concat, checksum_of_pieces
+    from ckptio.format.codec import checksum, checksum_concat, checksum_of_pieces
 
     rng = random.Random(7)
     data = rng.randbytes(3 << 20)

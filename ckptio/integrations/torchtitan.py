@@ -37,17 +37,17 @@ from torchtitan.components.checkpointer.dcp import AsyncMode
 from torchtitan.components.checkpointer.dcp import CheckpointManager as TorchtitanCheckpointManager
 from torchtitan.tools.utils import GarbageCollection
 
-from ..api import raising_checkpoint_errors
-from ..config import WriterConfig
-from ..convert import torch_dcp_reader
-from ..errors import CheckpointNotFoundError, PerRankStateError
-from ..hf_reader import HFReader
-from ..layout import METADATA_NAME, TORCH_DCP_METADATA_NAME
-from ..reader import Reader
-from ..report import checkpoint_format, delete_checkpoint
-from ..save_planner import SavePlanner
-from ..storage import open_store
-from ..writer import Writer
+from ckptio.api import raising_checkpoint_errors
+from ckptio.config import WriterConfig
+from ckptio.errors import CheckpointNotFoundError, PerRankStateError
+from ckptio.format.records import METADATA_NAME, TORCH_DCP_METADATA_NAME
+from ckptio.hf.reader import HFReader
+from ckptio.loading.reader import Reader
+from ckptio.saving.planner import SavePlanner
+from ckptio.saving.writer import Writer
+from ckptio.storage import open_store
+from ckptio.tools.convert import torch_dcp_reader
+from ckptio.tools.report import checkpoint_format, delete_checkpoint
 
 __all__ = ["CheckpointManager"]
 

@@ -8,9 +8,9 @@ from typing import Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from ..config import StorageConfig
-from .base import FsspecStore, RangeRequest, ReadRequest, Sink
-from .local import LocalStore
+from ckptio.config import StorageConfig
+from ckptio.storage.base import FsspecStore, RangeRequest, ReadRequest, Sink
+from ckptio.storage.local import LocalStore
 
 __all__ = ["FsspecStore", "LocalStore", "RangeRequest", "ReadRequest", "Sink", "StorageConfig", "open_store"]
 
@@ -21,7 +21,7 @@ def open_store(
     url = os.fspath(url)
     config = config if config is not None else StorageConfig()
     if url.startswith(("s3://", "s3a://")):
-        from .s3 import S3Store, s3_storage_options
+        from ckptio.storage.s3 import S3Store, s3_storage_options
 
         fs, root = url_to_fs(url, **s3_storage_options(storage_options))
         return S3Store(fs, root, url, config)

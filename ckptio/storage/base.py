@@ -11,8 +11,8 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import fsspec
 
-from ..config import REMOTE_READ_GAP_BYTES, StorageConfig
-from ..errors import StorageError
+from ckptio.config import REMOTE_READ_GAP_BYTES, StorageConfig
+from ckptio.errors import StorageError
 
 log = logging.getLogger(__name__)
 

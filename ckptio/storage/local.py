@@ -14,9 +14,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from ..config import LOCAL_READ_GAP_BYTES
-from ..errors import StorageError
-from .base import FsspecStore, ReadRequest
+from ckptio.config import LOCAL_READ_GAP_BYTES
+from ckptio.errors import StorageError
+from ckptio.storage.base import FsspecStore, ReadRequest
 
 #: Buffers one readv/preadv/writev call takes (POSIX IOV_MAX; Linux's is 1024).
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024

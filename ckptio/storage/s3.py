@@ -14,13 +14,13 @@ from typing import Any, AsyncIterator, Sequence
 import fsspec
 from fsspec.asyn import sync
 
-from ..config import StorageConfig
-from ..errors import CheckpointNotFoundError, StorageError
-from . import s3_checksums
-from .base import FsspecStore, RangeRequest, ReadRequest
-from .request_body import RequestBody
-from .retry import s3_error, with_retries
-from .s3_checksums import EndpointChecksums, crc32c_header
+from ckptio.config import StorageConfig
+from ckptio.errors import CheckpointNotFoundError, StorageError
+from ckptio.storage import s3_checksums
+from ckptio.storage.base import FsspecStore, RangeRequest, ReadRequest
+from ckptio.storage.request_body import RequestBody
+from ckptio.storage.retry import s3_error, with_retries
+from ckptio.storage.s3_checksums import EndpointChecksums, crc32c_header
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import logging
 import threading
 from typing import Any, Sequence
 
-from ..codec import checksum_of_pieces
-from .retry import s3_error
+from ckptio.format.codec import checksum_of_pieces
+from ckptio.storage.retry import s3_error
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,327 @@
+"""Format version 3: every key's stored items as a few packed columns, checked as strictly as version
+1's per-item records, and an item's record built only when a load asks for it.
+
+Version 1 wrote a JSON object per stored item (repeating its key, its chunk's offsets and shape and its
+dtype) beside a second list of the same chunks under ``state``, and the data files twice (sizes, writers).
+Version 3 writes, besides the header fields every version has::
+
+    "files": {"save_ids": ["9f0c...", ...], "ranks": COL, "sizes": COL},  # data-<save_id>-r<rank>.ckio
+    "block_size": 262144,                      # the default of every block_size column
+    "planner_data": "paths",                   # torch's {flat key: path}, as per-key "path" codes
+    "keys": {                                  # tensors, and objects saved with one copy per rank
+      "model.w": {"type": "tensor", "dtype": "float32", "size": [8192, 8192], "requires_grad": false,
+                  "count": 1024,                              # stored chunks, in DCP's chunk order
+                  "offsets": [COL, COL], "sizes": [COL, COL],  # one column per dimension
+                  "file": COL, "at": COL, "crc32c": BLOCKS, "path": [1, 1]},
+      "loader": {"type": "bytes", "count": 4, "ranks": COL, "length": COL, "file": COL, ...}},
+    "objects": {"keys": ["step", ...], "paths": [...], "length": COL, "file": COL, "at": COL, ...}
+
+- COL: a JSON integer (every entry equals it) or a string: a width letter (``B`` ``H`` ``I`` ``Q``: 1, 2,
+  4, 8 bytes) then the base64 of one little-endian unsigned integer of that width per entry.
+- ``file``: 1 + the item's data file's position in ``files``; 0 for an item kept inline (its stored
+  bytes, base64, are the next entry of the record's ``inline`` list). ``at``: its byte offset there.
+- ``codec`` (default 0) indexes ``CODECS``; ``block_size`` defaults to the document's ``block_size``.
+- BLOCKS: a packed string (never an integer, so a block count is bounded by the document's size) with an
+  entry per block of every item in turn: ``crc32c`` always, ``stored_lengths`` when an item is compressed.
+- ``objects``: every object stored once, one entry per key in each column.
+- ``path``: how many dot-separated parts of the key form each element of torch's path (0: a list index);
+  absent (``null`` in ``paths``): one element per part. ``planner_data`` is stored as it is when it is
+  not a path for exactly each key. ``files`` has ``writers`` only when a rank wrote a file that another
+  rank's name is on.
+
+A tensor's chunk is stored in ``prod(sizes) * itemsize`` bytes, an object in ``length``: neither is written.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import binascii
+import itertools
+import operator
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+from ckptio.config import INT64_LIMIT
+from ckptio.errors import CheckpointError, CheckpointFormatError
+from ckptio.format.records import parse_data_file_names, planner_data_json
+
+#: ``codec`` column values (a format constant: append only).
+CODECS = ("raw", "zstd", "zstd-byteplanes")
+#: Width letter -> bytes per entry, and the ``array`` type code of that width on this platform.
+_WIDTHS = {"B": 1, "H": 2, "I": 4, "Q": 8}
+_TYPECODES = {
+    letter: next(code for code in "BHILQ" if array.array(code).itemsize == width) for letter, width in _WIDTHS.items()
+}
+
+# ---------------------------------------------------------------------------------------
+# Columns
+
+
+def encode_column(values: list[int]) -> int | str:
+    """A COL: the value itself when every entry has it, else the narrowest packed string."""
+    if values and values.count(values[0]) == len(values):
+        return values[0]
+    return encode_packed(values)
+
+
+def encode_packed(values: Iterable[int], letter: str | None = None) -> str:
+    """The narrowest packed string of ``values`` (a list), or of that ``letter``'s width (any iterable:
+    CRC32Cs, always 4 bytes, go from their records into the array without a list between)."""
+    if letter is None:
+        top = max(values, default=0)
+        letter = next((letter for letter, width in _WIDTHS.items() if top < 1 << (8 * width)), "Q")
+    packed = array.array(_TYPECODES[letter], values)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return letter + base64.b64encode(packed.tobytes()).decode()
+
+
+def decode_column(value: Any, count: int, what: str, packed_only: bool = False) -> list[int]:
+    """``count`` non-negative integers from a COL (a BLOCKS string when ``packed_only``)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not packed_only:
+        if not 0 <= value < INT64_LIMIT:
+            raise CheckpointFormatError(f"{what} must hold non-negative integers below 2^63, got {value}")
+        return [value] * count
+    return PackedBlocks(value, count, what, packed_only)[:].tolist()
+
+
+class PackedBlocks:
+    """A packed column whose entries are decoded when a slice of them is asked for: checked on
+    construction for its width letter and its length (no allocation), an entry range's base64 on use.
+    A load needs the per-block CRC32C of the items it reads, not of all: decoding every block's CRC was
+    most of a large checkpoint's decode time (base64 in CPython runs at ~0.4 GB/s)."""
+
+    __slots__ = ("_text", "_width", "_typecode", "_count", "_what")
+
+    def __init__(self, value: Any, count: int, what: str, packed_only: bool = True):
+        letter = value[:1] if isinstance(value, str) else None
+        if letter not in _WIDTHS:
+            kind = "a packed string" if packed_only else "an integer or a packed string"
+            raise CheckpointFormatError(
+                f"{what} must be {kind} (a width letter B, H, I or Q, then base64): {value!r:.40}"
+            )
+        width = _WIDTHS[letter]
+        text = value[1:]
+        nbytes = count * width
+        padding = (3 - nbytes % 3) % 3
+        if len(text) % 4:
+            raise CheckpointFormatError(f"{what} is not valid base64")
+        padded = len(text) - len(text.rstrip("="))
+        if len(text) != 4 * -(-nbytes // 3) or padded != padding:
+            held = len(text) // 4 * 3 - padded
+            raise CheckpointFormatError(
+                f"{what} holds {held / width:g} entries of {width} bytes where {count} are expected"
+            )
+        self._text, self._width, self._typecode, self._count, self._what = text, width, _TYPECODES[letter], count, what
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, entries: slice) -> array.array:
+        """The entries of a slice (step 1), as an ``array`` of the column's width."""
+        start, stop, _ = entries.indices(self._count)
+        stop = max(start, stop)
+        first, end = start * self._width, stop * self._width  # bytes wanted
+        skip = first % 3  # base64 decodes in groups of 4 characters = 3 bytes
+        raw = _b64decode(self._text[(first - skip) // 3 * 4 : -(-end // 3) * 4], self._what)
+        packed = array.array(self._typecode, raw[skip : skip + end - first])
+        if sys.byteorder != "little":
+            packed.byteswap()
+        if self._typecode == "Q" and packed and max(packed) >= INT64_LIMIT:
+            raise CheckpointFormatError(f"{self._what} holds {max(packed)}, past the largest count or offset (2^63-1)")
+        return packed
+
+
+def _b64decode(text: str, what: str) -> bytes:
+    try:
+        if sys.version_info >= (3, 11):
+            return binascii.a2b_base64(text, strict_mode=True)
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise CheckpointFormatError(f"{what} is not valid base64") from None
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+# ---------------------------------------------------------------------------------------
+# Encoding (the writer's side: records it made itself)
+
+
+def encode_document(
+    metadata: Metadata,
+    items: Mapping[tuple[str, torch.Size | None], Any],
+    per_rank: dict[str, dict[int, Any]],
+    files: dict[str, int],
+    writer_ranks: dict[str, int],
+    block_size: int,
+) -> dict[str, Any]:
+    """The version 3 fields (``files``, ``block_size``, ``planner_data``, ``keys``, ``objects``) from DCP's
+    metadata, the stored item records by ``(key, chunk offsets or None)`` and the data files."""
+    names = sorted(files)
+    file_numbers = dict(zip(names, range(1, len(names) + 1), strict=True))
+    file_numbers[""] = 0
+    paths = _paths_by_key(metadata)
+    state = metadata.state_dict_metadata
+    # objects stored once go to one table (at thousands of ranks, mostly each rank's own data-loader key)
+    objects = [fqn for fqn, md in state.items() if isinstance(md, BytesStorageMetadata) and not per_rank.get(fqn)]
+    in_table = set(objects)
+    keys: dict[str, Any] = {}
+    for fqn, md in state.items():
+        if fqn not in in_table:
+            keys[fqn] = _key_record(fqn, md, items, per_rank, file_numbers, block_size)
+            if paths and paths[fqn] is not None:
+                keys[fqn]["path"] = paths[fqn]
+    doc: dict[str, Any] = {
+        "files": _encode_files(names, files, writer_ranks),
+        "block_size": block_size,
+        "planner_data": "paths" if paths is not None else planner_data_json(metadata.planner_data),
+        "keys": keys,
+    }
+    if objects:
+        stored = _records(items, [(fqn, None) for fqn in objects])
+        table: dict[str, Any] = {"keys": objects}
+        object_paths = [paths[fqn] for fqn in objects] if paths else []
+        if object_paths.count(None) != len(object_paths):
+            table["paths"] = object_paths
+        table["length"] = encode_column(list(map(_LOGICAL_BYTES, stored)))
+        table.update(_storage_columns(stored, file_numbers, block_size))
+        doc["objects"] = table
+    return doc
+
+
+def _key_record(
+    fqn: str,
+    md: Any,
+    items: Mapping[tuple[str, torch.Size | None], Any],
+    per_rank: dict[str, dict[int, Any]],
+    file_numbers: dict[str, int],
+    block_size: int,
+) -> dict[str, Any]:
+    """A ``keys`` record: a tensor's chunks, or an object kept with one copy per rank."""
+    if isinstance(md, BytesStorageMetadata):
+        copies = per_rank[fqn]
+        ranks = sorted(copies)
+        stored = [copies[rank] for rank in ranks]
+        record: dict[str, Any] = {"type": "bytes", "count": len(ranks), "ranks": encode_column(ranks)}
+        record["length"] = encode_column(list(map(_LOGICAL_BYTES, stored)))
+    else:
+        chunks = md.chunks
+        stored = _records(items, [(fqn, chunk.offsets) for chunk in chunks])
+        ndim = len(md.size)
+        offsets, sizes = zip(*((c.offsets, c.sizes) for c in chunks), strict=True) if chunks else ((), ())
+        record = {
+            "type": "tensor",
+            "dtype": str(md.properties.dtype).removeprefix("torch."),
+            "size": list(md.size),
+            "requires_grad": bool(md.properties.requires_grad),
+            "count": len(chunks),
+            "offsets": _dimension_columns(offsets, ndim),
+            "sizes": _dimension_columns(sizes, ndim),
+        }
+    record.update(_storage_columns(stored, file_numbers, block_size))
+    return record
+
+
+def _encode_files(names: list[str], files: dict[str, int], writer_ranks: dict[str, int]) -> dict[str, Any]:
+    save_ids, ranks = parse_data_file_names(names)
+    columns: dict[str, Any] = {
+        "save_ids": save_ids,
+        "ranks": encode_column(ranks),
+        "sizes": encode_column([files[name] for name in names]),
+    }
+    writers = [writer_ranks.get(name, rank) for name, rank in zip(names, ranks, strict=True)]
+    if writers != ranks:
+        columns["writers"] = encode_column(writers)
+    return columns
+
+
+def _paths_by_key(metadata: Metadata) -> dict[str, list[int] | None] | None:
+    """torch's planner data ``{flat key: path}`` as a per-key code (``None``: the key split at every dot);
+    ``None`` when it is not such a map of exactly the saved keys (it is then stored as it is)."""
+    planner_data = metadata.planner_data
+    if not isinstance(planner_data, dict) or planner_data.keys() != metadata.state_dict_metadata.keys():
+        return None
+    paths = {}
+    for fqn, path in planner_data.items():
+        try:  # a path of names only (most keys): its parts' dots are the key's, less the joins
+            if not isinstance(path, (tuple, list)) or ".".join(path) != fqn:
+                return None
+            code = None if fqn.count(".") == len(path) - 1 else [part.count(".") + 1 for part in path]
+        except TypeError:  # list indices (or what is not a path)
+            code = encode_path(path)
+            if code is False or ".".join(map(str, path)) != fqn:
+                return None
+        paths[fqn] = code
+    return paths
+
+
+def encode_path(path: Any) -> list[int] | None | bool:
+    """A flat key's path as a count of its dot-separated parts per path element (0: a list index);
+    ``None`` when every part is its own string element; ``False`` when it is not such a path."""
+    if not isinstance(path, (tuple, list)):
+        return False
+    code = []
+    for part in path:
+        if type(part) is str:
+            code.append(part.count(".") + 1)
+        elif isinstance(part, int) and not isinstance(part, bool) and part >= 0:
+            code.append(0)
+        else:
+            return False
+    return None if code.count(1) == len(code) else code
+
+
+def _dimension_columns(boxes: tuple[tuple[int, ...], ...], ndim: int) -> list[int | str]:
+    """One COL per dimension from each chunk's offsets (or sizes)."""
+    return [encode_column([box[d] for box in boxes]) for d in range(ndim)]
+
+
+def _records(items: Mapping[tuple[str, torch.Size | None], Any], indices: list[tuple[str, Any]]) -> list[Any]:
+    """The stored record of each ``(key, chunk offsets or None)``: a tuple's hash, not MetadataIndex's
+    (a Python method), for 12k+ lookups."""
+    try:
+        return list(map(items.__getitem__, indices))
+    except KeyError as missing:
+        fqn, offsets = missing.args[0]
+        raise CheckpointError(
+            f"no rank reported writing key {fqn!r} (chunk at {list(offsets or ())}); the save cannot commit"
+        ) from None
+
+
+# attribute getters (C loops over the objects table's thousands of records); a codec by its value's
+# string: an Enum member's hash is a Python method
+_CODEC, _FILE, _OFFSET, _BLOCK_SIZE, _BLOCKS = map(
+    operator.attrgetter, ("codec._value_", "file", "offset", "block_size", "blocks")
+)
+_LOGICAL_BYTES = operator.attrgetter("logical_bytes")
+_SECOND = operator.itemgetter(1)
+_CODEC_NUMBERS = {name: number for number, name in enumerate(CODECS)}
+
+
+def _storage_columns(stored: list[Any], file_numbers: dict[str, int], block_size: int) -> dict[str, Any]:
+    codecs = list(map(_CODEC_NUMBERS.__getitem__, map(_CODEC, stored)))
+    item_files = list(map(_FILE, stored))
+    columns: dict[str, Any] = {
+        "file": encode_column(list(map(file_numbers.__getitem__, item_files))),
+        "at": encode_column(list(map(_OFFSET, stored))),
+    }
+    if any(codecs):
+        columns["codec"] = encode_column(codecs)
+    sizes = list(map(_BLOCK_SIZE, stored))
+    if sizes.count(block_size) != len(sizes):
+        columns["block_size"] = encode_column(sizes)
+    # (stored length, crc) of every block in turn
+    columns["crc32c"] = encode_packed(map(_SECOND, itertools.chain.from_iterable(map(_BLOCKS, stored))), "I")
+    if any(codecs):
+        columns["stored_lengths"] = encode_packed([n for item in stored for n, _ in item.blocks])
+    inline = [_b64(item.inline) for item, file in zip(stored, item_files, strict=True) if file == ""]
+    if inline:
+        columns["inline"] = inline
+    return columns

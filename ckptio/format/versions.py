@@ -1,0 +1,100 @@
+"""The one module that knows format versions: which one a save writes (3) and how each is read.
+
+Version 1 (ckptio 0.1: a JSON object per item) and 2 (the same with the ``zstd-byteplanes`` codec) are
+decoded by ``records``; version 3 (per-key columns) is encoded by ``v3`` and decoded by ``v3_decode``.
+Both end in the same checks (``records.manifest_of``). A newer version than this ckptio knows is
+refused asking for an upgrade.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ckptio.errors import CheckpointFormatError
+from ckptio.format.records import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    UNCHECKED,
+    Header,
+    Manifest,
+    StoredItem,
+    decode_version_1,
+    manifest_of,
+)
+from ckptio.format.v3 import encode_document
+from ckptio.format.v3_decode import decode_files, decode_keys
+from ckptio.gc_pause import paused_gc
+
+
+def encode_metadata(
+    metadata: Metadata,
+    items: dict[tuple[str, torch.Size | None], StoredItem],
+    header: Header,
+    per_rank: dict[str, dict[int, StoredItem]] | None = None,
+) -> bytes:
+    """Serialize DCP metadata plus ckptio's item records, by ``(key, chunk offsets or None)``, into the
+    JSON document (format version 3)."""
+    block_size = header.config.max_block_size or next((i.block_size for i in items.values()), 64)
+    doc = dataclasses.replace(header, format_version=FORMAT_VERSION).to_json()
+    doc.update(encode_document(metadata, items, per_rank or {}, header.files, header.writer_ranks, block_size))
+    del doc["writer_ranks"]  # in 'files'
+    return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()  # a tree we built
+
+
+@paused_gc()
+def decode_metadata(raw: bytes, where: str) -> Manifest:
+    doc = _parse_json(raw, where)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CheckpointFormatError(f"{where} is not a ckptio metadata document (no 'format': 'ckptio')")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointFormatError(f"{where} has no valid format_version (a positive integer): {version!r:.40}")
+    if version > FORMAT_VERSION:
+        written_by = doc.get("written_by")
+        raise CheckpointFormatError(
+            f"{where} was written by {written_by if isinstance(written_by, str) else 'a newer ckptio'!s:.80} in "
+            f"format version {version}; this ckptio reads format versions up to {FORMAT_VERSION}: upgrade ckptio "
+            "to load it"
+        )
+    try:
+        return decode_version_3(doc, where, len(raw)) if version >= 3 else decode_version_1(doc, where)
+    except CheckpointFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        raise CheckpointFormatError(f"{where} does not follow the ckptio metadata schema: {exc!r:.300}") from None
+
+
+def _parse_json(raw: bytes, where: str) -> Any:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise CheckpointFormatError(f"{where} repeats the JSON key {dup!r:.80}; the metadata is ambiguous")
+        return out
+
+    try:
+        return json.loads(raw, object_pairs_hook=no_duplicates)
+    except CheckpointFormatError:
+        raise
+    except RecursionError:  # json's C parser counts its nesting and stops cleanly
+        raise CheckpointFormatError(
+            f"{where} nests JSON deeper than the parser allows; it is not ckptio metadata"
+        ) from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, int digit limit
+        raise CheckpointFormatError(
+            f"{where} is not valid JSON ({str(exc):.200}); the metadata is damaged or not a ckptio checkpoint"
+        ) from None
+
+
+def decode_version_3(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
+    names, files, writers = decode_files(doc.get("files"), where)
+    header = Header.from_json(doc, where, checked_files=(files, writers))
+    state, items, per_rank, paths = decode_keys(doc, names, header.files, doc_bytes, where)
+    checked = paths if doc.get("planner_data") == "paths" else UNCHECKED  # else stored as it is
+    return manifest_of(doc, header, state, items, per_rank, where, checked_planner_data=checked)

@@ -1,0 +1,80 @@
+"""Metadata read once per load: the lowest rank of the load's process group reads it, and the
+bytes (or the error) reach every other rank over that group, instead of every rank sending the
+same GET (1,024 GETs of one object at 1,024 ranks, against per-prefix request limits).
+
+torch's ``StorageReader.read_metadata`` is given no process group, but ``dcp.load`` calls it on
+every rank of its group at the same point, from ``_load_state_dict``, whose ``distW`` holds the
+group. ``load_group`` finds it there; when it cannot (another torch, another caller, a load
+without collectives) every rank reads for itself, as torch's own readers do.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from ckptio.errors import CheckpointError
+from ckptio.loading.together import fail_together
+
+T = TypeVar("T")
+
+#: ``read_once``'s group for "read on this rank alone".
+DIRECT = object()
+_LOADER = ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict")
+
+
+def load_group() -> Any:
+    """The process group of the ``dcp.load`` this call runs inside (``None``: the default group),
+    or ``DIRECT`` when there is none or it runs without collectives."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _LOADER:
+            wrapper = frame.f_locals.get("distW")
+            if wrapper is None or not getattr(wrapper, "use_dist", False):
+                return DIRECT
+            return getattr(wrapper, "group", DIRECT)
+        frame = frame.f_back
+    return DIRECT
+
+
+def read_once(read: Callable[[], T], group: Any, location: str) -> T:
+    """``read()`` on the lowest rank of ``group`` (``None``: the default group), its result, or the
+    ``CheckpointError`` it raised, handed to every rank of the group. Ranks that name different
+    ``location``s each read their own, and a failure on any of them fails all. ``DIRECT``, a single
+    rank or no initialised process group: ``read()`` here."""
+    if group is DIRECT or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return read()
+    locations: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(locations, location, group=group)
+    if len(set(locations)) > 1:
+        return _each_reads(read, group)
+    box: list = [None]
+    if dist.get_rank(group) == 0:
+        box[0] = _outcome(read)
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return _result(box[0])
+
+
+def _each_reads(read: Callable[[], T], group: Any) -> T:
+    """Every rank reads; if any failed, every rank raises the lowest failing rank's error."""
+    outcome = _outcome(read)
+    fail_together(None if outcome[0] else outcome[1], group)
+    return _result(outcome)
+
+
+def _outcome(read: Callable[[], T]) -> tuple[bool, Any]:
+    try:
+        return True, read()
+    except CheckpointError as exc:
+        return False, exc
+    except Exception as exc:  # noqa: BLE001 - the other ranks wait in a collective: they must hear of it
+        return False, CheckpointError(f"rank {dist.get_rank()} failed reading: {type(exc).__name__}: {exc}")
+
+
+def _result(outcome: tuple[bool, Any]) -> Any:
+    ok, value = outcome
+    if not ok:
+        raise value
+    return value

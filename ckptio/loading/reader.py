@@ -1,0 +1,331 @@
+"""The DCP StorageReader: validated JSON metadata, ranged block reads, checksums on every read."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import uuid
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ckptio.config import SHARED_READ_ROUND_BYTES, StorageConfig, WriterConfig
+from ckptio.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotCkptioCheckpointError,
+    PerRankStateError,
+    remember_metadata_error,
+)
+from ckptio.format.records import METADATA_NAME, TORCH_DCP_METADATA_NAME, Manifest, StoredItem, parse_data_file_name
+from ckptio.format.versions import decode_metadata
+from ckptio.loading.fetch import load_jobs, prepared_jobs
+from ckptio.loading.read_once import DIRECT, load_group, read_once
+from ckptio.loading.safe_load import restore_objects_under_held_keys
+from ckptio.loading.shared_reads import (
+    SharedReadPlan,
+    load_shared,
+    needed_blocks,
+    needed_bytes,
+    on_network_filesystem,
+    plan_shared_reads,
+    worth_sharing,
+)
+from ckptio.state.keys import CanonicalKeyDict, canonical_index
+from ckptio.storage import FsspecStore, LocalStore
+from ckptio.storage.location import CheckpointLocation
+
+log = logging.getLogger(__name__)
+
+
+class Reader(CheckpointLocation, StorageReader):
+    """Load a checkpoint written by ``ckptio.Writer`` on any world size and mesh.
+
+    Every block read is checked against its CRC32C unless ``verify=False``. ``storage_config``
+    sets read concurrency and retries (default: ``WriterConfig()``'s, environment included).
+    A stored dtype loads into a tensor of another only when no value can change (``conversion.py``:
+    bf16 into fp32, int32 into int64); ``allow_rounding=True`` also lets floating-point values round
+    (fp32 into bf16). Truncation and wrap-around (floats into ints, narrower ints) are always refused.
+
+    DCP calls it in this order (torch's ``StorageReader`` protocol):
+
+    0. (all ranks) ``reset(checkpoint_id)``: the location of this load.
+    1. (all ranks) ``read_metadata()``: ``ckptio.json``, read by the lowest rank of the load's
+       process group and sent to the others (``read_once.py``), validated (``layout.py``).
+    2. (all ranks) ``set_up_storage_reader()``: keep the item records.
+    3. (all ranks) ``prepare_local_plan()``: unchanged.
+    4. (coordinator) ``prepare_global_plan()``: decide ``dedup_reads`` and, when reads are shared,
+       who reads which stored bytes (``shared_reads.py``), sent to every rank in ``storage_data``.
+    5. (all ranks) ``read_data()``: fetch, check and deliver this rank's items (``fetch.py``); shared
+       ones in rounds, exchanged over the process group (``shared_reads.load_shared``).
+    """
+
+    _role = ("Reader", "dcp.load")
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        verify: bool = True,
+        storage_config: StorageConfig | None = None,
+        dedup_reads: bool | str = "auto",
+        dedup_round_bytes: int = SHARED_READ_ROUND_BYTES,
+        allow_rounding: bool = False,
+    ):
+        super().__init__()
+        if dedup_reads not in (True, False, "auto"):
+            raise ValueError(f"dedup_reads must be True, False or 'auto', got {dedup_reads!r}")
+        if dedup_round_bytes < 1:
+            raise ValueError(f"dedup_round_bytes must be positive, got {dedup_round_bytes}")
+        self.storage_options = dict(storage_options or {})
+        self.verify = verify
+        self.dedup_reads = dedup_reads
+        self.dedup_round_bytes = dedup_round_bytes
+        self.allow_rounding = allow_rounding
+        self.storage_config = storage_config if storage_config is not None else WriterConfig().storage()
+        self.checkpoint_id: str | None = None
+        self.manifest: Manifest | None = None
+        self.reset(checkpoint_id)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.checkpoint_id = os.fspath(checkpoint_id)
+        self._store: FsspecStore | None = None
+        self.manifest = None
+        self._prefetched: Manifest | None = None
+
+    # No **kwargs: torch would then retry a failed read as "rank-local metadata" and hide our error.
+    def read_metadata(self, *args: Any) -> Metadata:
+        """``ckptio.json``, read by one rank of the ``dcp.load`` and shared over its group (``read_once.py``)."""
+        prefetched, self._prefetched = self._prefetched, None
+        try:
+            self.manifest = prefetched or self._read_manifest(load_group())
+        except CheckpointError as exc:
+            remember_metadata_error(exc)
+            raise
+        metadata = self.manifest.metadata
+        metadata.state_dict_metadata = CanonicalKeyDict(metadata.state_dict_metadata)
+        metadata.storage_meta = StorageMeta(
+            checkpoint_id=self.checkpoint_id, save_id=self.manifest.header.save_id, load_id=uuid.uuid4().hex[:16]
+        )
+        return metadata
+
+    def prefetch_metadata(self, process_group: Any = DIRECT) -> Manifest:
+        """Read and validate the metadata now, raising ckptio errors directly (dcp.load would
+        wrap them); the next ``read_metadata`` call uses it instead of reading again. Given a
+        ``process_group`` (``None``: the default group), which every rank of it calls this with,
+        one rank reads and the others receive the bytes."""
+        self._prefetched = self._read_manifest(process_group)
+        return self._prefetched
+
+    def _read_manifest(self, group: Any) -> Manifest:
+        store = self._open_store()
+        raw = read_once(lambda: read_metadata_bytes(store), group, store.url)
+        return decode_metadata(raw, store.describe(METADATA_NAME))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._items: dict[MetadataIndex, StoredItem] = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        shared = self._shared_read_plan(plans)
+        if shared is None:
+            return plans
+        return [dataclasses.replace(plan, storage_data=shared) for plan in plans]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        store, files = self._open_store(), self.manifest.files if self.manifest else {}
+        restore_objects_under_held_keys(planner, plan)
+        shared = plan.storage_data if isinstance(plan.storage_data, SharedReadPlan) else None
+        if shared is None:
+            self._deliver(store, [(read_item, self._item_for(read_item)) for read_item in plan.items], planner)
+        else:
+            triples, failure = [], None
+            try:  # a failure here must still reach the other ranks, which wait in the exchange
+                triples = [(self._stored_key(ri), ri, self._item_for(ri)) for ri in plan.items]
+            except Exception as exc:  # noqa: BLE001
+                failure = exc
+            keys = {segment.index for segments in shared.rounds for segment in segments}
+
+            def prepare(pairs: list[tuple[ReadItem, Any]]) -> tuple[Any, list]:
+                return self._prepare_shared(pairs, planner)
+
+            def deliver(source: FsspecStore, prepared: Any) -> None:
+                self._deliver_prepared(source, prepared, planner)
+
+            shared_triples = [t for t in triples if t[0] in keys]
+            load_shared(
+                store, shared, shared_triples, self._items.__getitem__, prepare, deliver, self.verify, files, failure
+            )
+            self._deliver(store, [(ri, item) for key, ri, item in triples if key not in keys], planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _deliver(self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
+        """Fetch, check and hand ``(read item, source)`` pairs to the planner (``fetch.py``), each
+        destination resolved as its batch comes."""
+        self._deliver_prepared(store, prepared_jobs(pairs, planner, self.allow_rounding), planner)
+
+    def _prepare_shared(
+        self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner
+    ) -> tuple[Any, list[tuple[str, int, memoryview]]]:
+        """A shared-read round's pairs, ready to deliver once the bytes are held: here ``fetch`` jobs
+        with their destinations resolved; and where raw stored bytes can land unchanged (``(file,
+        offset, destination)``), which the exchange reads and receives straight into."""
+        jobs = list(prepared_jobs(pairs, planner, self.allow_rounding))
+        return jobs, [placement for placement in (job.placement() for job in jobs) if placement is not None]
+
+    def _deliver_prepared(self, source: FsspecStore, prepared: Any, planner: LoadPlanner) -> None:
+        """Hand prepared pairs (``fetch`` jobs) to the planner from ``source``: the store, or for a
+        shared-read round the bytes held."""
+        files = self.manifest.files if self.manifest else {}
+        load_jobs(source, prepared, planner, self.verify, files, self.storage_config.max_concurrency)
+
+    def _shared_read_plan(self, plans: list[LoadPlan]) -> SharedReadPlan | None:
+        """Coordinator: whether the ranks share reads (``dedup_reads``), and who reads what."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.dedup_reads is False or world == 1 or len(plans) != world:
+            if self.dedup_reads is True and world > 1:
+                log.warning("ckptio: dedup_reads needs dcp.load over the default process group; reading directly")
+            return None
+        if self.dedup_reads == "auto":
+            store = self._open_store()
+            remote = not isinstance(store, LocalStore) or on_network_filesystem(store.root)
+            if not remote:  # never worth it from a local disk: skip planning the needs
+                return None
+        needs = needed_blocks(plans, self._shareable)
+        if self.dedup_reads == "auto":
+            needed, distinct = needed_bytes(needs, self._items.__getitem__)
+            share = worth_sharing(remote, needed, distinct)
+            _log_choice(
+                f"ckptio: shared reads {'on' if share else 'off'} (dedup_reads='auto'): the {world} ranks need "
+                f"{needed / max(distinct, 1):.2f}x the {distinct >> 20} MiB of distinct stored bytes they read, "
+                f"from {'a remote' if remote else 'a local'} store"
+            )
+            if not share:
+                return None
+        return plan_shared_reads(needs, self._items.__getitem__, world, self.dedup_round_bytes)
+
+    def _stored_key(self, read_item: ReadItem) -> MetadataIndex:
+        index = read_item.storage_index
+        return index if index in self._items else canonical_index(index)
+
+    def _shareable(self, read_item: ReadItem) -> tuple[MetadataIndex, StoredItem] | None:
+        key = self._stored_key(read_item)
+        item = self._items.get(key)
+        per_rank = self.manifest.per_rank.get(key.fqn) if self.manifest else None
+        if item is None or per_rank or item.inline is not None:
+            return None
+        return key, item
+
+    def _own_copy(self, fqn: str, copies: dict[int, StoredItem]) -> StoredItem:
+        """Objects saved with differing_objects='keep_per_rank': each rank gets the value it saved."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        saved_world = self.manifest.header.world_size
+        if world != saved_world or rank not in copies:
+            raise PerRankStateError(
+                f"key {fqn!r} was saved with one value per rank by {saved_world} ranks; this load runs on {world} "
+                f"ranks, so rank {rank} has no value of its own. Load on {saved_world} ranks, or save such state "
+                "with ckptio.PerRank and choose an on_resize policy"
+            )
+        return copies[rank]
+
+    def _item_for(self, read_item: ReadItem) -> StoredItem:
+        index = self._stored_key(read_item)  # a wrapped name (torch.compile's _orig_mod.) -> canonical key
+        copies = self.manifest.per_rank.get(index.fqn) if self.manifest else None
+        if copies:
+            return self._own_copy(index.fqn, copies)
+        try:
+            return self._items[index]
+        except KeyError:
+            raise CheckpointError(
+                f"key {read_item.storage_index.fqn!r} (chunk at {tuple(read_item.storage_index.offset or ())}) "
+                f"is not stored in {self.checkpoint_id}"
+            ) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _log_choice(message: str) -> None:
+    """Log each distinct choice once per process (a job loads many times)."""
+    log.info(message)
+
+
+def read_manifest(store: FsspecStore) -> Manifest:
+    """Read and validate ``ckptio.json``, explaining precisely why a checkpoint cannot be opened."""
+    return decode_metadata(read_metadata_bytes(store), store.describe(METADATA_NAME))
+
+
+def read_metadata_bytes(store: FsspecStore) -> bytes:
+    """``ckptio.json`` as stored, or the error that says why there is none."""
+    try:
+        return store.read(METADATA_NAME)
+    except FileNotFoundError:
+        raise _missing_metadata_error(store) from None
+
+
+def file_size_problems(store: FsspecStore, manifest: Manifest) -> dict[str, str]:
+    """Data file -> what is wrong with it: missing, unreadable, or not the size the metadata records."""
+    problems: dict[str, str] = {}
+    for name, recorded in sorted(manifest.files.items()):
+        try:
+            actual = store.size(name)
+        except FileNotFoundError:
+            problems[name] = "data file is missing"
+            continue
+        except CheckpointError as exc:  # e.g. not a regular file
+            problems[name] = str(exc)
+            continue
+        if actual != recorded:
+            problems[name] = f"holds {actual} bytes, the metadata records {recorded} (truncated or rewritten)"
+    return problems
+
+
+def check_file_sizes(store: FsspecStore, manifest: Manifest) -> None:
+    """Raise ``CorruptCheckpointError`` unless every data file holds the bytes the metadata records."""
+    for name, problem in file_size_problems(store, manifest).items():
+        raise CorruptCheckpointError(
+            f"{store.describe(name)}: {problem}. Restore the file or load an earlier checkpoint"
+        )
+
+
+def _missing_metadata_error(store: FsspecStore) -> CheckpointError:
+    names = store.list_names()
+    if names is None:
+        return CheckpointNotFoundError(
+            f"no checkpoint at {store.url}: the path does not exist (check the URL and bucket)"
+        )
+    if TORCH_DCP_METADATA_NAME in names:
+        return NotCkptioCheckpointError(
+            f"{store.url} holds a torch DCP checkpoint (it has '.metadata', not '{METADATA_NAME}'); load it with "
+            "torch.distributed.checkpoint.FileSystemReader / FsspecReader, then save it again with ckptio.Writer"
+        )
+    if any(n.endswith(".safetensors") for n in names):
+        return NotCkptioCheckpointError(
+            f"{store.url} holds safetensors files (Hugging Face weights), not a ckptio checkpoint: load them with "
+            "ckptio.HFReader"
+        )
+    partial = [n for n in names if parse_data_file_name(n)]
+    if partial:
+        saves = sorted({parse_data_file_name(n).save_id for n in partial})
+        return IncompleteCheckpointError(
+            f"{store.url} is incomplete: it holds {len(partial)} data file(s) of save(s) {saves} but no "
+            f"'{METADATA_NAME}', so the save never committed (a rank failed or was killed first). Load an earlier "
+            "checkpoint. Saving again to this path succeeds; the orphaned files are never read and may be deleted"
+        )
+    shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "") if names else "nothing"
+    return CheckpointNotFoundError(
+        f"no ckptio checkpoint at {store.url}: '{METADATA_NAME}' is missing (it holds {shown})"
+    )

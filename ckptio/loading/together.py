@@ -1,0 +1,51 @@
+"""Failing on every rank together: a rank that raises while its peers go on into a collective
+leaves them waiting until the process group's timeout. Every rank of a group calls
+``fail_together`` at the same point with what went wrong on it, if anything; if any rank failed,
+every rank raises: the failing rank its own error, the others the lowest failing rank's, with its
+class (a ckptio error's) and message, naming that rank and every rank that failed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptio import errors
+from ckptio.errors import CheckpointError
+
+
+def fail_together(failure: BaseException | None, group: Any = None, what: str = "") -> None:
+    """Raise on every rank of ``group`` (``None``: the default group) if ``failure`` is set on any.
+    ``what`` says what the failing rank was doing, for the other ranks' message ("failed reading
+    stored bytes shared with other ranks")."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1 and _anyone_failed(failure, group):
+        mine = None if failure is None else (type(failure).__name__, str(failure))
+        reports: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, mine, group=group)
+        failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+        if failure is None:
+            rank, (kind, message) = failed[0]
+            cls = getattr(errors, kind, None)
+            known = isinstance(cls, type) and issubclass(cls, CheckpointError)
+            others = f" (ranks that failed: {[r for r, _ in failed]})" if len(failed) > 1 else ""
+            cause = message if known else f"{kind}: {message}"
+            raise (cls if known else CheckpointError)(f"rank {rank}{' ' + what if what else ''}: {cause}{others}")
+    if failure is None:
+        return
+    if isinstance(failure, CheckpointError):
+        raise failure
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    raise CheckpointError(f"rank {rank}{' ' + what if what else ''}: {type(failure).__name__}: {failure}") from failure
+
+
+def _anyone_failed(failure: BaseException | None, group: Any) -> bool:
+    """One small collective when all is well: a tensor all-reduce where the group carries CPU
+    tensors (gloo), an object gather elsewhere (NCCL: its objects travel through the current GPU)."""
+    if "gloo" in str(dist.get_backend(group)):
+        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64)
+        dist.all_reduce(flag, group=group)
+        return bool(flag.item())
+    flags: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, failure is not None, group=group)
+    return any(flags)

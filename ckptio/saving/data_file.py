@@ -1,0 +1,145 @@
+"""Writing items, the write-side twin of ``fetch.py``: items in, ``StoredItem`` records out.
+
+A rank's items are cut into checksummed (optionally compressed) blocks and streamed back to
+back into its one data file. Whether they land in that file or inline in ``ckptio.json`` is
+decided here: with an ``inline_limit``, bytes are held in memory until they cross it, and a
+rank that never crosses it creates no file at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+
+from ckptio.config import WriterConfig, cpu_threads
+from ckptio.errors import CheckpointError
+from ckptio.format.codec import BlockEncoder, block_size_for
+from ckptio.format.records import Codec, ItemKind, StoredItem, dtype_from_name, dtype_name
+from ckptio.storage import FsspecStore
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemBytes:
+    """One item's logical bytes and what they are."""
+
+    index: MetadataIndex
+    data: memoryview
+    kind: ItemKind
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+def item_bytes(
+    items: dict[MetadataIndex, WriteItem], planner: SavePlanner, pickled: dict[MetadataIndex, memoryview]
+) -> Iterator[ItemBytes]:
+    """The bytes of each item (stored under its key in ``items``, resolved as the planner names
+    it), objects first: small, and their pickling is the likeliest thing to fail. Tensors are
+    resolved one at a time, so only one is copied to the host at once; ``pickled`` holds the
+    objects already pickled."""
+    for index, item in sorted(items.items(), key=lambda kv: kv[1].type != WriteItemType.BYTE_IO):
+        if item.type == WriteItemType.BYTE_IO:
+            data = pickled.get(index)
+            yield ItemBytes(index, data if data is not None else planner.resolve_data(item).getbuffer(), ItemKind.BYTES)
+        else:
+            yield _tensor_bytes(index, item, planner.resolve_data(item))
+
+
+def pickled_objects(items: dict[MetadataIndex, WriteItem], planner: SavePlanner) -> dict[MetadataIndex, memoryview]:
+    return {idx: planner.resolve_data(it).getbuffer() for idx, it in items.items() if it.type == WriteItemType.BYTE_IO}
+
+
+def encode_items(
+    store: FsspecStore, file: str, items: Iterable[ItemBytes], config: WriterConfig, inline_limit: int = 0
+) -> dict[MetadataIndex, StoredItem]:
+    """Store ``items`` in data file ``file`` (or inline, if they all fit in ``inline_limit`` bytes)."""
+    encoder = BlockEncoder(
+        config.max_block_size, config.compression, config.compression_level, cpu_threads(config.max_concurrency)
+    )
+    sink = _InlineOrFileSink(store, file, inline_limit)
+    placed: list[tuple[ItemBytes, Codec, int, int, tuple[tuple[int, int], ...]]] = []  # + codec, offset, block size
+    offset = 0
+    try:
+        for item in items:
+            block_size = block_size_for(len(item.data), encoder.max_block_size)
+            itemsize = dtype_from_name(item.dtype).itemsize if item.kind == ItemKind.TENSOR else 1
+            codec, planes = encoder.codec_for(item.data, itemsize)
+            blocks = []
+            for stored, crc in encoder.encode(item.data, block_size, codec, planes):
+                sink.write(stored, crc)
+                blocks.append((len(stored), crc))
+            placed.append((item, codec, offset, block_size, tuple(blocks)))
+            offset += sum(n for n, _ in blocks)
+        sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+    finally:
+        encoder.close()
+    inline = sink.inline
+    records = {}
+    for item, codec, at, block_size, blocks in placed:
+        end = at + sum(n for n, _ in blocks)
+        records[item.index] = StoredItem(
+            file="" if inline is not None else file,
+            offset=0 if inline is not None else at,
+            logical_bytes=len(item.data),
+            kind=item.kind,
+            dtype=item.dtype,
+            shape=item.shape,
+            codec=codec,
+            block_size=block_size,
+            blocks=blocks,
+            inline=inline[at:end] if inline is not None else None,
+        )
+    return records
+
+
+class _InlineOrFileSink:
+    """Holds up to ``limit`` bytes in memory; past that, streams to the real data file.
+    If the limit is never crossed, ``inline`` holds everything and no file is created."""
+
+    def __init__(self, store: FsspecStore, name: str, limit: int):
+        self.store, self.name, self.limit = store, name, limit
+        self.buffer: bytearray | None = bytearray() if limit > 0 else None
+        self.sink = None if limit > 0 else store.open_sink(name)
+        self.inline: bytes | None = None
+
+    def write(self, data: Any, crc: int | None = None) -> None:
+        if self.buffer is not None and len(self.buffer) + len(data) <= self.limit:
+            self.buffer += data
+            return
+        if self.sink is None:
+            self.sink = self.store.open_sink(self.name)
+            self.sink.write(self.buffer)
+            self.buffer = None
+        self.sink.write(data, crc)
+
+    def close(self) -> None:
+        if self.sink is None:
+            self.inline = bytes(self.buffer)
+        else:
+            self.sink.close()
+
+    def abort(self) -> None:
+        if self.sink is not None:
+            self.sink.abort()
+
+
+def _tensor_bytes(index: MetadataIndex, item: WriteItem, data: Any) -> ItemBytes:
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    # Conjugate and negative-bit views are lazy flags: resolve them, or the bytes are the unflagged values.
+    tensor = tensor.resolve_conj().resolve_neg().contiguous()
+    expected = tuple(item.tensor_data.chunk.sizes)
+    if tuple(tensor.shape) != expected:
+        raise CheckpointError(
+            f"key {item.index.fqn!r}: the planner resolved a tensor of shape {tuple(tensor.shape)} "
+            f"for a chunk of shape {expected}"
+        )
+    raw = tensor.reshape(-1).view(torch.uint8).numpy()
+    return ItemBytes(index, memoryview(raw).cast("B"), ItemKind.TENSOR, dtype_name(tensor.dtype), expected)

@@ -1,0 +1,329 @@
+"""The DCP StorageWriter: plan -> encode -> store -> commit.
+
+Each writing rank streams its items, block by block, into one data file; the coordinator
+publishes ``ckptio.json`` only after every rank's file is durable, so a checkpoint is
+loadable exactly when it is complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import operator
+import os
+import time
+import uuid
+import weakref
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptio.config import StorageConfig, WriterConfig
+from ckptio.errors import CheckpointError, CheckpointFormatError
+from ckptio.format.records import METADATA_NAME, Header, ItemKind, MeshRecord, SavedConfig, StoredItem, data_file_name
+from ckptio.format.versions import decode_metadata, encode_metadata
+from ckptio.gc_pause import paused_gc
+from ckptio.saving import ordering, staging
+from ckptio.saving.commit import check_target, publish
+from ckptio.saving.consistency import (
+    ObjectReport,
+    attach_report,
+    own_copies,
+    per_rank_values,
+    split_reports,
+    value_digests,
+)
+from ckptio.saving.data_file import encode_items, item_bytes, pickled_objects
+from ckptio.saving.planning import Holdings, assign_writers
+from ckptio.state.keys import canonical_planner_data, canonical_write_items
+from ckptio.storage.location import CheckpointLocation
+from ckptio.version import __version__
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankAssignment:
+    """What the coordinator tells each rank besides its items: whether only it holds them all
+    (its own per-rank state), which makes them candidates for inlining into the metadata."""
+
+    private_only: bool = False
+    mode: str | None = None  # the save mode it was planned for (a cached plan may outlive a config)
+
+
+class Writer(CheckpointLocation, StorageWriter, AsyncStager):
+    """Save a DCP checkpoint to any fsspec URL.
+
+    ``dcp.async_save`` first calls ``stage()`` (torch's ``AsyncStager`` protocol, when no
+    ``async_stager`` is given): the state is copied into host buffers this process reuses across
+    saves (``staging.py``). Then DCP calls it in this order (torch's ``StorageWriter`` protocol):
+
+    0. (all ranks) ``reset(checkpoint_id)``: the location of this save; nothing of the last one is kept.
+    1. (all ranks) ``set_up_storage_writer()``: this rank's number and whether it coordinates.
+    2. (all ranks) ``prepare_local_plan()``: record everything this rank holds, before torch deduplicates.
+    3. (coordinator) ``prepare_global_plan()``: refuse or plan an overwrite (``commit.py``), then decide
+       who writes what (``planning.py``).
+    4. (all ranks) ``write_data()``: store this rank's items in a data file named afresh for every
+       save (``encode.py``), and report its objects for the cross-rank check (``objects.py``).
+    5. (coordinator) ``finish()``: check the object reports, then commit ``ckptio.json`` (``commit.py``).
+
+    Example::
+
+        dcp.save(state, storage_writer=ckptio.Writer("s3://bucket/run/step-100",
+                                                     ckptio.WriterConfig(mode="replica_group")))
+    """
+
+    _role = ("Writer", "dcp.save")
+    _synchronize_after_execute = False  # stage() returns once the copy is made
+
+    def __init__(
+        self,
+        checkpoint_id: str | os.PathLike | None = None,
+        config: WriterConfig | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool | None = None,
+    ):
+        super().__init__()
+        config = config if config is not None else WriterConfig()
+        if overwrite is not None:  # torch's FileSystemWriter(path, overwrite=...) keyword
+            config = dataclasses.replace(config, overwrite=overwrite)
+        self.config = config
+        self.storage_options = dict(storage_options or {})
+        self.checkpoint_id: str | None = None
+        self.rank = 0
+        self.is_coordinator = True
+        self._ticket: ordering.Ticket | None = None
+        self._take_ticket()  # in the caller's thread: its place in this process's order of saves
+        self.reset(checkpoint_id)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled by torch's PROCESS executor, on the thread that hands this save to its background
+        # process: that thread takes this save's turn (ordering.py).
+        if self._ticket is not None and not self._ticket.started.is_set():
+            ordering.begin(self._ticket, sending_to_process=True)
+        state = dict(self.__dict__)
+        state["_ticket"] = None
+        return state
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state's host copy for ``dcp.async_save``: into the process's reused buffers (see
+        ``WriterConfig.reuse_staging_buffers``), or fresh memory."""
+        if self._ticket is None or self._ticket.started.is_set():  # this Writer saved before
+            self._take_ticket()
+        ordering.await_previous_start(self._ticket)
+        user = ordering.claim(self._ticket)
+        if not self.config.reuse_staging_buffers:
+            return staging.stage_fresh(state_dict)
+        return staging.writer_stager().stage_for(state_dict, user)
+
+    def _take_ticket(self) -> None:
+        """A new place in this process's order of saves; freeing this Writer unused gives it up."""
+        self._ticket = ordering.take()
+        weakref.finalize(self, ordering.abandon, self._ticket)
+
+    def synchronize_staging(self) -> None:
+        """Staging is synchronous: nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing to release: the staging buffers are the process's (``ckptio.release_staging_buffers``)."""
+
+    @property
+    def storage_config(self) -> StorageConfig:
+        return self.config.storage()
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        # storage_options survive reset: torch's FsspecWriter drops them here and silently
+        # falls back to the default endpoint.
+        if checkpoint_id is not None:
+            self.checkpoint_id = os.fspath(checkpoint_id)
+        self._store = None
+        self._held: dict[MetadataIndex, WriteItem] | None = None  # stored key -> item; set in step 2, used in 4
+        self._superseded: list[str] = []  # set in step 3, used in step 5 (coordinator)
+        self._save_id: str | None = None  # set in step 4
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise CheckpointError(
+                "ckptio.Writer does not support dcp.save(..., use_collectives=False): every rank would commit "
+                f"its own {self.checkpoint_id}/ckptio.json and all but one rank's keys would be lost. Call "
+                "dcp.save with the default use_collectives=True"
+            )
+        self.is_coordinator = is_coordinator
+        self._ticket = ordering.begin(self._ticket)  # waits for this process's previous save to return
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.rank = rank
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._save_id) if self.checkpoint_id else None
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        # Keys are stored canonical (no _orig_mod. / _checkpoint_wrapped_module.), as ckptio.save does.
+        held = canonical_write_items(plan.items)
+        if plan.usable:  # a plan torch's plan cache skipped is empty: write_data finds the held items then
+            self._held = held
+        items = [it if idx is it.index else dataclasses.replace(it, index=idx) for idx, it in held.items()]
+        return dataclasses.replace(plan, items=items, storage_data=Holdings(tuple(items), self.checkpoint_id))
+
+    @paused_gc()
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        _check_same_location(plans)
+        self._superseded = check_target(self._open_store(), self.config.overwrite)
+        assigned = assign_writers(plans, self.config.mode)
+        return [
+            dataclasses.replace(plan, items=a.items, storage_data=RankAssignment(a.private_only, self.config.mode))
+            for plan, a in zip(plans, assigned, strict=True)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        # A fresh name on every save, even when DCP reuses a cached plan: an overwrite must never
+        # touch the files of the checkpoint it replaces before the new one commits.
+        self._save_id = uuid.uuid4().hex[:16]
+        file = data_file_name(self._save_id, self.rank)
+        held = self._held if self._held is not None else canonical_write_items(_cached_local_items(planner))
+        planned_mode = getattr(plan.storage_data, "mode", None)
+        if planned_mode not in (None, self.config.mode) and self.rank == 0:
+            log.warning(
+                "ckptio: this save reuses a plan torch's plan cache kept from a save in mode %r, so it writes as "
+                "%r did, not as the configured %r. To switch modes, save with a planner without "
+                "enable_plan_caching (or of another class) once",
+                planned_mode,
+                planned_mode,
+                self.config.mode,
+            )
+        assigned = {it.index: held.get(it.index, it) for it in plan.items}  # stored key -> item as the planner knows it
+        # Every object this rank holds is pickled once: to compare it with the other ranks' values
+        # under the same key, and (if this rank writes it) to store it.
+        objects = pickled_objects(held, planner)
+        report = ObjectReport(
+            self.rank, value_digests(held, planner, objects), mesh=MeshRecord.of(getattr(planner, "state_dict", None))
+        )
+        extras = own_copies(held, assigned, self.config.differing_objects)
+        stored: dict = {}
+        if assigned or extras:
+            store = self._open_store()
+            store.prepare_directory()
+            private = isinstance(plan.storage_data, RankAssignment) and plan.storage_data.private_only
+            inline_limit = self.config.inline_limit if private and not extras else 0
+            stored = encode_items(
+                store, file, item_bytes({**assigned, **extras}, planner, objects), self.config, inline_limit
+            )
+            if self.config.differing_objects == "keep_per_rank":
+                report.copies = {idx.fqn: rec for idx, rec in stored.items() if rec.kind == ItemKind.BYTES}
+        results = [WriteResult(it.index, stored[it.index].stored_bytes, stored[it.index]) for it in plan.items]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(attach_report(results, report))
+        return future
+
+    @paused_gc()
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        results, reports = split_reports(results)
+        per_rank = per_rank_values(reports, self.config.differing_objects)
+        items, files, writers = _written(results, reports)
+        header = _header(self.config, metadata, files, writers, reports, self._save_id, world_size=len(results))
+        metadata.planner_data = canonical_planner_data(metadata.planner_data)
+        document = encode_metadata(metadata, items, header, per_rank)
+        refuse_unloadable(document, self._open_store().describe(METADATA_NAME))
+        publish(self._open_store(), document, header.files, self._superseded, self.config.overwrite)
+        metadata.storage_meta = self.storage_meta()
+
+
+def refuse_unloadable(document: bytes, where: str) -> None:
+    """A save that reports success must load: its metadata goes through the decoder every load uses
+    before it is committed, so a rule the encoder missed fails the save, not a later restart."""
+    try:
+        decode_metadata(document, where)
+    except CheckpointFormatError as exc:
+        raise CheckpointError(
+            f"this save's metadata would not load, so the save was not committed: {exc}. The state holds "
+            "something ckptio cannot store; please report it with the state's key layout"
+        ) from None
+
+
+def _header(
+    config: WriterConfig,
+    metadata: Metadata,
+    files: dict[str, int],
+    writers: dict[str, int],
+    reports: list[ObjectReport],
+    save_id: str | None,
+    world_size: int,
+) -> Header:
+    return Header(
+        files=files,
+        written_by=f"ckptio {__version__}",
+        torch_version=torch.__version__,
+        created_unix=time.time(),
+        save_id=save_id,
+        world_size=world_size,
+        mesh=next((r.mesh for r in reports if r.mesh), None),
+        config=SavedConfig(config.mode, config.compression, config.max_block_size),
+        writer_ranks=writers,
+        dcp_version=metadata.version,
+    )
+
+
+def _check_same_location(plans: list[SavePlan]) -> None:
+    """Every rank must save to the same checkpoint: files split across paths never load."""
+    locations: dict[str | None, list[int]] = {}
+    for rank, plan in enumerate(plans):
+        if isinstance(plan.storage_data, Holdings):
+            locations.setdefault(plan.storage_data.checkpoint_id, []).append(rank)
+    if len(locations) > 1:
+        shown = "; ".join(
+            f"ranks {ranks[:8]}{' ...' if len(ranks) > 8 else ''}: {url!r}" for url, ranks in locations.items()
+        )
+        raise CheckpointError(
+            f"the ranks were given different checkpoint locations ({shown}); every rank must save to the same "
+            "path. Build the path once (e.g. on rank 0) and share it, instead of from a per-rank clock or value"
+        )
+
+
+def _cached_local_items(planner: SavePlanner) -> list[WriteItem]:
+    """What this rank holds when torch's plan cache skipped sending its (unchanged) local plan:
+    the plan DefaultSavePlanner(enable_plan_caching=True) cached for it."""
+    cache = getattr(planner, "_cached_save_plan", None) or {}
+    plan = cache.get(getattr(planner, "_cached_plans_key", None))
+    return list(plan.items) if plan is not None else []
+
+
+def _written(
+    results: list[list[WriteResult]], reports: list[ObjectReport]
+) -> tuple[dict[tuple[str, torch.Size | None], StoredItem], dict[str, int], dict[str, int]]:
+    """The record of every written item by ``(key, chunk offsets or None)``, and the size and writing
+    rank of every data file (a rank's results name distinct bytes of its own file). C-level passes
+    over the results: at thousands of ranks a Python loop over every result was a fifth of the finish."""
+    every = list(itertools.chain.from_iterable(results))
+    stored = list(map(_STORAGE_DATA, every))
+    items = dict(zip(map(_INDEX_KEY, every), stored, strict=True))
+    names = list(map(_FILE, stored))
+    files: dict[str, int] = {}
+    for name, size in zip(names, map(_STORED_BYTES, stored), strict=True):
+        files[name] = files.get(name, 0) + size
+    ranks = itertools.chain.from_iterable(map(itertools.repeat, range(len(results)), map(len, results)))
+    writers = dict(zip(names, ranks, strict=True))
+    if any(report.copies for report in reports):  # keep_per_rank: a rank's assigned objects are in both lists
+        counted = {(item.file, item.offset) for item in stored}
+        for report in reports:
+            for item in report.copies.values():
+                if (item.file, item.offset) not in counted:
+                    counted.add((item.file, item.offset))
+                    files[item.file] = files.get(item.file, 0) + item.stored_bytes
+                    writers[item.file] = report.rank
+    files.pop("", None)  # inline in ckptio.json
+    writers.pop("", None)
+    return items, files, writers
+
+
+_STORAGE_DATA = operator.attrgetter("storage_data")
+_INDEX_KEY = operator.attrgetter("index.fqn", "index.offset")
+_FILE = operator.attrgetter("file")
+_STORED_BYTES = operator.attrgetter("stored_bytes")

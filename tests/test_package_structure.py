@@ -1,0 +1,122 @@
+"""The package tree is the architecture: no import circles, no import from a lower layer up to a
+higher one, and the 0.2 module paths still import (with a DeprecationWarning) for one release."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import sys
+import warnings
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "ckptio"
+
+#: Lowest first: a module may import its own layer and those below it, never one above.
+LAYERS = [
+    ("ckptio.version", "ckptio.config", "ckptio.errors", "ckptio.gc_pause", "ckptio.deprecated_paths"),
+    ("ckptio.format", "ckptio.storage", "ckptio.state"),
+    ("ckptio.saving", "ckptio.loading"),
+    ("ckptio.hf",),
+    ("ckptio.api",),
+    ("ckptio.tools", "ckptio.integrations"),
+]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _layer(name: str) -> int | None:
+    for level, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return level
+    return None  # the package's __init__: re-exports only
+
+
+def _imports(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                found.add(f"<relative import in {name}>")
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("ckptio"):
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    found.add(target if target in modules else node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("ckptio"))
+        edges[name] = found
+    return edges
+
+
+def test_every_module_has_a_layer_and_imports_only_its_own_or_lower_ones():
+    modules = _modules()
+    assert [m for m in modules if m != "ckptio" and _layer(m) is None] == []
+    edges = _imports(modules)
+    upward = [
+        (a, b)
+        for a, targets in edges.items()
+        for b in targets
+        if a != "ckptio" and b in modules and b != "ckptio" and _layer(b) > _layer(a)
+    ]
+    assert upward == []
+    assert [b for targets in edges.values() for b in targets if b.startswith("<relative")] == []
+
+
+def test_no_import_circles():
+    modules = _modules()
+    edges = {a: {b for b in targets if b in modules and b != "ckptio"} for a, targets in _imports(modules).items()}
+    state: dict[str, int] = {}
+    circles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                circles.append(path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt])
+            elif not state.get(nxt):
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for name in sorted(modules):
+        if not state.get(name):
+            visit(name, [name])
+    assert circles == []
+
+
+@pytest.mark.parametrize(
+    "old, new", [("ckptio.convert", "ckptio.tools.convert"), ("ckptio.layout", "ckptio.format.records")]
+)
+def test_old_module_paths_import_with_a_deprecation_warning(old, new):
+    import ckptio
+    from ckptio.deprecated_paths import MOVED
+
+    assert MOVED[old] == new
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert callable(ckptio.tools.convert.load_full)
+    for old_path, new_path in MOVED.items():
+        assert importlib.util.find_spec(new_path) is not None, old_path
+
+
+def test_attribute_access_to_an_old_path_works_too():
+    import ckptio
+
+    sys.modules.pop("ckptio.convert", None)
+    vars(ckptio).pop("convert", None)  # an earlier import set it on the package
+    with pytest.warns(DeprecationWarning):
+        assert ckptio.convert.load_full is importlib.import_module("ckptio.tools.convert").load_full
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        ckptio.nothing_here  # noqa: B018
