@@ -364,3 +364,10 @@ def test_a_key_no_rank_reported_writing_fails_the_commit_naming_it():
     metadata = Metadata(state_dict_metadata={"step": BytesStorageMetadata(), "loader": BytesStorageMetadata()})
     with pytest.raises(CheckpointError, match="no rank reported writing key 'loader'"):
         encode_document(metadata, {("step", None): object()}, {}, {}, {}, 64)
+
+
+def test_codec_numbers_are_a_format_constant():
+    """Version 3 stores a codec as its position in ``records.Codec``: members may only be appended."""
+    from ckptio.format.v3 import CODECS
+
+    assert [c.value for c in CODECS] == ["raw", "zstd", "zstd-byteplanes"]

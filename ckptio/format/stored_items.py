@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ckptio.format.records import Codec, ItemKind, StoredItem, block_logical_lengths
+from ckptio.format.records import ItemKind, StoredItem, block_logical_lengths
 from ckptio.format.v3 import CODECS
 
 
@@ -55,7 +55,7 @@ class StoredKey:
             kind=ItemKind.TENSOR if self.tensor else ItemKind.BYTES,
             dtype=self.dtype,
             shape=self.sizes[i] if self.tensor else None,
-            codec=Codec(CODECS[self.codec[i]]),
+            codec=CODECS[self.codec[i]],
             block_size=block_size,
             blocks=tuple(zip(lengths, self.crcs[start:end], strict=True)),
             inline=self.inline.get(i),

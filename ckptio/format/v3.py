@@ -48,10 +48,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ckptio.config import INT64_LIMIT
 from ckptio.errors import CheckpointError, CheckpointFormatError
-from ckptio.format.records import parse_data_file_names, planner_data_json
+from ckptio.format.records import Codec, parse_data_file_names, planner_data_json
 
-#: ``codec`` column values (a format constant: append only).
-CODECS = ("raw", "zstd", "zstd-byteplanes")
+#: ``codec`` column values: ``records.Codec`` in declaration order (a format constant: append only).
+CODECS = tuple(Codec)
 #: Width letter -> bytes per entry, and the ``array`` type code of that width on this platform.
 _WIDTHS = {"B": 1, "H": 2, "I": 4, "Q": 8}
 _TYPECODES = {

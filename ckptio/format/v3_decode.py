@@ -25,6 +25,7 @@ from ckptio.errors import CheckpointFormatError
 from ckptio.format.chunks import outside
 from ckptio.format.records import (
     SAVE_ID,
+    Codec,
     check_block_lengths,
     check_shape,
     chunks_overlap,
@@ -39,7 +40,7 @@ from ckptio.format.records import (
 from ckptio.format.stored_items import StoredItems, StoredKey
 from ckptio.format.v3 import CODECS, PackedBlocks, decode_column
 
-_PLANE_CODEC = CODECS.index("zstd-byteplanes")
+_PLANE_CODEC = CODECS.index(Codec.ZSTD_BYTEPLANES)
 #: A rank number in ``ranks`` (as version 1's nine-digit limit).
 _MAX_RANK = 10**9
 #: Every object's entry in DCP's metadata (it has no fields: one instance serves all).
