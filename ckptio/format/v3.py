@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ckptio.config import INT64_LIMIT
 from ckptio.errors import CheckpointError, CheckpointFormatError
-from ckptio.format.records import Codec, parse_data_file_names, planner_data_json
+from ckptio.format.records import Codec, dtype_name, parse_data_file_names, planner_data_json
 
 #: ``codec`` column values: ``records.Codec`` in declaration order (a format constant: append only).
 CODECS = tuple(Codec)
@@ -218,7 +218,7 @@ def _key_record(
         offsets, sizes = zip(*((c.offsets, c.sizes) for c in chunks), strict=True) if chunks else ((), ())
         record = {
             "type": "tensor",
-            "dtype": str(md.properties.dtype).removeprefix("torch."),
+            "dtype": dtype_name(md.properties.dtype),
             "size": list(md.size),
             "requires_grad": bool(md.properties.requires_grad),
             "count": len(chunks),

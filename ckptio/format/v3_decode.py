@@ -32,6 +32,7 @@ from ckptio.format.records import (
     data_file_name,
     decode_inline,
     dtype_from_name,
+    dtype_name,
     is_list_index,
     list_index_bound,
     refuse_data_file_name,
@@ -217,7 +218,7 @@ def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: s
         raise CheckpointFormatError(f"{where}: a chunk is listed twice (two chunks start at the same offsets)")
     dtype = dtype_from_name(record["dtype"])
     check_shape(size, dtype.itemsize, where)
-    key.dtype = str(dtype).removeprefix("torch.")
+    key.dtype = dtype_name(dtype)
     volumes = list(map(math.prod, key.sizes))
     key.logical = [n * dtype.itemsize for n in volumes]
     # column by column (entries are non-negative): a chunk ends inside its shape in every dimension
@@ -282,7 +283,7 @@ def _storage_columns_of(key: StoredKey, record: dict[str, Any], context: _Contex
     if count and (
         max(key.codec) >= len(CODECS)
         or _PLANE_CODEC in key.codec
-        and (getattr(torch, key.dtype).itemsize if key.tensor else 0) not in (2, 4, 8)
+        and (dtype_from_name(key.dtype).itemsize if key.tensor else 0) not in (2, 4, 8)
         or min(blocks) <= 0
         or max(blocks) > MAX_BLOCK_SIZE_LIMIT
         or any(b % 64 for b in (set(blocks) if len(blocks) > 64 else blocks))
@@ -308,7 +309,7 @@ def _storage_columns_of(key: StoredKey, record: dict[str, Any], context: _Contex
 
 def _name_bad_item(key: StoredKey, files: int, where: str) -> None:
     """Raise the error of the first item whose codec, block size or file is wrong."""
-    itemsize = getattr(torch, key.dtype).itemsize if key.tensor else 0
+    itemsize = dtype_from_name(key.dtype).itemsize if key.tensor else 0
     for i, (file, at, codec, block) in enumerate(zip(key.file, key.at, key.codec, key.block_size, strict=True)):
         if codec >= len(CODECS):
             raise CheckpointFormatError(f"{where}: item {i} has unknown codec number {codec}")

@@ -17,6 +17,7 @@ from ckptio.format.records import (
     ItemKind,
     Manifest,
     StoredItem,
+    dtype_name,
     is_data_file_name,
     legacy_document,
     parse_data_file_name,
@@ -43,7 +44,7 @@ def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[st
             {
                 "key": fqn,
                 "type": ItemKind.TENSOR.value if is_tensor else "object",
-                "dtype": str(md.properties.dtype).removeprefix("torch.") if is_tensor else None,
+                "dtype": dtype_name(md.properties.dtype) if is_tensor else None,
                 "shape": list(md.size) if is_tensor else None,
                 "chunks": len(md.chunks) if is_tensor else len(items),
                 "stored_bytes": stored,
