@@ -76,7 +76,7 @@ ZSTD_MAX_RATIO = 32768
 LIST_INDEX_LIMIT = 1 << 20
 #: Largest block the format accepts (written or read): bounds what one block can make a reader allocate.
 MAX_BLOCK_SIZE_LIMIT = 64 * MiB
-#: Cross-rank check of plain tensors saved under one key (objects.py): tensors up to this size are
+#: Cross-rank check of plain tensors saved under one key (saving/consistency.py): tensors up to this size are
 #: compared by a checksum of all their bytes, larger ones by SAMPLED_ELEMENTS evenly spaced elements.
 FULL_DIGEST_BYTES = 1 * MiB
 SAMPLED_ELEMENTS = 4096

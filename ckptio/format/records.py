@@ -42,7 +42,7 @@ from ckptio.format.chunks import TooIrregular, outside, overlapping_pair
 
 FORMAT_NAME = "ckptio"
 #: The format this ckptio writes, and the newest it reads. Version 2 added the ``zstd-byteplanes``
-#: codec; version 3 stores the item records as per-key columns (``compact.py``). Every version loads.
+#: codec; version 3 stores the item records as per-key columns (``v3.py``). Every version loads.
 FORMAT_VERSION = 3
 METADATA_NAME = "ckptio.json"
 TORCH_DCP_METADATA_NAME = ".metadata"

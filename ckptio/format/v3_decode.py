@@ -1,4 +1,4 @@
-"""Format version 3's ``files``, ``keys`` and ``objects`` read back (``compact.py`` has the schema): every
+"""Format version 3's ``files``, ``keys`` and ``objects`` read back (``v3.py`` has the schema): every
 check version 1 makes of its records, made column by column, and the column checks (entry counts,
 widths, base64, distinct offsets and ranks), each a ``CheckpointFormatError`` naming the field and key.
 No declared number leads to an allocation larger than the document."""
@@ -46,7 +46,7 @@ _PLANE_CODEC = CODECS.index(Codec.ZSTD_BYTEPLANES)
 _MAX_RANK = 10**9
 #: Every object's entry in DCP's metadata (it has no fields: one instance serves all).
 _OBJECT = BytesStorageMetadata()
-#: The save id in a data file name (``layout.data_file_name``).
+#: The save id in a data file name (``records.data_file_name``).
 _SAVE_ID = re.compile(SAVE_ID)
 
 

@@ -3,7 +3,7 @@
 The shard plan is a pure function of the metadata (keys sorted, packed greedily up to the
 shard size), so every rank computes the same plan and rank ``r`` of ``N`` writes shards
 ``r, r + N, ...``: the result is byte-identical to a one-process export. Each shard's tensors are
-assembled from the stored chunks through the verified read path (``fetch.py``: only the chunks
+assembled from the stored chunks through the verified read path (``loading/fetch.py``: only the chunks
 that shard needs, every block checked), then streamed into the shard file in the safetensors
 layout (8-byte little-endian header length, JSON header, raw little-endian row-major bytes), so
 one shard plus the reader's bounded read-ahead is all that is held in memory.

@@ -59,7 +59,7 @@ class Reader(CheckpointLocation, StorageReader):
 
     0. (all ranks) ``reset(checkpoint_id)``: the location of this load.
     1. (all ranks) ``read_metadata()``: ``ckptio.json``, read by the lowest rank of the load's
-       process group and sent to the others (``read_once.py``), validated (``layout.py``).
+       process group and sent to the others (``read_once.py``), validated (``format/versions.py``).
     2. (all ranks) ``set_up_storage_reader()``: keep the item records.
     3. (all ranks) ``prepare_local_plan()``: unchanged.
     4. (coordinator) ``prepare_global_plan()``: decide ``dedup_reads`` and, when reads are shared,

@@ -1,4 +1,4 @@
-"""Writing items, the write-side twin of ``fetch.py``: items in, ``StoredItem`` records out.
+"""Writing items, the write-side twin of ``loading/fetch.py``: items in, ``StoredItem`` records out.
 
 A rank's items are cut into checksummed (optionally compressed) blocks and streamed back to
 back into its one data file. Whether they land in that file or inline in ``ckptio.json`` is

@@ -5,7 +5,7 @@ Before every save torch checks that each key's chunks tile the tensor, sweeping 
 largest dimension. FSDP slices rows; for a tensor wider than tall (a GQA key/value projection, an
 MLP down projection) all chunks span that dimension, so each is compared with every other: 33 M
 comparisons per key at 8,192 ranks, minutes per save for a 70B model. This planner makes the same
-checks with ``chunks.py``; deduplication, metadata and plan caching stay torch's.
+checks with ``format/chunks.py``; deduplication, metadata and plan caching stay torch's.
 ``ckptio.save`` and the torchtitan integration use it; pass it to ``dcp.save`` yourself::
 
     dcp.save(state, storage_writer=ckptio.Writer(url), planner=ckptio.SavePlanner())

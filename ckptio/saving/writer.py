@@ -70,7 +70,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
     3. (coordinator) ``prepare_global_plan()``: refuse or plan an overwrite (``commit.py``), then decide
        who writes what (``planning.py``).
     4. (all ranks) ``write_data()``: store this rank's items in a data file named afresh for every
-       save (``encode.py``), and report its objects for the cross-rank check (``objects.py``).
+       save (``data_file.py``), and report its objects for the cross-rank check (``consistency.py``).
     5. (coordinator) ``finish()``: check the object reports, then commit ``ckptio.json`` (``commit.py``).
 
     Example::
