@@ -12,7 +12,8 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-MOVED = {
+#: old path -> new path, or the modules an old one was split into (their public names together)
+MOVED: dict[str, str | tuple[str, ...]] = {
     "ckptio.layout": "ckptio.format.records",
     "ckptio.compact": "ckptio.format.v3",
     "ckptio.compact_decode": "ckptio.format.v3_decode",
@@ -40,7 +41,7 @@ MOVED = {
     "ckptio.safetensors_format": "ckptio.hf.format",
     "ckptio.export": "ckptio.hf.export",
     "ckptio.cli": "ckptio.tools.cli",
-    "ckptio.report": "ckptio.tools.report",
+    "ckptio.report": ("ckptio.tools.inspection", "ckptio.tools.verify", "ckptio.tools.cleanup"),
     "ckptio.convert": "ckptio.tools.convert",
     "ckptio.keys": "ckptio.state.keys",
     "ckptio.per_rank": "ckptio.state.per_rank",
@@ -55,10 +56,17 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: Any) -> ModuleType:
         new = MOVED[spec.name]
+        shown = new if isinstance(new, str) else " and ".join(new)
         warnings.warn(
-            f"{spec.name} moved to {new}; the old path goes away in the next ckptio release", DeprecationWarning, 3
+            f"{spec.name} moved to {shown}; the old path goes away in the next ckptio release", DeprecationWarning, 3
         )
-        return importlib.import_module(new)
+        if isinstance(new, str):
+            return importlib.import_module(new)
+        merged = ModuleType(spec.name, f"Deprecated: the public names of {shown}.")
+        for name in new:
+            module = importlib.import_module(name)
+            merged.__dict__.update({k: v for k, v in vars(module).items() if not k.startswith("_")})
+        return merged
 
     def exec_module(self, module: ModuleType) -> None:
         pass  # the module at its new path is already executed

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptio.format.records import legacy_document
-from ckptio.tools.report import open_checkpoint
+from ckptio.tools.inspection import open_checkpoint
 
 
 def readable_metadata(url: str, storage_options: dict | None = None) -> dict[str, Any]:

@@ -46,8 +46,8 @@ from ckptio.loading.reader import Reader
 from ckptio.saving.planner import SavePlanner
 from ckptio.saving.writer import Writer
 from ckptio.storage import open_store
+from ckptio.tools.cleanup import checkpoint_format, delete_checkpoint
 from ckptio.tools.convert import torch_dcp_reader
-from ckptio.tools.report import checkpoint_format, delete_checkpoint
 
 __all__ = ["CheckpointManager"]
 

@@ -45,18 +45,18 @@ def load_items(
 
 def prepared_jobs(
     pairs: Iterable[tuple[ReadItem, StoredItem]], planner: LoadPlanner, allow_rounding: bool = False
-) -> Iterator["_Job"]:
+) -> Iterator["ReadJob"]:
     """Each pair's job, its destination resolved (``planner.resolve_tensor``, once per read item) and
     its dtype conversion checked (``conversion.check_conversion``)."""
     for read_item, item in pairs:
-        job = _Job.build(read_item, item)
+        job = ReadJob.build(read_item, item)
         job.prepare(planner, allow_rounding)
         yield job
 
 
 def load_jobs(
     store: FsspecStore,
-    jobs: Iterable["_Job"],
+    jobs: Iterable["ReadJob"],
     planner: LoadPlanner,
     verify: bool,
     recorded_sizes: dict[str, int],
@@ -131,7 +131,7 @@ def decode_verified(
 
 
 @dataclass
-class _Job:
+class ReadJob:
     """One read item: where its bytes are stored and where they go."""
 
     read_item: ReadItem
@@ -142,7 +142,7 @@ class _Job:
     dest: memoryview | None = None  # the target's bytes, when they are exactly ``run``
 
     @classmethod
-    def build(cls, read_item: ReadItem, item: StoredItem) -> "_Job":
+    def build(cls, read_item: ReadItem, item: StoredItem) -> "ReadJob":
         if read_item.type == LoadItemType.BYTE_IO or item.kind == ItemKind.BYTES:
             return cls(read_item, item, list(range(len(item.blocks))))
         itemsize = dtype_from_name(item.dtype).itemsize
@@ -200,7 +200,7 @@ class _Job:
 class _Window:
     """Some of a job's blocks, fetched in one batch."""
 
-    job: _Job
+    job: ReadJob
     blocks: list[int]
     last: bool  # commit the job once this window is done
     direct: bool = False  # raw bytes read straight into the destination
@@ -353,7 +353,7 @@ def _run_batch(
     workers: int,
     staging: StagingArea,
 ) -> None:
-    _read_all(store, [piece for w in windows for piece in w.pieces(staging)], recorded_sizes)
+    read_pieces(store, [piece for w in windows for piece in w.pieces(staging)], recorded_sizes)
     # Checksums and zstd release the GIL: check and decode all staged blocks on a few threads,
     # in tasks of about DECODE_TASK_BYTES (one future per small block costs more than its decode).
     tasks: list[list[tuple[_Window, int]]] = [[]]
@@ -389,11 +389,11 @@ def _fetch_blocks(
     if item.inline is not None:
         return {b: memoryview(item.inline)[_span(item, b)] for b in blocks}
     stored = {b: memoryview(empty_bytes(item.blocks[b][0])) for b in blocks}
-    _read_all(store, [ReadPiece(item.file, item.block_offsets[b], stored[b]) for b in blocks], recorded_sizes)
+    read_pieces(store, [ReadPiece(item.file, item.block_offsets[b], stored[b]) for b in blocks], recorded_sizes)
     return stored
 
 
-def _read_all(
+def read_pieces(
     store: FsspecStore, pieces: list[ReadPiece], recorded_sizes: dict[str, int], gap: int | None = None
 ) -> None:
     """Fill ``pieces``, merging reads up to ``gap`` bytes apart (default: the store's ``read_gap_bytes``)."""

@@ -35,7 +35,7 @@ from ckptio.config import (
 )
 from ckptio.errors import CheckpointError
 from ckptio.format.records import StoredItem
-from ckptio.loading.fetch import _Job, _read_all, verify_block
+from ckptio.loading.fetch import ReadJob, read_pieces, verify_block
 from ckptio.loading.host_memory import empty_bytes
 from ckptio.loading.ranges import ReadPiece
 from ckptio.loading.together import fail_together
@@ -86,7 +86,7 @@ def needed_blocks(
             found = resolve(read_item)
             if found is not None:
                 key, item = found
-                blocks = _Job.build(read_item, item).blocks
+                blocks = ReadJob.build(read_item, item).blocks
                 run_start = 0
                 for i in range(1, len(blocks) + 1):
                     if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
@@ -318,7 +318,7 @@ def _read_segments(
     """Read this rank's segments into ``own`` and check every block (the rank that reads is the
     one that names a damaged block first)."""
     # no gaps bridged: the bytes between two of this rank's segments are another rank's to read
-    _read_all(store, [ReadPiece(s.file, s.start, data) for s, data in own.items()], recorded_sizes, gap=0)
+    read_pieces(store, [ReadPiece(s.file, s.start, data) for s, data in own.items()], recorded_sizes, gap=0)
     for s, data in own.items() if verify else ():
         item = records(s.index)
         for b in range(s.first, s.last):

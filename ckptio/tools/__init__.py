@@ -1,2 +1,3 @@
 """What works on whole checkpoints from outside a training job: the ``ckptio`` command (``cli``),
-inspect / verify / gc / delete (``report``) and conversions (``convert``)."""
+``inspect`` (``inspection``), ``verify``, ``gc`` and removal (``cleanup``), and conversions
+(``convert``)."""

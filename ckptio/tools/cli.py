@@ -38,7 +38,7 @@ def check_output(output: str, *, is_directory: bool) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from ckptio.tools.report import describe, format_description
+    from ckptio.tools.inspection import describe, format_description
 
     desc = describe(args.url, _storage_options(args))
     print(json.dumps(desc, indent=2) if args.json else format_description(desc))
@@ -48,7 +48,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ckptio.tools.report import every_item, open_checkpoint, orphaned_files, verify
+    from ckptio.tools.cleanup import orphaned_files
+    from ckptio.tools.inspection import every_item, open_checkpoint
+    from ckptio.tools.verify import verify
 
     store, manifest = open_checkpoint(args.url, _storage_options(args))
     items = every_item(manifest)
@@ -75,7 +77,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from ckptio.storage import open_store
-    from ckptio.tools.report import collect_garbage, find_garbage
+    from ckptio.tools.cleanup import collect_garbage, find_garbage
 
     store = open_store(args.url, _storage_options(args))
     garbage = find_garbage(store)

@@ -1,29 +1,23 @@
-"""What a checkpoint holds (``inspect``), whether every byte of it is intact (``verify``), what
-unfinished saves left beside it (``gc``), and removing it whole."""
+"""``ckptio inspect``: what a checkpoint holds (world size, mesh, mode, files, every key), as a
+JSON-ready dict and as text."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ckptio.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError
 from ckptio.format.records import (
-    METADATA_NAME,
-    TORCH_DCP_METADATA_NAME,
     ItemKind,
     Manifest,
     StoredItem,
     dtype_name,
-    is_data_file_name,
     legacy_document,
     parse_data_file_name,
 )
-from ckptio.loading.fetch import read_item_blocks
-from ckptio.loading.reader import file_size_problems, read_manifest
+from ckptio.loading.reader import read_manifest
 from ckptio.storage import FsspecStore, open_store
 
 
@@ -121,92 +115,6 @@ def format_description(desc: dict[str, Any]) -> str:
 def open_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> tuple[FsspecStore, Manifest]:
     store = open_store(url, storage_options)
     return store, read_manifest(store)
-
-
-def orphaned_files(store: FsspecStore, manifest: Manifest | None) -> list[str]:
-    """Data files beside the checkpoint that it does not use (left by saves that never committed);
-    every data file where nothing has committed (``manifest`` None)."""
-    used = manifest.files if manifest is not None else {}
-    return [n for n in store.list_names() or [] if is_data_file_name(n) and n not in used]
-
-
-@dataclasses.dataclass
-class Garbage:
-    """What saves that never committed left at a checkpoint location."""
-
-    files: list[str]
-    uploads: list[tuple[str, str]]  # (object name, upload id) of unfinished multipart uploads
-
-
-def find_garbage(store: FsspecStore) -> Garbage:
-    """Orphaned data files and unfinished uploads at ``store``'s location. If a save to this
-    location is running right now, its files and uploads are listed too."""
-    try:
-        manifest: Manifest | None = read_manifest(store)
-    except (CheckpointNotFoundError, IncompleteCheckpointError):
-        manifest = None
-    uploads = [(name, upload_id) for name, upload_id in store.open_uploads() if is_data_file_name(name)]
-    return Garbage(orphaned_files(store, manifest), uploads)
-
-
-def collect_garbage(store: FsspecStore, garbage: Garbage) -> dict[str, str]:
-    """Abort the uploads and delete the files of ``garbage``; return what could not be removed
-    (``{description: cause}``, empty when everything went): a refused delete is reported, not logged."""
-    failed: dict[str, str] = {}
-    for name, upload_id in garbage.uploads:
-        try:
-            store.abort_upload(name, upload_id)
-        except CheckpointError as exc:
-            failed[f"upload {upload_id} of {store.describe(name)}"] = str(exc)
-    for name in garbage.files:
-        try:
-            store.remove(name)
-        except CheckpointError as exc:
-            failed[store.describe(name)] = str(exc)
-    return failed
-
-
-#: The file whose presence makes a folder a loadable checkpoint -> the format it is in.
-COMMIT_MARKERS = {METADATA_NAME: "ckptio", TORCH_DCP_METADATA_NAME: "torch_dcp", "model.safetensors.index.json": "hf"}
-
-
-def checkpoint_format(store: FsspecStore) -> str | None:
-    """``"ckptio"``, ``"torch_dcp"`` or ``"hf"`` for a committed checkpoint at ``store``; ``None``
-    if nothing there is loadable (absent, or a save that never committed)."""
-    return next((name for marker, name in COMMIT_MARKERS.items() if store.exists(marker)), None)
-
-
-def delete_checkpoint(store: FsspecStore) -> None:
-    """Remove the checkpoint at ``store`` completely. Its commit marker goes first, so a deletion
-    cut short leaves an uncommitted folder (never loadable, cleaned by ``gc``), not a committed
-    one with files missing; then every object under it and any unfinished multipart upload."""
-    for marker in COMMIT_MARKERS:
-        store.remove(marker)
-    for name, upload_id in store.open_uploads():
-        store.abort_upload(name, upload_id)
-    store.remove_all()
-
-
-def verify(store: FsspecStore, manifest: Manifest, progress: Callable[[int], None] | None = None) -> list[str]:
-    """Read every stored block, check sizes and checksums; return the problems found (empty = intact)."""
-    bad_files = file_size_problems(store, manifest)
-    problems = [f"{store.describe(name)}: {problem}" for name, problem in bad_files.items()]
-    for index, item in sorted(every_item(manifest), key=lambda kv: (kv[1].file, kv[1].offset)):
-        where = f"key {index.fqn!r}" + (f" chunk {tuple(index.offset)}" if index.offset is not None else "")
-        where += f" (rank {index.index}'s copy)" if index.offset is None and index.index is not None else ""
-        if item.file in bad_files:
-            problems.append(f"{where}: stored in missing or truncated file {item.file}")
-            continue
-        try:
-            for _ in read_item_blocks(store, item, f"{where} in {store.describe(item.file)}"):
-                pass
-        except CorruptCheckpointError as exc:
-            problems.append(str(exc))
-        except CheckpointError as exc:
-            problems.append(f"{where}: {exc}")
-        if progress:
-            progress(item.stored_bytes)
-    return problems
 
 
 def _mesh(mesh: dict) -> str:

@@ -1,0 +1,80 @@
+"""What unfinished saves left beside a checkpoint (``ckptio gc``), and removing a checkpoint whole
+(its commit marker first)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from ckptio.format.records import (
+    METADATA_NAME,
+    TORCH_DCP_METADATA_NAME,
+    Manifest,
+    is_data_file_name,
+)
+from ckptio.loading.reader import read_manifest
+from ckptio.storage import FsspecStore
+
+
+def orphaned_files(store: FsspecStore, manifest: Manifest | None) -> list[str]:
+    """Data files beside the checkpoint that it does not use (left by saves that never committed);
+    every data file where nothing has committed (``manifest`` None)."""
+    used = manifest.files if manifest is not None else {}
+    return [n for n in store.list_names() or [] if is_data_file_name(n) and n not in used]
+
+
+@dataclasses.dataclass
+class Garbage:
+    """What saves that never committed left at a checkpoint location."""
+
+    files: list[str]
+    uploads: list[tuple[str, str]]  # (object name, upload id) of unfinished multipart uploads
+
+
+def find_garbage(store: FsspecStore) -> Garbage:
+    """Orphaned data files and unfinished uploads at ``store``'s location. If a save to this
+    location is running right now, its files and uploads are listed too."""
+    try:
+        manifest: Manifest | None = read_manifest(store)
+    except (CheckpointNotFoundError, IncompleteCheckpointError):
+        manifest = None
+    uploads = [(name, upload_id) for name, upload_id in store.open_uploads() if is_data_file_name(name)]
+    return Garbage(orphaned_files(store, manifest), uploads)
+
+
+def collect_garbage(store: FsspecStore, garbage: Garbage) -> dict[str, str]:
+    """Abort the uploads and delete the files of ``garbage``; return what could not be removed
+    (``{description: cause}``, empty when everything went): a refused delete is reported, not logged."""
+    failed: dict[str, str] = {}
+    for name, upload_id in garbage.uploads:
+        try:
+            store.abort_upload(name, upload_id)
+        except CheckpointError as exc:
+            failed[f"upload {upload_id} of {store.describe(name)}"] = str(exc)
+    for name in garbage.files:
+        try:
+            store.remove(name)
+        except CheckpointError as exc:
+            failed[store.describe(name)] = str(exc)
+    return failed
+
+
+#: The file whose presence makes a folder a loadable checkpoint -> the format it is in.
+COMMIT_MARKERS = {METADATA_NAME: "ckptio", TORCH_DCP_METADATA_NAME: "torch_dcp", "model.safetensors.index.json": "hf"}
+
+
+def checkpoint_format(store: FsspecStore) -> str | None:
+    """``"ckptio"``, ``"torch_dcp"`` or ``"hf"`` for a committed checkpoint at ``store``; ``None``
+    if nothing there is loadable (absent, or a save that never committed)."""
+    return next((name for marker, name in COMMIT_MARKERS.items() if store.exists(marker)), None)
+
+
+def delete_checkpoint(store: FsspecStore) -> None:
+    """Remove the checkpoint at ``store`` completely. Its commit marker goes first, so a deletion
+    cut short leaves an uncommitted folder (never loadable, cleaned by ``gc``), not a committed
+    one with files missing; then every object under it and any unfinished multipart upload."""
+    for marker in COMMIT_MARKERS:
+        store.remove(marker)
+    for name, upload_id in store.open_uploads():
+        store.abort_upload(name, upload_id)
+    store.remove_all()
