@@ -2,7 +2,7 @@
 
 from ckptio import deprecated_paths
 from ckptio.api import load, save, unwrap  # noqa: E402
-from ckptio.config import WriterConfig  # noqa: E402
+from ckptio.config import StorageConfig, WriterConfig  # noqa: E402
 from ckptio.errors import (  # noqa: E402
     CheckpointError,
     CheckpointExistsError,
@@ -49,6 +49,7 @@ __all__ = [
     "SafeLoadPlanner",
     "SavePlanner",
     "Stager",
+    "StorageConfig",
     "StorageError",
     "UnsafeObjectError",
     "Writer",

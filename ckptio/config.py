@@ -94,13 +94,40 @@ def cpu_threads(max_concurrency: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StorageConfig:
-    """What the storage layer needs to know (see ``WriterConfig`` for each field)."""
+    """What the storage layer needs to know, on saves and loads alike (see ``WriterConfig`` for each
+    field): a ``Reader``'s setting. ``StorageConfig.from_environment(...)`` applies the
+    ``CKPTIO_<FIELD>`` variables over the values given, as ``WriterConfig`` does::
+
+        ckptio.Reader(url, storage_config=ckptio.StorageConfig(read_gap_bytes=0, max_concurrency=16))
+    """
 
     part_size: int = 32 * MiB
     max_concurrency: int = 8
     retry_attempts: int = 8
     retry_deadline_s: float = 120.0
     read_gap_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.read_gap_bytes is not None and not 0 <= self.read_gap_bytes <= MAX_REQUEST_BYTES:
+            raise ValueError(f"read_gap_bytes must be None or 0..{MAX_REQUEST_BYTES}, got {self.read_gap_bytes}")
+        if not 5 * MiB <= self.part_size <= 4 << 30:
+            raise ValueError(
+                "part_size must be within 5 MiB (S3's smallest part) and 4 GiB (so that 1.25 parts, the most "
+                f"one request carries, stay within S3's 5 GiB per part and per PUT), got {self.part_size}"
+            )
+        for name in ("max_concurrency", "retry_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_environment(cls, **values: Any) -> "StorageConfig":
+        """``values`` over the defaults, the ``CKPTIO_<FIELD>`` environment variables over both."""
+        for field in dataclasses.fields(cls):
+            env_name = "CKPTIO_" + field.name.upper()
+            if env_name in os.environ:
+                values[field.name] = _parse_env(field, os.environ[env_name])
+                log.info("ckptio: %s=%r from the environment", field.name, values[field.name])
+        return cls(**values)
 
 
 @dataclasses.dataclass
@@ -182,8 +209,7 @@ class WriterConfig:
         )
 
     def validate(self) -> None:
-        if self.read_gap_bytes is not None and not 0 <= self.read_gap_bytes <= MAX_REQUEST_BYTES:
-            raise ValueError(f"read_gap_bytes must be None or 0..{MAX_REQUEST_BYTES}, got {self.read_gap_bytes}")
+        self.storage()  # the storage fields' rules are StorageConfig's
         if self.mode not in MODES:
             raise ValueError(f"unknown ckptio mode {self.mode!r}; valid modes are {list(MODES)}")
         if self.compression not in COMPRESSIONS:
@@ -198,16 +224,8 @@ class WriterConfig:
                 f"max_block_size must be a positive multiple of 64 bytes up to {MAX_BLOCK_SIZE_LIMIT}, "
                 f"got {self.max_block_size}"
             )
-        if not 5 * MiB <= self.part_size <= 4 << 30:
-            raise ValueError(
-                "part_size must be within 5 MiB (S3's smallest part) and 4 GiB (so that 1.25 parts, the most "
-                f"one request carries, stay within S3's 5 GiB per part and per PUT), got {self.part_size}"
-            )
         if self.inline_limit < 0:
             raise ValueError(f"inline_limit must be >= 0, got {self.inline_limit}")
-        for name in ("max_concurrency", "retry_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 1 <= self.compression_level <= 22:
             raise ValueError(f"compression_level must be within 1..22, got {self.compression_level}")
 

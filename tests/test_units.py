@@ -456,3 +456,27 @@ def test_crc32c_of_pieces_combines_known_crcs_exactly():
         start = end if i != 5 else start
     assert checksum_of_pieces(pieces) == checksum(b"".join(bytes(p) for p, _ in pieces))
     assert checksum_of_pieces([]) == checksum(b"") == 0
+
+
+def test_a_reader_is_configured_by_storage_config_with_the_same_rules_and_environment(monkeypatch, tmp_path):
+    import ckptio
+    from ckptio.config import MAX_REQUEST_BYTES, StorageConfig
+
+    assert ckptio.Reader(str(tmp_path)).storage_config == StorageConfig()
+    monkeypatch.setenv("CKPTIO_READ_GAP_BYTES", "4096")
+    monkeypatch.setenv("CKPTIO_MAX_CONCURRENCY", "3")
+    assert ckptio.Reader(str(tmp_path)).storage_config == StorageConfig(read_gap_bytes=4096, max_concurrency=3)
+    assert StorageConfig.from_environment(retry_attempts=2).retry_attempts == 2
+    assert WriterConfig().storage() == StorageConfig.from_environment()  # one set of storage fields
+    monkeypatch.delenv("CKPTIO_READ_GAP_BYTES")
+    monkeypatch.delenv("CKPTIO_MAX_CONCURRENCY")
+    for bad, message in [
+        ({"read_gap_bytes": MAX_REQUEST_BYTES + 1}, "read_gap_bytes"),
+        ({"part_size": 1 << 20}, "part_size"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"retry_attempts": 0}, "retry_attempts"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            StorageConfig(**bad)
+        with pytest.raises(ValueError, match=message):
+            WriterConfig(**bad)  # the same rule, stated once

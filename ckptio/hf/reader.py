@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from ckptio.config import MiB, StorageConfig, WriterConfig
+from ckptio.config import MiB, StorageConfig
 from ckptio.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, remember_metadata_error
 from ckptio.format.records import METADATA_NAME, Codec, ItemKind, StoredItem, dtype_name
 from ckptio.hf.format import (
@@ -98,7 +98,7 @@ class HFReader(Reader):
         if not (key_map is None or isinstance(key_map, str) or callable(key_map)):
             raise TypeError(f"key_map must be a prefix string, a function or None, got {type(key_map).__name__}")
         if read_gap_bytes is not None:  # a shortcut for the storage config's field (validated there)
-            gap_config = WriterConfig(read_gap_bytes=read_gap_bytes).storage()
+            gap_config = StorageConfig.from_environment(read_gap_bytes=read_gap_bytes)
             storage_config = dataclasses.replace(storage_config or gap_config, read_gap_bytes=read_gap_bytes)
         self.key_map = key_map
         self._entry: str | None = None

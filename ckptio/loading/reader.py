@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptio.config import SHARED_READ_ROUND_BYTES, StorageConfig, WriterConfig
+from ckptio.config import SHARED_READ_ROUND_BYTES, StorageConfig
 from ckptio.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -50,7 +50,7 @@ class Reader(CheckpointLocation, StorageReader):
     """Load a checkpoint written by ``ckptio.Writer`` on any world size and mesh.
 
     Every block read is checked against its CRC32C unless ``verify=False``. ``storage_config``
-    sets read concurrency and retries (default: ``WriterConfig()``'s, environment included).
+    sets read concurrency, retries and read gaps (default: ``StorageConfig.from_environment()``).
     A stored dtype loads into a tensor of another only when no value can change (``conversion.py``:
     bf16 into fp32, int32 into int64); ``allow_rounding=True`` also lets floating-point values round
     (fp32 into bf16). Truncation and wrap-around (floats into ints, narrower ints) are always refused.
@@ -91,7 +91,7 @@ class Reader(CheckpointLocation, StorageReader):
         self.dedup_reads = dedup_reads
         self.dedup_round_bytes = dedup_round_bytes
         self.allow_rounding = allow_rounding
-        self.storage_config = storage_config if storage_config is not None else WriterConfig().storage()
+        self.storage_config = storage_config if storage_config is not None else StorageConfig.from_environment()
         self.checkpoint_id: str | None = None
         self.manifest: Manifest | None = None
         self.reset(checkpoint_id)
