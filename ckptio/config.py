@@ -82,6 +82,12 @@ FULL_DIGEST_BYTES = 1 * MiB
 SAMPLED_ELEMENTS = 4096
 
 
+def is_block_size(value: object) -> bool:
+    """The one rule on a block size, written or read: a positive multiple of 64 bytes up to
+    ``MAX_BLOCK_SIZE_LIMIT`` (config, every format version's decoder)."""
+    return type(value) is int and 0 < value <= MAX_BLOCK_SIZE_LIMIT and value % 64 == 0
+
+
 def cpu_threads(max_concurrency: int) -> int:
     """Threads for CPU work (checksums, compression): ``max_concurrency``, but no more than this
     process may run on cores (more only switch between each other)."""
@@ -219,7 +225,7 @@ class WriterConfig:
                 f"unknown differing_objects policy {self.differing_objects!r}; "
                 "valid values are ['error', 'keep_per_rank']"
             )
-        if not 0 < self.max_block_size <= MAX_BLOCK_SIZE_LIMIT or self.max_block_size % 64:
+        if not is_block_size(self.max_block_size):
             raise ValueError(
                 f"max_block_size must be a positive multiple of 64 bytes up to {MAX_BLOCK_SIZE_LIMIT}, "
                 f"got {self.max_block_size}"

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptio.config import INT64_LIMIT, LIST_INDEX_LIMIT, MAX_BLOCK_SIZE_LIMIT, ZSTD_MAX_RATIO
+from ckptio.config import INT64_LIMIT, LIST_INDEX_LIMIT, ZSTD_MAX_RATIO, is_block_size
 from ckptio.errors import CheckpointFormatError
 from ckptio.format.chunks import TooIrregular, outside, overlapping_pair
 
@@ -639,7 +639,7 @@ def _check_item(item: StoredItem, key: str, files: dict[str, int], version: int)
             raise CheckpointFormatError(f"{key} is stored inline but its inline bytes do not match its blocks")
     elif item.inline is not None or item.file not in files:
         raise CheckpointFormatError(f"{key} points at {item.file!r:.80}, which is not a data file of this checkpoint")
-    if not 0 < item.block_size <= MAX_BLOCK_SIZE_LIMIT or item.block_size % 64:
+    if not is_block_size(item.block_size):
         raise CheckpointFormatError(f"{key} has invalid block_size {item.block_size}")
     expected_blocks = -(-item.logical_bytes // item.block_size)
     if len(item.blocks) != expected_blocks:
