@@ -128,11 +128,9 @@ class StorageConfig:
     @classmethod
     def from_environment(cls, **values: Any) -> "StorageConfig":
         """``values`` over the defaults, the ``CKPTIO_<FIELD>`` environment variables over both."""
-        for field in dataclasses.fields(cls):
-            env_name = "CKPTIO_" + field.name.upper()
-            if env_name in os.environ:
-                values[field.name] = _parse_env(field, os.environ[env_name])
-                log.info("ckptio: %s=%r from the environment", field.name, values[field.name])
+        for name, value in _environment_values(cls).items():
+            log.info("ckptio: %s=%r from the environment overrides %r", name, value, values.get(name))
+            values[name] = value
         return cls(**values)
 
 
@@ -186,14 +184,9 @@ class WriterConfig:
     reuse_staging_buffers: bool = True
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            env_name = "CKPTIO_" + field.name.upper()
-            if env_name in os.environ:
-                value = _parse_env(field, os.environ[env_name])
-                log.info(
-                    "ckptio: %s=%r from the environment overrides %r", field.name, value, getattr(self, field.name)
-                )
-                setattr(self, field.name, value)
+        for name, value in _environment_values(type(self)).items():
+            log.info("ckptio: %s=%r from the environment overrides %r", name, value, getattr(self, name))
+            setattr(self, name, value)
         self.validate()
 
     @classmethod
@@ -234,6 +227,15 @@ class WriterConfig:
             raise ValueError(f"inline_limit must be >= 0, got {self.inline_limit}")
         if not 1 <= self.compression_level <= 22:
             raise ValueError(f"compression_level must be within 1..22, got {self.compression_level}")
+
+
+def _environment_values(config: type) -> dict[str, Any]:
+    """The ``CKPTIO_<FIELD>`` variables set for the fields of the dataclass ``config``, parsed."""
+    return {
+        field.name: _parse_env(field, os.environ["CKPTIO_" + field.name.upper()])
+        for field in dataclasses.fields(config)
+        if "CKPTIO_" + field.name.upper() in os.environ
+    }
 
 
 def _parse_env(field: dataclasses.Field, raw: str) -> Any:

@@ -114,15 +114,11 @@ def is_list_index(part: Any, keys: int) -> bool:
     return isinstance(part, int) and not isinstance(part, bool) and 0 <= part < list_index_bound(keys)
 
 
-def shape_too_large(shape: Any, itemsize: int) -> bool:
-    """Whether a tensor of ``shape`` could not exist: its non-zero dimensions alone need more than
-    2^63-1 bytes (torch refuses such a size even beside a 0, as an overflow naming nothing)."""
-    return math.prod(n for n in shape if n) * itemsize >= INT64_LIMIT
-
-
 def check_shape(shape: Any, itemsize: int, where: str) -> None:
-    """The one rule on a tensor shape read from a header (every dimension is already within int64)."""
-    if shape_too_large(shape, itemsize):
+    """The one rule on a tensor shape read from a header (every dimension is already within int64):
+    its non-zero dimensions alone must fit 2^63-1 bytes (torch refuses a larger size even beside a 0,
+    as an overflow naming nothing)."""
+    if math.prod(n for n in shape if n) * itemsize >= INT64_LIMIT:
         raise CheckpointFormatError(f"{where}: shape {list(shape)!r:.200} has more elements than a tensor can hold")
 
 

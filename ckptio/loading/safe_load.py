@@ -31,27 +31,30 @@ class SafeObjectsMixin:
                 "planner=torch.distributed.checkpoint.DefaultLoadPlanner()"
             ) from None
         if self.flatten_state_dict:  # what DefaultLoadPlanner.load_bytes does after unpickling
-            set_at_path(self.original_state_dict, path_as_held(self.original_state_dict, self.mappings[fqn]), obj)
+            path, _ = path_as_held(self.original_state_dict, self.mappings[fqn])
+            set_at_path(self.original_state_dict, path, obj)
         else:
             self.state_dict[fqn] = obj
 
 
-def path_as_held(root: Mapping, path: tuple) -> tuple:
+def path_as_held(root: Mapping, path: tuple) -> tuple[tuple, Any]:
     """``path`` (torch's flattening writes every dict key as a string) with each part that names a
-    non-string key of its container (``optimizer.state_dict()``'s int parameter ids) as that key:
-    torch's ``set_element`` would otherwise put the loaded value under a new string key beside the
-    stale one, and the value the caller holds would silently stay unloaded."""
-    out, container = [], root
+    non-string key of its container (``optimizer.state_dict()``'s int parameter ids) as that key,
+    and the container its last part is set in (None where the state has none yet): torch's
+    ``set_element`` would otherwise put the loaded value under a new string key beside the stale
+    one, and the value the caller holds would silently stay unloaded."""
+    out, container, parent = [], root, None
     for part in path:
         key = part
         if isinstance(container, Mapping) and isinstance(part, str) and part not in container:
             key = next((k for k in container if not isinstance(k, str) and str(k) == part), part)
         out.append(key)
+        parent = container
         try:
             container = container[key]
         except (KeyError, IndexError, TypeError):
             container = None
-    return tuple(out)
+    return tuple(out), parent
 
 
 def set_at_path(root: dict, path: tuple, value: Any) -> None:
@@ -74,31 +77,24 @@ def set_at_path(root: dict, path: tuple, value: Any) -> None:
 
 def restore_objects_under_held_keys(planner: LoadPlanner, plan: LoadPlan) -> None:
     """Point a torch ``DefaultLoadPlanner``'s flattening map at the keys the state really has
-    (``path_as_held``) for the objects ``plan`` reads, so plain ``dcp.load`` restores them in place."""
-    if not isinstance(planner, DefaultLoadPlanner) or not planner.flatten_state_dict:
+    (``path_as_held``) for the objects ``plan`` reads, so plain ``dcp.load`` restores them in place.
+    ``SafeObjectsMixin`` planners resolve each path themselves as they set it."""
+    if not isinstance(planner, DefaultLoadPlanner) or isinstance(planner, SafeObjectsMixin):
+        return
+    if not planner.flatten_state_dict:
         return
     for item in plan.items:
         fqn = item.dest_index.fqn
         if item.type != LoadItemType.BYTE_IO or fqn not in planner.mappings:
             continue
-        path = path_as_held(planner.original_state_dict, planner.mappings[fqn])
-        if type(path[-1]) is int and not isinstance(planner, SafeObjectsMixin):
-            if isinstance(_get(planner.original_state_dict, path[:-1]), Mapping):
-                raise CheckpointError(
-                    f"key {fqn!r}: the object under the int key {path[-1]} cannot be restored in place by torch's "
-                    f"{type(planner).__name__}: it would land under a new string key {str(path[-1])!r}. Load with "
-                    "planner=ckptio.SafeLoadPlanner() (or ckptio.load), which keeps the key's type"
-                )
+        path, parent = path_as_held(planner.original_state_dict, planner.mappings[fqn])
+        if type(path[-1]) is int and isinstance(parent, Mapping):
+            raise CheckpointError(
+                f"key {fqn!r}: the object under the int key {path[-1]} cannot be restored in place by torch's "
+                f"{type(planner).__name__}: it would land under a new string key {str(path[-1])!r}. Load with "
+                "planner=ckptio.SafeLoadPlanner() (or ckptio.load), which keeps the key's type"
+            )
         planner.mappings[fqn] = path
-
-
-def _get(root: Mapping, path: tuple) -> Any:
-    for part in path:
-        try:
-            root = root[part]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return root
 
 
 def _holds_sharded_tensor(value: Any) -> bool:
