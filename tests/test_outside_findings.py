@@ -112,10 +112,6 @@ def test_random_nested_states_through_plain_dcp_load_exact_or_refused(state, tmp
     assert differences(state, target) == []
 
 
-def _round_trip_on_ranks(state: dict, url: str) -> list[str]:
-    return round_trip(state, url)
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_random_nested_states_round_trip_on_ranks(world, tmp_path_factory):
     """The same states through ``ckptio.save``/``load`` on 2 and 4 gloo ranks (every rank holding the
@@ -126,7 +122,7 @@ def test_random_nested_states_round_trip_on_ranks(world, tmp_path_factory):
     @given(state=states())
     def run(state):
         url = str(tmp_path_factory.mktemp(f"ranks{world}-{next(examples)}") / "ckpt")
-        assert spawn(world, _round_trip_on_ranks, state, url) == [[]] * world
+        assert spawn(world, round_trip, state, url) == [[]] * world
 
     run()
 

@@ -227,27 +227,25 @@ PROPERTY_EXAMPLES = int(os.environ.get("CKPTIO_PROPERTY_EXAMPLES", 100))
 PROPERTIES = {"grid": cases(), "transposed": transposed_cases()}
 
 
-@pytest.mark.parametrize("kind", list(PROPERTIES))
-def test_any_box_of_any_chunk_grid_loads_exactly_local(kind, tmp_path):
-    @settings(max_examples=PROPERTY_EXAMPLES, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+def _check_local(kind: str, tmp_path, examples: int) -> None:
+    @settings(max_examples=examples, database=None, deadline=None, suppress_health_check=list(HealthCheck))
     @given(case=PROPERTIES[kind])
     def run(case):
         with tempfile.TemporaryDirectory(dir=tmp_path) as d:
             save_and_load_boxes(case, os.path.join(d, "ckpt"))
 
     run()
+
+
+@pytest.mark.parametrize("kind", list(PROPERTIES))
+def test_any_box_of_any_chunk_grid_loads_exactly_local(kind, tmp_path):
+    _check_local(kind, tmp_path, PROPERTY_EXAMPLES)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(PROPERTIES))
 def test_any_box_of_any_chunk_grid_loads_exactly_local_many(kind, tmp_path):
-    @settings(max_examples=PROPERTY_EXAMPLES * 6, database=None, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(case=PROPERTIES[kind])
-    def run(case):
-        with tempfile.TemporaryDirectory(dir=tmp_path) as d:
-            save_and_load_boxes(case, os.path.join(d, "ckpt"))
-
-    run()
+    _check_local(kind, tmp_path, PROPERTY_EXAMPLES * 6)
 
 
 def test_any_box_of_any_chunk_grid_loads_exactly_s3(moto_server):

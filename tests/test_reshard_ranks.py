@@ -67,27 +67,24 @@ def check(case: dict, url: str) -> None:
 EXAMPLES = int(os.environ.get("CKPTIO_RANK_PROPERTY_EXAMPLES", 8))
 
 
-def test_any_saved_layout_loads_exactly_on_any_other(tmp_path_factory):
+def _check_examples(tmp_path_factory, examples: int) -> None:
     counter = iter(range(10**6))
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(case=cases())
     def run(case):
         check(case, str(tmp_path_factory.mktemp(f"reshard{next(counter)}") / "ckpt"))
 
     run()
+
+
+def test_any_saved_layout_loads_exactly_on_any_other(tmp_path_factory):
+    _check_examples(tmp_path_factory, EXAMPLES)
 
 
 @pytest.mark.slow
 def test_any_saved_layout_loads_exactly_on_any_other_many(tmp_path_factory):
-    counter = iter(range(10**6))
-
-    @settings(max_examples=EXAMPLES * 5, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(case=cases())
-    def run(case):
-        check(case, str(tmp_path_factory.mktemp(f"reshard{next(counter)}") / "ckpt"))
-
-    run()
+    _check_examples(tmp_path_factory, EXAMPLES * 5)
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
