@@ -148,7 +148,8 @@ def local_plans(layout: str, ranks: int, layers: int) -> list[SavePlan]:
 
 
 def _ckptio_result(item: WriteItem, rank: int, offset: int, block_size: int):
-    from ckptio.format.records import Codec, ItemKind, StoredItem
+    from ckptio.format.names import Codec, ItemKind
+    from ckptio.format.records import StoredItem
 
     if item.type == WriteItemType.BYTE_IO:
         logical, kind, dtype, shape = 64, ItemKind.BYTES, None, None

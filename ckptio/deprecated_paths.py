@@ -14,7 +14,7 @@ from typing import Any
 
 #: old path -> new path, or the modules an old one was split into (their public names together)
 MOVED: dict[str, str | tuple[str, ...]] = {
-    "ckptio.layout": "ckptio.format.records",
+    "ckptio.layout": ("ckptio.format.names", "ckptio.format.rules", "ckptio.format.records", "ckptio.format.v1"),
     "ckptio.compact": "ckptio.format.v3",
     "ckptio.compact_decode": "ckptio.format.v3_decode",
     "ckptio.stored_items": "ckptio.format.stored_items",

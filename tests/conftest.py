@@ -56,6 +56,13 @@ def s3_client(options: dict):
     )
 
 
+def s3_objects(options: dict, url: str) -> dict[str, int]:
+    """Every object under ``url``: key -> size."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    listing = s3_client(options).list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"]: o["Size"] for o in listing}
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     for name in list(os.environ):
@@ -67,7 +74,7 @@ def clean_env(monkeypatch):
 def s3_proxy(s3):
     """The fault-injecting proxy in front of the ``s3`` fixture's server (moto unless parametrized);
     yields (proxy, base URL, storage_options via the proxy)."""
-    from .faultproxy import FaultProxy
+    from tests.helpers.faultproxy import FaultProxy
 
     base, direct = s3
     proxy = FaultProxy(direct["client_kwargs"]["endpoint_url"])

@@ -16,7 +16,7 @@ import ckptio
 from ckptio.storage import ReadRequest, open_store
 from ckptio.storage.local import IOV_MAX, MAX_SYSCALL_BYTES, syscall_batch
 
-from .harness import spawn
+from tests.helpers.harness import spawn
 
 #: Tensors per state: their reads merge into one request of this many pieces, about 3x IOV_MAX.
 MANY = 3000

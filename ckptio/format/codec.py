@@ -35,13 +35,12 @@ import numpy as np
 import zstandard
 
 from ckptio.config import BLOCKS_PER_ITEM, MIN_BLOCK_SIZE
-from ckptio.format.records import Codec
+from ckptio.format.names import PLANE_ITEMSIZES, Codec
 
 #: Bytes of an item compressed to choose its codec, and the share a plane (or the sample) must
 #: shrink to by to be worth compressing.
 SAMPLE_BYTES = 64 << 10
 WORTH_COMPRESSING = 0.97
-PLANE_ITEMSIZES = (2, 4, 8)
 #: zstd settings for byte planes at the fast levels (1-3). A plane that shrinks (a float's exponent
 #: byte) holds skewed symbols but few repeats, so level 1's match search costs time and finds little:
 #: with the fast strategy, 7-byte minimum matches and tiny match tables zstd spends its time on

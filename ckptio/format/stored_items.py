@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ckptio.format.records import ItemKind, StoredItem, block_logical_lengths
-from ckptio.format.v3 import CODECS
+from ckptio.format.names import CODECS, ItemKind
+from ckptio.format.records import StoredItem, block_logical_lengths
 
 
 class StoredKey:

@@ -48,10 +48,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ckptio.config import INT64_LIMIT
 from ckptio.errors import CheckpointError, CheckpointFormatError
-from ckptio.format.records import Codec, dtype_name, parse_data_file_names, planner_data_json
+from ckptio.format.names import CODECS, dtype_name, parse_data_file_names
+from ckptio.format.records import planner_data_json
 
-#: ``codec`` column values: ``records.Codec`` in declaration order (a format constant: append only).
-CODECS = tuple(Codec)
 #: Width letter -> bytes per entry, and the ``array`` type code of that width on this platform.
 _WIDTHS = {"B": 1, "H": 2, "I": 4, "Q": 8}
 _TYPECODES = {

@@ -1,13 +1,12 @@
-"""Format version 3's ``files``, ``keys`` and ``objects`` read back (``v3.py`` has the schema): every
-check version 1 makes of its records, made column by column, and the column checks (entry counts,
-widths, base64, distinct offsets and ranks), each a ``CheckpointFormatError`` naming the field and key.
-No declared number leads to an allocation larger than the document."""
+"""Format version 3's ``files``, ``keys`` and ``objects`` read back (``v3.py`` has the schema): every rule
+of ``rules`` applied column by column, and the schema's own checks (entry counts, widths, base64,
+distinct ranks), each a ``CheckpointFormatError`` naming the field and key. No declared number leads to
+an allocation larger than the document."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -20,28 +19,26 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptio.config import MAX_BLOCK_SIZE_LIMIT, is_block_size
+from ckptio.config import is_block_size
 from ckptio.errors import CheckpointFormatError
-from ckptio.format.chunks import outside
-from ckptio.format.records import (
-    SAVE_ID,
-    Codec,
+from ckptio.format.names import FORMAT_VERSION, SAVE_ID, data_file_name, dtype_from_name, dtype_name
+from ckptio.format.rules import (
     check_block_lengths,
+    check_block_sizes,
+    check_chunks_tile,
+    check_codecs,
+    check_file_numbers,
+    check_inline_bytes,
+    check_list_index,
     check_shape,
-    chunks_overlap,
-    data_file_name,
+    check_spans,
     decode_inline,
-    dtype_from_name,
-    dtype_name,
-    is_list_index,
-    list_index_bound,
     refuse_data_file_name,
     require_counts,
 )
 from ckptio.format.stored_items import StoredItems, StoredKey
-from ckptio.format.v3 import CODECS, PackedBlocks, decode_column
+from ckptio.format.v3 import PackedBlocks, decode_column
 
-_PLANE_CODEC = CODECS.index(Codec.ZSTD_BYTEPLANES)
 #: A rank number in ``ranks`` (as version 1's nine-digit limit).
 _MAX_RANK = 10**9
 #: Every object's entry in DCP's metadata (it has no fields: one instance serves all).
@@ -149,7 +146,7 @@ def _decode_objects(table: Any, context: _Context) -> tuple[StoredKey, list[str]
 
 
 def decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, ...]:
-    """A flat key's path from its code (see ``encode_path``); list indices as ``list_index_bound`` allows."""
+    """A flat key's path from its code (see ``encode_path``); list indices as ``rules.check_list_index`` allows."""
     if code is None:
         return tuple(fqn.split("."))
     parts = fqn.split(".")
@@ -160,17 +157,9 @@ def decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, 
     for n in code:
         if n == 0:
             part = parts[at] if at < len(parts) else ""
-            if (
-                not part.isdecimal()
-                or not part.isascii()
-                or str(int(part)) != part
-                or not is_list_index(int(part), keys)
-            ):
-                raise CheckpointFormatError(
-                    f"{where}: the path of key {fqn!r:.80} has a list index {part!r:.20} that is not below "
-                    f"{list_index_bound(keys)}"
-                )
-            path.append(int(part))
+            number = int(part) if part.isdecimal() and part.isascii() and str(int(part)) == part else part
+            check_list_index(number, keys, fqn, where)
+            path.append(number)
             at += 1
         else:
             path.append(".".join(parts[at : at + n]))
@@ -206,52 +195,19 @@ def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: s
     offsets, sizes = record["offsets"], record["sizes"]
     if not isinstance(offsets, list) or not isinstance(sizes, list) or not len(offsets) == len(sizes) == len(size):
         raise CheckpointFormatError(f"{where} must have one offsets and one sizes column per dimension ({len(size)})")
-    if count > 1 and all(isinstance(column, int) for column in offsets):
-        raise CheckpointFormatError(f"{where}: its {count} chunks all start at the same offsets (listed twice)")
     offset_columns = [decode_column(c, count, f"{where}: offsets column {d}") for d, c in enumerate(offsets)]
     size_columns = [decode_column(c, count, f"{where}: sizes column {d}") for d, c in enumerate(sizes)]
-    key.offsets = list(zip(*offset_columns, strict=True)) if size else [()] * count
-    key.sizes = list(zip(*size_columns, strict=True)) if size else [()] * count
-    if len(set(key.offsets)) != count:
-        raise CheckpointFormatError(f"{where}: a chunk is listed twice (two chunks start at the same offsets)")
     dtype = dtype_from_name(record["dtype"])
     check_shape(size, dtype.itemsize, where)
     key.dtype = dtype_name(dtype)
-    volumes = list(map(math.prod, key.sizes))
+    key.offsets, key.sizes, volumes = check_chunks_tile(size, count, offset_columns, size_columns, where)
     key.logical = [n * dtype.itemsize for n in volumes]
-    # column by column (entries are non-negative): a chunk ends inside its shape in every dimension
-    if count and any(
-        max(map(int.__add__, o, n)) > s for o, n, s in zip(offset_columns, size_columns, size, strict=True)
-    ):
-        off, sz = next((o, n) for o, n in zip(key.offsets, key.sizes, strict=True) if outside(size, (o, n)))
-        raise CheckpointFormatError(
-            f"{where} has a chunk at {list(off)} of size {list(sz)} outside its shape {list(size)}"
-        )
-    split = [d for d, column in enumerate(offsets) if not isinstance(column, int)]
-    if len(split) == 1 and all(isinstance(column, int) for d, column in enumerate(sizes) if d != split[0]):
-        # every chunk spans the same range of the other dimensions (DCP's row or column splits):
-        # two overlap when their intervals along the split dimension do
-        empty = any(column == 0 for d, column in enumerate(sizes) if d != split[0])
-        overlap = not empty and _intervals_overlap(offset_columns[split[0]], size_columns[split[0]])
-    else:
-        overlap = chunks_overlap(list(zip(key.offsets, key.sizes, strict=True)), where)
-    if sum(volumes) != math.prod(size) or overlap:
-        raise CheckpointFormatError(
-            f"{where}: its chunks hold {sum(volumes)} elements for a shape {list(size)} of {math.prod(size)}; "
-            "the checkpoint does not cover the tensor"
-        )
     requires_grad = record["requires_grad"]
     if not isinstance(requires_grad, bool):
         raise CheckpointFormatError(f"{where}: 'requires_grad' must be true or false")
     props = TensorProperties(dtype=dtype, requires_grad=requires_grad)
     chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in zip(key.offsets, key.sizes, strict=True)]
     return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
-
-
-def _intervals_overlap(starts: list[int], lengths: list[int]) -> bool:
-    """Whether two of the non-empty intervals ``[start, start + length)`` share a point."""
-    spans = sorted((start, length) for start, length in zip(starts, lengths, strict=True) if length)
-    return any(start + length > next_start for (start, length), (next_start, _) in zip(spans, spans[1:], strict=False))
 
 
 def _object_columns(key: StoredKey, record: dict[str, Any], count: int, where: str) -> None:
@@ -276,21 +232,11 @@ def _storage_columns_of(key: StoredKey, record: dict[str, Any], context: _Contex
     if default_block is None:
         raise CheckpointFormatError(f"{where} has no 'block_size' and the document gives no default")
     key.block_size = decode_column(default_block, count, f"{where}: block_size")
-    files = len(context.names)
+    itemsize = dtype_from_name(key.dtype).itemsize if key.tensor else 0
+    check_codecs(key.codec, itemsize, FORMAT_VERSION, where)
+    check_block_sizes(key.block_size, where)
+    check_file_numbers(key.file, key.at, len(context.names), where)
     blocks = key.block_size
-    if count and (
-        max(key.codec) >= len(CODECS)
-        or _PLANE_CODEC in key.codec
-        and (dtype_from_name(key.dtype).itemsize if key.tensor else 0) not in (2, 4, 8)
-        # is_block_size over a column at C speed; _name_bad_item then names the item with the rule itself
-        or min(blocks) <= 0
-        or max(blocks) > MAX_BLOCK_SIZE_LIMIT
-        or any(b % 64 for b in (set(blocks) if len(blocks) > 64 else blocks))
-        or max(key.file) > files
-        or 0 in key.file
-        and any(at for file, at in zip(key.file, key.at, strict=True) if file == 0)
-    ):
-        _name_bad_item(key, files, where)
     if count and 0 < min(key.logical) and max(key.logical) <= min(blocks):  # one block each (small objects)
         key.starts = range(count + 1)
     else:
@@ -306,47 +252,22 @@ def _storage_columns_of(key: StoredKey, record: dict[str, Any], context: _Contex
     _check_stored_bytes(key, record.get("inline", []), context, where)
 
 
-def _name_bad_item(key: StoredKey, files: int, where: str) -> None:
-    """Raise the error of the first item whose codec, block size or file is wrong."""
-    itemsize = dtype_from_name(key.dtype).itemsize if key.tensor else 0
-    for i, (file, at, codec, block) in enumerate(zip(key.file, key.at, key.codec, key.block_size, strict=True)):
-        if codec >= len(CODECS):
-            raise CheckpointFormatError(f"{where}: item {i} has unknown codec number {codec}")
-        if codec == _PLANE_CODEC and itemsize not in (2, 4, 8):
-            raise CheckpointFormatError(f"{where} uses byte planes but is not a tensor of 2-, 4- or 8-byte elements")
-        if not is_block_size(block):
-            raise CheckpointFormatError(f"{where}: item {i} has invalid block_size {block}")
-        if file > files or (file == 0 and at != 0):
-            raise CheckpointFormatError(
-                f"{where}: item {i} points at data file number {file} (offset {at}); the checkpoint has {files} "
-                "(0 = inline, at offset 0)"
-            )
-
-
 def _check_stored_bytes(key: StoredKey, inline: Any, context: _Context, where: str) -> None:
     """Every block's stored length fits its logical length; every item lies inside its file or inline bytes."""
     if not isinstance(inline, list) or len(inline) != key.file.count(0):
         raise CheckpointFormatError(f"{where}: 'inline' must hold one base64 string per inline item")
     if key.lengths is None and not inline:  # raw items in files: the common case, checked in bulk
-        sizes = context.sizes
-        if not any(at + n > sizes[f - 1] for f, at, n in zip(key.file, key.at, key.logical, strict=True)):
-            return
-    inline_values = iter(inline)
-    lengths = key.lengths
-    for i, (file, at, block, logical) in enumerate(zip(key.file, key.at, key.block_size, key.logical, strict=True)):
-        start, end = key.starts[i], key.starts[i + 1]
-        if lengths is None:
-            stored = logical
-        else:
-            stored = check_block_lengths(lengths[start:end], logical, block, key.codec[i] == 0, f"{where}: item {i}")
-        if file == 0:
-            data = decode_inline(next(inline_values), where)
-            if data is None or len(data) != stored:
-                raise CheckpointFormatError(f"{where}: item {i} is stored inline but its bytes do not match its blocks")
-            key.inline[i] = data
-        elif at + stored > context.sizes[file - 1]:
-            name = context.names[file - 1]
-            raise CheckpointFormatError(
-                f"{where}: item {i} spans bytes {at}..{at + stored} of {name}, which the metadata says holds "
-                f"{context.sizes[file - 1]} bytes"
-            )
+        check_spans(key.file, key.at, key.logical, context.names, context.sizes, where)
+        return
+    lengths, inline_values = key.lengths, iter(inline)
+    stored = key.logical
+    if lengths is not None:
+        stored = [
+            check_block_lengths(lengths[key.starts[i] : key.starts[i + 1]], n, b, codec == 0, f"{where}: item {i}")
+            for i, (n, b, codec) in enumerate(zip(key.logical, key.block_size, key.codec, strict=True))
+        ]
+    check_spans(key.file, key.at, stored, context.names, context.sizes, where)
+    for i in (i for i, file in enumerate(key.file) if file == 0):
+        data = decode_inline(next(inline_values), where)
+        check_inline_bytes(data, stored[i], f"{where}: item {i}")
+        key.inline[i] = data

@@ -1,9 +1,9 @@
 """The one module that knows format versions: which one a save writes (3) and how each is read.
 
 Version 1 (ckptio 0.1: a JSON object per item) and 2 (the same with the ``zstd-byteplanes`` codec) are
-decoded by ``records``; version 3 (per-key columns) is encoded by ``v3`` and decoded by ``v3_decode``.
-Both end in the same checks (``records.manifest_of``). A newer version than this ckptio knows is
-refused asking for an upgrade.
+decoded by ``v1``; version 3 (per-key columns) is encoded by ``v3`` and decoded by ``v3_decode``. Both
+apply the same rules (``rules``) and build the same records (``records``). A newer version than this
+ckptio knows is refused asking for an upgrade.
 """
 
 from __future__ import annotations
@@ -16,16 +16,10 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio.errors import CheckpointFormatError
-from ckptio.format.records import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    UNCHECKED,
-    Header,
-    Manifest,
-    StoredItem,
-    decode_version_1,
-    manifest_of,
-)
+from ckptio.format.names import FORMAT_NAME, FORMAT_VERSION
+from ckptio.format.records import Header, Manifest, StoredItem, manifest_of
+from ckptio.format.rules import check_planner_paths
+from ckptio.format.v1 import decode_version_1
 from ckptio.format.v3 import encode_document
 from ckptio.format.v3_decode import decode_files, decode_keys
 from ckptio.gc_pause import paused_gc
@@ -96,5 +90,6 @@ def decode_version_3(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifes
     names, files, writers = decode_files(doc.get("files"), where)
     header = Header.from_json(doc, where, checked_files=(files, writers))
     state, items, per_rank, paths = decode_keys(doc, names, header.files, doc_bytes, where)
-    checked = paths if doc.get("planner_data") == "paths" else UNCHECKED  # else stored as it is
-    return manifest_of(doc, header, state, items, per_rank, where, checked_planner_data=checked)
+    if doc.get("planner_data") != "paths":  # stored as it is
+        paths = check_planner_paths(doc.get("planner_data"), len(state), where)
+    return manifest_of(header, state, items, per_rank, paths)

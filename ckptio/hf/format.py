@@ -17,7 +17,7 @@ import torch
 
 from ckptio.config import INT64_LIMIT
 from ckptio.errors import CheckpointFormatError
-from ckptio.format.records import check_shape
+from ckptio.format.rules import check_shape
 
 #: safetensors' own bound on the JSON header (its reader refuses larger ones).
 MAX_HEADER_BYTES = 100_000_000

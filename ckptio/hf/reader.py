@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from ckptio.config import MiB, StorageConfig
 from ckptio.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, remember_metadata_error
-from ckptio.format.records import METADATA_NAME, Codec, ItemKind, StoredItem, dtype_name
+from ckptio.format.names import METADATA_NAME, Codec, ItemKind, dtype_name
+from ckptio.format.records import StoredItem
 from ckptio.hf.format import (
     HEADER_PROBE_BYTES,
     INDEX_NAME,
@@ -45,6 +46,7 @@ from ckptio.hf.format import (
 from ckptio.loading.box_reads import load_boxes
 from ckptio.loading.read_once import DIRECT, load_group, read_once
 from ckptio.loading.reader import Reader
+from ckptio.loading.sources import ByteSource, Prepared
 from ckptio.state.keys import CanonicalKeyDict
 from ckptio.storage import FsspecStore, RangeRequest
 
@@ -186,7 +188,8 @@ class HFReader(Reader):
             raise TypeError(f"key_map returned {key!r} for {name!r}; it must return a state key (str) or None")
         return key
 
-    def _item_for(self, read_item: ReadItem) -> FileTensor:
+    # --- the item source (``sources.ItemSource``): tensors read as boxes of the files ------------
+    def item_for(self, read_item: ReadItem) -> FileTensor:
         try:
             return self._tensors[self._stored_key(read_item)]
         except KeyError:
@@ -194,15 +197,11 @@ class HFReader(Reader):
                 f"key {read_item.storage_index.fqn!r} is not a tensor of {self.checkpoint_id}"
             ) from None
 
-    def _deliver(self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
-        # held shared bytes: read_gap_bytes 0, nothing bridged
-        load_boxes(store, pairs, planner, store.read_gap_bytes, self.allow_rounding)
+    def prepare(self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner, *, places: bool) -> Prepared:
+        return Prepared(pairs)  # box reads resolve destinations as they go: shared bytes go to buffers
 
-    def _prepare_shared(self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> tuple[Any, list]:
-        return pairs, []  # box reads resolve their destinations as they go: the exchange uses buffers
-
-    def _deliver_prepared(self, source: FsspecStore, prepared: Any, planner: LoadPlanner) -> None:
-        self._deliver(source, prepared, planner)
+    def deliver(self, source: ByteSource, prepared: Prepared, planner: LoadPlanner) -> None:
+        load_boxes(source, prepared.batch, planner, source.read_gap_bytes, self.allow_rounding)
 
 
 def _shared_read_record(tensor: FileTensor) -> StoredItem:

@@ -40,7 +40,7 @@ from torchtitan.tools.utils import GarbageCollection
 from ckptio.api import raising_checkpoint_errors
 from ckptio.config import WriterConfig
 from ckptio.errors import CheckpointNotFoundError, PerRankStateError
-from ckptio.format.records import METADATA_NAME, TORCH_DCP_METADATA_NAME
+from ckptio.format.names import METADATA_NAME, TORCH_DCP_METADATA_NAME
 from ckptio.hf.reader import HFReader
 from ckptio.loading.reader import Reader
 from ckptio.saving.planner import SavePlanner

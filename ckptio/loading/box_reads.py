@@ -24,7 +24,8 @@ from ckptio.errors import CorruptCheckpointError, StorageError
 from ckptio.loading.conversion import check_conversion
 from ckptio.loading.fetch import StagingArea
 from ckptio.loading.ranges import ReadPiece, exact_box_runs, plan_requests, row_major_strides
-from ckptio.storage import FsspecStore, LocalStore, ReadRequest
+from ckptio.loading.sources import ByteSource
+from ckptio.storage import LocalStore, ReadRequest
 
 
 class RawTensor(Protocol):
@@ -37,7 +38,7 @@ class RawTensor(Protocol):
 
 
 def load_boxes(
-    store: FsspecStore,
+    store: ByteSource,
     pairs: list[tuple[ReadItem, RawTensor]],
     planner: LoadPlanner,
     gap_bytes: int,
@@ -155,7 +156,7 @@ def _jobs(read_item: ReadItem, tensor: RawTensor, target: torch.Tensor, gap_byte
     return jobs
 
 
-def _run(store: FsspecStore, jobs: list[_BoxJob], planner: LoadPlanner, staging: StagingArea) -> None:
+def _run(store: ByteSource, jobs: list[_BoxJob], planner: LoadPlanner, staging: StagingArea) -> None:
     pieces = []
     try:
         for job in jobs:
@@ -174,7 +175,7 @@ def _run(store: FsspecStore, jobs: list[_BoxJob], planner: LoadPlanner, staging:
     staging.release()
 
 
-def _read_pieces(store: FsspecStore, pieces: list[ReadPiece]) -> None:
+def _read_pieces(store: ByteSource, pieces: list[ReadPiece]) -> None:
     """Fill every piece, or raise naming the file that is shorter than it should be."""
     if not pieces:
         return
@@ -191,7 +192,7 @@ def _read_pieces(store: FsspecStore, pieces: list[ReadPiece]) -> None:
             raise _cut_short(store, request.name, request.offset, request.offset + request.length)
 
 
-def _cut_short(store: FsspecStore, name: str, start: int, end: int) -> CorruptCheckpointError:
+def _cut_short(store: ByteSource, name: str, start: int, end: int) -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{store.describe(name)} is shorter than its header says: bytes {start}..{end} were needed but could not "
         "all be read (the file was truncated or replaced while loading)"

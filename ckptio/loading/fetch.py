@@ -22,15 +22,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ckptio.config import DECODE_TASK_BYTES, MAX_REQUEST_BYTES, READ_BATCH_BYTES, cpu_threads
 from ckptio.errors import CorruptCheckpointError
 from ckptio.format.codec import BlockSizeError, checksum, decode_block
-from ckptio.format.records import METADATA_NAME, Codec, ItemKind, StoredItem, dtype_from_name
+from ckptio.format.names import METADATA_NAME, Codec, ItemKind, dtype_from_name
+from ckptio.format.records import StoredItem
 from ckptio.loading.conversion import check_conversion
 from ckptio.loading.host_memory import empty_bytes
 from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests, row_major_strides
-from ckptio.storage import FsspecStore
+from ckptio.loading.sources import ByteSource
 
 
 def load_items(
-    store: FsspecStore,
+    store: ByteSource,
     pairs: list[tuple[ReadItem, StoredItem]],
     planner: LoadPlanner,
     verify: bool,
@@ -55,7 +56,7 @@ def prepared_jobs(
 
 
 def load_jobs(
-    store: FsspecStore,
+    store: ByteSource,
     jobs: Iterable["ReadJob"],
     planner: LoadPlanner,
     verify: bool,
@@ -85,7 +86,7 @@ def load_jobs(
 
 
 def read_item_blocks(
-    store: FsspecStore, item: StoredItem, where: str, window_bytes: int = MAX_REQUEST_BYTES
+    store: ByteSource, item: StoredItem, where: str, window_bytes: int = MAX_REQUEST_BYTES
 ) -> Iterator[tuple[int, Any]]:
     """Every block of ``item``, checked and decoded, in order, fetched ``window_bytes`` at a time
     (what ``ckptio verify`` reads with)."""
@@ -299,7 +300,7 @@ class _Window:
 class _ActualSizes:
     """Data-file sizes as the store reports them, asked once per file per load."""
 
-    def __init__(self, store: FsspecStore):
+    def __init__(self, store: ByteSource):
         self.store, self.sizes = store, {}
 
     def require(self, item: StoredItem, last_block: int) -> None:
@@ -345,7 +346,7 @@ def _span(item: StoredItem, block: int) -> slice:
 
 
 def _run_batch(
-    store: FsspecStore,
+    store: ByteSource,
     windows: list[_Window],
     planner: LoadPlanner,
     verify: bool,
@@ -384,7 +385,7 @@ def _run_batch(
 
 
 def _fetch_blocks(
-    store: FsspecStore, item: StoredItem, blocks: range, recorded_sizes: dict[str, int]
+    store: ByteSource, item: StoredItem, blocks: range, recorded_sizes: dict[str, int]
 ) -> dict[int, memoryview]:
     if item.inline is not None:
         return {b: memoryview(item.inline)[_span(item, b)] for b in blocks}
@@ -394,7 +395,7 @@ def _fetch_blocks(
 
 
 def read_pieces(
-    store: FsspecStore, pieces: list[ReadPiece], recorded_sizes: dict[str, int], gap: int | None = None
+    store: ByteSource, pieces: list[ReadPiece], recorded_sizes: dict[str, int], gap: int | None = None
 ) -> None:
     """Fill ``pieces``, merging reads up to ``gap`` bytes apart (default: the store's ``read_gap_bytes``)."""
     if not pieces:

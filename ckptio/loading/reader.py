@@ -25,7 +25,8 @@ from ckptio.errors import (
     PerRankStateError,
     remember_metadata_error,
 )
-from ckptio.format.records import METADATA_NAME, TORCH_DCP_METADATA_NAME, Manifest, StoredItem, parse_data_file_name
+from ckptio.format.names import METADATA_NAME, TORCH_DCP_METADATA_NAME, parse_data_file_name
+from ckptio.format.records import Manifest, StoredItem
 from ckptio.format.versions import decode_metadata
 from ckptio.loading.fetch import load_jobs, prepared_jobs
 from ckptio.loading.read_once import DIRECT, load_group, read_once
@@ -39,6 +40,7 @@ from ckptio.loading.shared_reads import (
     plan_shared_reads,
     worth_sharing,
 )
+from ckptio.loading.sources import ByteSource, Prepared
 from ckptio.state.keys import CanonicalKeyDict, canonical_index
 from ckptio.storage import FsspecStore, LocalStore
 from ckptio.storage.location import CheckpointLocation
@@ -66,6 +68,9 @@ class Reader(CheckpointLocation, StorageReader):
        who reads which stored bytes (``shared_reads.py``), sent to every rank in ``storage_data``.
     5. (all ranks) ``read_data()``: fetch, check and deliver this rank's items (``fetch.py``); shared
        ones in rounds, exchanged over the process group (``shared_reads.load_shared``).
+
+    Both kinds of read load from the reader as an item source (``sources.ItemSource``: ``item_for``,
+    ``stored_record``, ``prepare``, ``deliver``), which ``HFReader`` implements for safetensors files.
     """
 
     _role = ("Reader", "dcp.load")
@@ -145,53 +150,56 @@ class Reader(CheckpointLocation, StorageReader):
         return [dataclasses.replace(plan, storage_data=shared) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        store, files = self._open_store(), self.manifest.files if self.manifest else {}
+        store = self._open_store()
         restore_objects_under_held_keys(planner, plan)
         shared = plan.storage_data if isinstance(plan.storage_data, SharedReadPlan) else None
         if shared is None:
-            self._deliver(store, [(read_item, self._item_for(read_item)) for read_item in plan.items], planner)
+            pairs = [(read_item, self.item_for(read_item)) for read_item in plan.items]
         else:
             triples, failure = [], None
             try:  # a failure here must still reach the other ranks, which wait in the exchange
-                triples = [(self._stored_key(ri), ri, self._item_for(ri)) for ri in plan.items]
+                triples = [(self._stored_key(ri), ri, self.item_for(ri)) for ri in plan.items]
             except Exception as exc:  # noqa: BLE001
                 failure = exc
             keys = {segment.index for segments in shared.rounds for segment in segments}
-
-            def prepare(pairs: list[tuple[ReadItem, Any]]) -> tuple[Any, list]:
-                return self._prepare_shared(pairs, planner)
-
-            def deliver(source: FsspecStore, prepared: Any) -> None:
-                self._deliver_prepared(source, prepared, planner)
-
-            shared_triples = [t for t in triples if t[0] in keys]
-            load_shared(
-                store, shared, shared_triples, self._items.__getitem__, prepare, deliver, self.verify, files, failure
-            )
-            self._deliver(store, [(ri, item) for key, ri, item in triples if key not in keys], planner)
+            load_shared(store, shared, [t for t in triples if t[0] in keys], self, planner, failure)
+            pairs = [(ri, item) for key, ri, item in triples if key not in keys]
+        self.deliver(store, self.prepare(pairs, planner, places=False), planner)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _deliver(self, store: FsspecStore, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
-        """Fetch, check and hand ``(read item, source)`` pairs to the planner (``fetch.py``), each
-        destination resolved as its batch comes."""
-        self._deliver_prepared(store, prepared_jobs(pairs, planner, self.allow_rounding), planner)
+    # --- the item source (``sources.ItemSource``) that plain and shared reads load from -----------
+    def file_sizes(self) -> dict[str, int]:
+        return self.manifest.files if self.manifest else {}
 
-    def _prepare_shared(
-        self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner
-    ) -> tuple[Any, list[tuple[str, int, memoryview]]]:
-        """A shared-read round's pairs, ready to deliver once the bytes are held: here ``fetch`` jobs
-        with their destinations resolved; and where raw stored bytes can land unchanged (``(file,
-        offset, destination)``), which the exchange reads and receives straight into."""
-        jobs = list(prepared_jobs(pairs, planner, self.allow_rounding))
-        return jobs, [placement for placement in (job.placement() for job in jobs) if placement is not None]
+    def stored_record(self, key: MetadataIndex) -> StoredItem:
+        return self._items[key]
 
-    def _deliver_prepared(self, source: FsspecStore, prepared: Any, planner: LoadPlanner) -> None:
-        """Hand prepared pairs (``fetch`` jobs) to the planner from ``source``: the store, or for a
-        shared-read round the bytes held."""
-        files = self.manifest.files if self.manifest else {}
-        load_jobs(source, prepared, planner, self.verify, files, self.storage_config.max_concurrency)
+    def item_for(self, read_item: ReadItem) -> StoredItem:
+        index = self._stored_key(read_item)  # a wrapped name (torch.compile's _orig_mod.) -> canonical key
+        copies = self.manifest.per_rank.get(index.fqn) if self.manifest else None
+        if copies:
+            return self._own_copy(index.fqn, copies)
+        try:
+            return self._items[index]
+        except KeyError:
+            raise CheckpointError(
+                f"key {read_item.storage_index.fqn!r} (chunk at {tuple(read_item.storage_index.offset or ())}) "
+                f"is not stored in {self.checkpoint_id}"
+            ) from None
+
+    def prepare(self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner, *, places: bool) -> Prepared:
+        """``fetch`` jobs, their destinations resolved as delivery reaches them; with ``places``, all
+        now, listing where raw stored bytes land unchanged."""
+        jobs = prepared_jobs(pairs, planner, self.allow_rounding)
+        if not places:
+            return Prepared(jobs)
+        jobs = list(jobs)
+        return Prepared(jobs, [place for place in (job.placement() for job in jobs) if place is not None])
+
+    def deliver(self, source: ByteSource, prepared: Prepared, planner: LoadPlanner) -> None:
+        load_jobs(source, prepared.batch, planner, self.verify, self.file_sizes(), self.storage_config.max_concurrency)
 
     def _shared_read_plan(self, plans: list[LoadPlan]) -> SharedReadPlan | None:
         """Coordinator: whether the ranks share reads (``dedup_reads``), and who reads what."""
@@ -207,7 +215,7 @@ class Reader(CheckpointLocation, StorageReader):
                 return None
         needs = needed_blocks(plans, self._shareable)
         if self.dedup_reads == "auto":
-            needed, distinct = needed_bytes(needs, self._items.__getitem__)
+            needed, distinct = needed_bytes(needs, self.stored_record)
             share = worth_sharing(remote, needed, distinct)
             _log_choice(
                 f"ckptio: shared reads {'on' if share else 'off'} (dedup_reads='auto'): the {world} ranks need "
@@ -216,7 +224,7 @@ class Reader(CheckpointLocation, StorageReader):
             )
             if not share:
                 return None
-        return plan_shared_reads(needs, self._items.__getitem__, world, self.dedup_round_bytes)
+        return plan_shared_reads(needs, self.stored_record, world, self.dedup_round_bytes)
 
     def _stored_key(self, read_item: ReadItem) -> MetadataIndex:
         index = read_item.storage_index
@@ -242,19 +250,6 @@ class Reader(CheckpointLocation, StorageReader):
                 "with ckptio.PerRank and choose an on_resize policy"
             )
         return copies[rank]
-
-    def _item_for(self, read_item: ReadItem) -> StoredItem:
-        index = self._stored_key(read_item)  # a wrapped name (torch.compile's _orig_mod.) -> canonical key
-        copies = self.manifest.per_rank.get(index.fqn) if self.manifest else None
-        if copies:
-            return self._own_copy(index.fqn, copies)
-        try:
-            return self._items[index]
-        except KeyError:
-            raise CheckpointError(
-                f"key {read_item.storage_index.fqn!r} (chunk at {tuple(read_item.storage_index.offset or ())}) "
-                f"is not stored in {self.checkpoint_id}"
-            ) from None
 
 
 @functools.lru_cache(maxsize=64)

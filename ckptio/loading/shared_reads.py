@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 from ckptio.config import (
     MAX_REQUEST_BYTES,
@@ -38,8 +38,9 @@ from ckptio.format.records import StoredItem
 from ckptio.loading.fetch import ReadJob, read_pieces, verify_block
 from ckptio.loading.host_memory import empty_bytes
 from ckptio.loading.ranges import ReadPiece
+from ckptio.loading.sources import ByteSource, ItemSource
 from ckptio.loading.together import fail_together
-from ckptio.storage import FsspecStore, ReadRequest
+from ckptio.storage import ReadRequest
 
 log = logging.getLogger(__name__)
 
@@ -211,18 +212,24 @@ def _runs(item: StoredItem, runs: list[tuple[int, int, frozenset[int]]]):
 
 
 class CachedBlocks:
-    """Serves a round's reads from the segments this rank holds (a stand-in for the store in
-    ``fetch.load_items``); anything else it is asked for is a planning bug, not a storage fault."""
+    """A byte source (``sources.ByteSource``) of the segments this rank holds in a round; a read of
+    anything else is a planning bug, not a storage fault. Files are described and sized by the store."""
 
     read_gap_bytes = 0  # only what was planned is held: a bridged gap may not be
 
-    def __init__(self, store: FsspecStore, held: dict[str, list[tuple[int, memoryview]]]):
-        self._store = store
+    def __init__(self, store: ByteSource, held: dict[str, list[tuple[int, memoryview]]]):
+        self._store, self.url = store, store.url
         self._held = {name: sorted(spans, key=lambda s: s[0]) for name, spans in held.items()}
         self._starts = {name: [start for start, _ in spans] for name, spans in self._held.items()}
 
-    def __getattr__(self, name: str) -> Any:  # describe, size, exists: the real store's
-        return getattr(self._store, name)
+    def describe(self, name: str) -> str:
+        return self._store.describe(name)
+
+    def size(self, name: str) -> int:
+        return self._store.size(name)
+
+    def exists(self, name: str) -> bool:
+        return self._store.exists(name)
 
     def read_into(self, requests: list[ReadRequest]) -> list[int]:
         counts = []
@@ -265,23 +272,19 @@ _SHARED_FAILURE = "failed reading stored bytes shared with other ranks"
 
 
 def load_shared(
-    store: FsspecStore,
+    store: ByteSource,
     plan: SharedReadPlan,
     triples: list[tuple[MetadataIndex, ReadItem, Any]],
-    records: Callable[[MetadataIndex], StoredItem],
-    prepare: Callable[[list[tuple[ReadItem, Any]]], tuple[Any, list[tuple[str, int, memoryview]]]],
-    deliver: Callable[[Any, Any], None],
-    verify: bool,
-    recorded_sizes: dict[str, int],
+    items: ItemSource,
+    planner: LoadPlanner,
     failure: BaseException | None = None,
 ) -> None:
-    """Run the rounds of ``plan`` on this rank: read its segments (checked against ``records``'
-    checksums when ``verify``), exchange, then deliver its shared ``(stored key, read item, source)``
-    triples from the bytes held, through a stand-in for the store: ``prepare(pairs)`` first gives
-    what ``deliver(store, prepared)`` takes, and the ``(file, offset, memory)`` places where stored
-    bytes may land unchanged, which segments are read and received straight into (``_Placements``).
-    ``failure``: what already went wrong on this rank (it still takes part in the first agreement,
-    so every rank raises instead of waiting)."""
+    """Run the rounds of ``plan`` on this rank: read its segments (checked against ``items``' records
+    when it verifies), exchange, then deliver its shared ``(stored key, read item, item)`` triples from
+    the bytes held: ``items.prepare`` first gives the places where stored bytes may land unchanged,
+    which segments are read and received straight into (``_Placements``), and ``items.deliver`` then
+    reads from the held bytes (``CachedBlocks``). ``failure``: what already went wrong on this rank (it
+    still takes part in the first agreement, so every rank raises instead of waiting)."""
     rank, group = dist.get_rank(), exchange_group()
     by_index: dict[MetadataIndex, list[tuple[ReadItem, Any]]] = defaultdict(list)
     for key, read_item, source in triples:
@@ -291,9 +294,9 @@ def load_shared(
         prepared: Any = None
         if failure is None:
             try:
-                prepared, places = prepare(mine)
-                exchange = _Exchange(segments, rank, _Placements(places))
-                _read_segments(store, exchange.own, records, verify, recorded_sizes)
+                prepared = items.prepare(mine, planner, places=True)
+                exchange = _Exchange(segments, rank, _Placements(prepared.places))
+                _read_segments(store, exchange.own, items)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
                 failure = exc
         fail_together(failure, group, _SHARED_FAILURE)
@@ -302,25 +305,19 @@ def load_shared(
         for segment, data in held.items():
             spans[segment.file].append((segment.start, data))
         try:
-            deliver(CachedBlocks(store, spans), prepared)
+            items.deliver(CachedBlocks(store, spans), prepared, planner)
         except Exception as exc:  # noqa: BLE001
             failure = exc
     fail_together(failure, group, _SHARED_FAILURE)
 
 
-def _read_segments(
-    store: FsspecStore,
-    own: dict[Segment, memoryview],
-    records: Callable[[MetadataIndex], StoredItem],
-    verify: bool,
-    recorded_sizes: dict[str, int],
-) -> None:
+def _read_segments(store: ByteSource, own: dict[Segment, memoryview], items: ItemSource) -> None:
     """Read this rank's segments into ``own`` and check every block (the rank that reads is the
     one that names a damaged block first)."""
     # no gaps bridged: the bytes between two of this rank's segments are another rank's to read
-    read_pieces(store, [ReadPiece(s.file, s.start, data) for s, data in own.items()], recorded_sizes, gap=0)
-    for s, data in own.items() if verify else ():
-        item = records(s.index)
+    read_pieces(store, [ReadPiece(s.file, s.start, data) for s, data in own.items()], items.file_sizes(), gap=0)
+    for s, data in own.items() if items.verify else ():
+        item = items.stored_record(s.index)
         for b in range(s.first, s.last):
             lo, hi = item.block_offsets[b] - s.start, item.block_offsets[b + 1] - s.start
             verify_block(item, b, [data[lo:hi]], f"key {s.index.fqn!r} in {s.file}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from ckptio.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, StorageError
-from ckptio.format.records import METADATA_NAME
+from ckptio.format.names import METADATA_NAME
 from ckptio.format.versions import decode_metadata
 from ckptio.storage import FsspecStore
 

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from ckptio.config import WriterConfig, cpu_threads
 from ckptio.errors import CheckpointError
 from ckptio.format.codec import BlockEncoder, block_size_for
-from ckptio.format.records import Codec, ItemKind, StoredItem, dtype_from_name, dtype_name
+from ckptio.format.names import Codec, ItemKind, dtype_from_name, dtype_name
+from ckptio.format.records import StoredItem
 from ckptio.storage import FsspecStore
 
 

@@ -26,7 +26,8 @@ from torch.futures import Future
 
 from ckptio.config import StorageConfig, WriterConfig
 from ckptio.errors import CheckpointError, CheckpointFormatError
-from ckptio.format.records import METADATA_NAME, Header, ItemKind, MeshRecord, SavedConfig, StoredItem, data_file_name
+from ckptio.format.names import METADATA_NAME, ItemKind, data_file_name
+from ckptio.format.records import Header, MeshRecord, SavedConfig, StoredItem
 from ckptio.format.versions import decode_metadata, encode_metadata
 from ckptio.gc_pause import paused_gc
 from ckptio.saving import ordering, staging

@@ -6,12 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from ckptio.format.records import (
-    METADATA_NAME,
-    TORCH_DCP_METADATA_NAME,
-    Manifest,
-    is_data_file_name,
-)
+from ckptio.format.names import METADATA_NAME, TORCH_DCP_METADATA_NAME, is_data_file_name
+from ckptio.format.records import Manifest
 from ckptio.loading.reader import read_manifest
 from ckptio.storage import FsspecStore
 

@@ -9,14 +9,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ckptio.format.records import (
-    ItemKind,
-    Manifest,
-    StoredItem,
-    dtype_name,
-    legacy_document,
-    parse_data_file_name,
-)
+from ckptio.format.names import ItemKind, dtype_name, parse_data_file_name
+from ckptio.format.records import Manifest, StoredItem
+from ckptio.format.v1 import legacy_document
 from ckptio.loading.reader import read_manifest
 from ckptio.storage import FsspecStore, open_store
 

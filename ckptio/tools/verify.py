@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ckptio.errors import CheckpointError, CorruptCheckpointError
-from ckptio.format.records import (
-    Manifest,
-)
+from ckptio.format.records import Manifest
 from ckptio.loading.fetch import read_item_blocks
 from ckptio.loading.reader import file_size_problems
 from ckptio.storage import FsspecStore

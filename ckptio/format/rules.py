@@ -1,0 +1,252 @@
+"""The rules a checkpoint's metadata must follow, each stated once: every version's decoder calls these,
+and the save checks its own document with the same decoder before it commits.
+
+Rules about stored items take *columns* (one entry per item of a key): version 3 stores them so and
+checks a column at C speed, version 1 passes columns of one entry. A rule that fails names the first
+item that breaks it. Every failure is a ``CheckpointFormatError`` that says where.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ckptio.config import INT64_LIMIT, LIST_INDEX_LIMIT, MAX_BLOCK_SIZE_LIMIT, ZSTD_MAX_RATIO, is_block_size
+from ckptio.errors import CheckpointFormatError
+from ckptio.format.chunks import TooIrregular, outside, overlapping_pair
+from ckptio.format.names import CODECS, PLANE_ITEMSIZES, Codec, is_data_file_name
+
+_PLANE_CODEC = CODECS.index(Codec.ZSTD_BYTEPLANES)
+
+
+def _item(where: str, i: int, count: int) -> str:
+    """``where``, and which item when a key has more than one."""
+    return f"{where}: item {i}" if count > 1 else where
+
+
+# ---------------------------------------------------------------------------------------
+# Numbers and names
+
+
+def require_count(value: Any, what: str, where: str = "ckptio metadata") -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < INT64_LIMIT:
+        raise CheckpointFormatError(f"{where}: {what} must be a non-negative integer below 2^63, got {value!r:.40}")
+    return value
+
+
+def require_counts(values: Any, where: str = "ckptio metadata") -> list[int]:
+    if not isinstance(values, list):
+        raise CheckpointFormatError(f"{where}: a shape or offset must be a list, got {values!r:.40}")
+    return [require_count(v, "a shape or offset entry", where) for v in values]
+
+
+def refuse_data_file_name(name: Any, where: str) -> None:
+    """Raise unless ``name`` is a plain ckptio data file name."""
+    if not is_data_file_name(name):
+        raise CheckpointFormatError(
+            f"{where} names data file {name!r}, which is not a plain ckptio data file name "
+            "inside the checkpoint (paths, '..' and URLs are refused)"
+        )
+
+
+def list_index_bound(keys: int) -> int:
+    """List indices in a key's path must be below this (``LIST_INDEX_LIMIT``), so that a crafted index
+    cannot make a loader build a huge list; a save checks its own paths against it before it commits."""
+    return max(keys, LIST_INDEX_LIMIT)
+
+
+def is_list_index(part: Any, keys: int) -> bool:
+    return isinstance(part, int) and not isinstance(part, bool) and 0 <= part < list_index_bound(keys)
+
+
+def check_planner_paths(planner_data: Any, keys: int, where: str) -> dict[str, tuple[Any, ...]] | None:
+    """torch's planner data as stored (``{flat key: path}``), each path names and list indices."""
+    if planner_data is None:
+        return None
+    if not isinstance(planner_data, dict) or not all(isinstance(v, (list, tuple)) for v in planner_data.values()):
+        raise CheckpointFormatError(f"{where}: 'planner_data' must map keys to paths (lists of names and indices)")
+    for fqn, path in planner_data.items():
+        for part in path:
+            if not isinstance(part, str):
+                check_list_index(part, keys, fqn, where)
+    return {k: tuple(v) for k, v in planner_data.items()}
+
+
+def check_list_index(part: Any, keys: int, fqn: str, where: str) -> None:
+    """A list index in key ``fqn``'s path is an integer below ``list_index_bound``."""
+    if not is_list_index(part, keys):
+        raise CheckpointFormatError(
+            f"{where}: the path of key {fqn!r:.80} has a list index {part!r:.20} that is not below "
+            f"{list_index_bound(keys)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Tensors and their chunks
+
+
+def check_shape(shape: Any, itemsize: int, where: str) -> None:
+    """A tensor shape read from a header (every dimension already within int64): its non-zero
+    dimensions alone must fit 2^63-1 bytes (torch refuses a larger size even beside a 0, as an
+    overflow naming nothing)."""
+    if math.prod(n for n in shape if n) * itemsize >= INT64_LIMIT:
+        raise CheckpointFormatError(f"{where}: shape {list(shape)!r:.200} has more elements than a tensor can hold")
+
+
+def check_chunks_tile(
+    size: Sequence[int],
+    count: int,
+    offset_columns: Sequence[Sequence[int]],
+    size_columns: Sequence[Sequence[int]],
+    where: str,
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[int]]:
+    """A tensor's ``count`` chunks (a column per dimension) start at distinct offsets, lie inside its
+    shape and cover each element exactly once. Returns each chunk's offsets, sizes and element count."""
+    offsets = list(zip(*offset_columns, strict=True)) if size else [()] * count
+    sizes = list(zip(*size_columns, strict=True)) if size else [()] * count
+    if len(set(offsets)) != count:
+        raise CheckpointFormatError(f"{where}: a chunk is listed twice (two chunks start at the same offsets)")
+    if (
+        count
+        and size
+        and any(max(map(int.__add__, o, n)) > s for o, n, s in zip(offset_columns, size_columns, size, strict=True))
+    ):
+        off, sz = next((o, n) for o, n in zip(offsets, sizes, strict=True) if outside(size, (o, n)))
+        raise CheckpointFormatError(
+            f"{where} has a chunk at {list(off)} of size {list(sz)} outside its shape {list(size)}"
+        )
+    volumes = list(map(math.prod, sizes))
+    if sum(volumes) != math.prod(size) or (count > 1 and _chunks_overlap(offset_columns, size_columns, where)):
+        raise CheckpointFormatError(
+            f"{where}: its chunks hold {sum(volumes)} elements for a shape {list(size)} of {math.prod(size)}; "
+            "the checkpoint does not cover the tensor"
+        )
+    return offsets, sizes, volumes
+
+
+def _chunks_overlap(offset_columns: Sequence[Sequence[int]], size_columns: Sequence[Sequence[int]], where: str) -> bool:
+    split = [d for d, column in enumerate(offset_columns) if min(column) != max(column)]
+    if len(split) == 1 and all(min(c) == max(c) for d, c in enumerate(size_columns) if d != split[0]):
+        # every chunk spans the same range of the other dimensions (DCP's row or column splits):
+        # two overlap when their intervals along the split dimension do
+        if any(c[0] == 0 for d, c in enumerate(size_columns) if d != split[0]):
+            return False  # every chunk is empty
+        return _intervals_overlap(offset_columns[split[0]], size_columns[split[0]])
+    boxes = list(zip(zip(*offset_columns, strict=True), zip(*size_columns, strict=True), strict=True))
+    try:
+        return overlapping_pair(boxes) is not None
+    except TooIrregular:
+        raise CheckpointFormatError(
+            f"{where}: its {len(boxes)} chunks are too far from a grid to check for overlaps; "
+            "DCP never writes such a layout, so the metadata is damaged or crafted"
+        ) from None
+
+
+def _intervals_overlap(starts: Sequence[int], lengths: Sequence[int]) -> bool:
+    """Whether two of the non-empty intervals ``[start, start + length)`` share a point."""
+    spans = sorted((start, length) for start, length in zip(starts, lengths, strict=True) if length)
+    return any(start + length > next_start for (start, length), (next_start, _) in zip(spans, spans[1:], strict=False))
+
+
+# ---------------------------------------------------------------------------------------
+# Stored items (columns: one entry per item of a key)
+
+
+def check_codecs(codecs: Sequence[int], itemsize: int, version: int, where: str) -> None:
+    """Each codec number is in the codec table and in format ``version``; byte planes only for tensors
+    of 2-, 4- or 8-byte elements (``itemsize`` 0 for objects)."""
+    if not codecs:
+        return
+    planes_fit = itemsize in PLANE_ITEMSIZES and version >= Codec.ZSTD_BYTEPLANES.format_version
+    if max(codecs) < len(CODECS) and (planes_fit or _PLANE_CODEC not in codecs):
+        return
+    for i, number in enumerate(codecs):
+        if number >= len(CODECS):
+            raise CheckpointFormatError(f"{_item(where, i, len(codecs))} has unknown codec number {number}")
+        codec = CODECS[number]
+        if codec.format_version > version:
+            raise CheckpointFormatError(f"{where} uses codec {codec.value!r}, which format version {version} lacks")
+        if codec is Codec.ZSTD_BYTEPLANES and itemsize not in PLANE_ITEMSIZES:
+            raise CheckpointFormatError(f"{where} uses byte planes but is not a tensor of 2-, 4- or 8-byte elements")
+
+
+def check_block_sizes(blocks: Sequence[int], where: str) -> None:
+    """Each item's block size is one ckptio writes (``config.is_block_size``)."""
+    if not blocks or (
+        min(blocks) > 0
+        and max(blocks) <= MAX_BLOCK_SIZE_LIMIT
+        and not any(b % 64 for b in (set(blocks) if len(blocks) > 64 else blocks))
+    ):
+        return
+    i, block = next((i, b) for i, b in enumerate(blocks) if not is_block_size(b))
+    raise CheckpointFormatError(f"{_item(where, i, len(blocks))} has invalid block_size {block}")
+
+
+def check_file_numbers(files: Sequence[int], ats: Sequence[int], file_count: int, where: str) -> None:
+    """Each item names one of the checkpoint's data files (1-based), or 0: kept inline, at offset 0."""
+    inline_elsewhere = 0 in files and any(a for f, a in zip(files, ats, strict=True) if not f)
+    if not files or (max(files) <= file_count and not inline_elsewhere):
+        return
+    for i, (file, at) in enumerate(zip(files, ats, strict=True)):
+        if file > file_count or (file == 0 and at != 0):
+            raise CheckpointFormatError(
+                f"{_item(where, i, len(files))} points at data file number {file} (offset {at}); the checkpoint "
+                f"has {file_count} (0 = inline, at offset 0)"
+            )
+
+
+def check_block_lengths(lengths: Sequence[int], logical: int, block: int, raw: bool, where: str) -> int:
+    """The stored bytes of one item's blocks, each checked against its logical length: equal when
+    ``raw``; compressed, no longer and no more than ``ZSTD_MAX_RATIO`` times shorter."""
+    if not lengths:
+        return 0
+    last = logical - (len(lengths) - 1) * block
+    full = lengths[:-1]
+    fits = min(lengths) > 0 and max(full, default=block) <= block and lengths[-1] <= last
+    if raw:
+        fits = fits and full.count(block) == len(full) and lengths[-1] == last
+    else:
+        fits = fits and min(full, default=block) * ZSTD_MAX_RATIO >= block and lengths[-1] * ZSTD_MAX_RATIO >= last
+    if not fits:
+        expected = [block] * len(full) + [last]
+        i = next(
+            i
+            for i, (n, m) in enumerate(zip(lengths, expected, strict=True))
+            if n <= 0 or n > m or (n != m if raw else n * ZSTD_MAX_RATIO < m)
+        )
+        raise CheckpointFormatError(f"{where} block {i} has stored length {lengths[i]} for {expected[i]} logical bytes")
+    return sum(lengths)
+
+
+def check_inline_bytes(data: bytes | None, stored: int, where: str) -> None:
+    """An item kept inline holds exactly its blocks' stored bytes."""
+    if data is None or len(data) != stored:
+        raise CheckpointFormatError(f"{where} is stored inline but its bytes do not match its blocks")
+
+
+def check_spans(
+    files: Sequence[int], ats: Sequence[int], stored: Sequence[int], names: Sequence[str], sizes: Sequence[int],
+    where: str,
+) -> None:  # fmt: skip
+    """Each item in a data file (number ``f``: ``names[f - 1]`` of ``sizes[f - 1]`` bytes) lies inside it."""
+    if not any(f and at + n > sizes[f - 1] for f, at, n in zip(files, ats, stored, strict=True)):
+        return
+    i = next(i for i, (f, at, n) in enumerate(zip(files, ats, stored, strict=True)) if f and at + n > sizes[f - 1])
+    file, at, n = files[i], ats[i], stored[i]
+    raise CheckpointFormatError(
+        f"{_item(where, i, len(files))} spans bytes {at}..{at + n} of {names[file - 1]}, which the metadata says "
+        f"holds {sizes[file - 1]} bytes"
+    )
+
+
+def decode_inline(value: Any, where: str) -> bytes | None:
+    """An inline item's stored bytes from base64 (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, TypeError, ValueError):
+        raise CheckpointFormatError(f"{where}: an inline item is not valid base64") from None

@@ -1,0 +1,326 @@
+"""The benchmark's counting, its CLI on the embedded default, and its JSON schema."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from ckptio.bench import counting, report, workload
+from ckptio.bench.__main__ import main as bench_main
+
+import ckptio
+
+from tests.conftest import S3_SERVERS
+from tests.helpers.metadata_view import readable_metadata
+
+
+def test_summary_figures_from_a_hand_computed_run():
+    # 2 ranks, repeat 0 and 1; 1000 unique bytes held twice (logical 2000) written as 600 + 400 + 20 metadata
+    listing = {
+        "data-0123456789abcdef-r00000.ckio": 600,
+        "data-0123456789abcdef-r00001.ckio": 400,
+        "ckptio.json": 20,
+        "__1_0.distcp": 0,
+    }
+    base = {
+        "target": "local",
+        "writer": "w",
+        "url": "u",
+        "load_mismatches": [],
+        "reshard_mismatches": [],
+        "save_requests": {"PUT": 1},
+        "load_requests": {"GET": 2},
+        "reshard_load_requests": {},
+        "save_rss_bytes": 10,
+        "load_rss_bytes": 5,
+        "reshard_load_s": 0.5,
+    }
+    records = [dict(base, rank=r, repeat=k, save_s=1.0 + k + r, load_s=2.0 + k) for r in (0, 1) for k in (0, 1)]
+    (row,) = report.summarize(records, {"u": listing}, world=2, sizes={"logical_bytes": 2000, "unique_bytes": 1000})
+    assert row["save_s_median"] == 2.5 and row["save_s_min"] == 2.0 and row["save_s_max"] == 3.0  # max over ranks
+    assert row["bytes_written"] == 1020 and row["dedup_ratio"] == 2000 / 1020
+    assert row["write_amplification"] == 1.02
+    assert row["objects"] == 4 and row["empty_objects"] == 1
+    assert row["largest_rank_bytes"] == 600 and row["mean_rank_bytes"] == 500 and row["writing_ranks"] == 2
+    assert row["save_requests"]["PUT"] == 2 and row["load_requests"]["GET"] == 4  # summed over ranks, repeat 0
+    assert row["load_bit_exact"] and row["reshard_bit_exact"]
+
+
+def test_async_figures_from_hand_computed_records():
+    from ckptio.bench import async_saves
+
+    def save(blocking, background, steps, pss):
+        return {
+            "blocking_s": blocking,
+            "background_s": background,
+            "steps": steps,
+            "rss_bytes": pss,
+            "tree_pss_bytes": pss,
+        }
+
+    mib = 1 << 20
+    records = [
+        {
+            "setup": "s",
+            "executor": "THREAD",
+            "rank": rank,
+            "payload_bytes": 100 * mib,
+            "sync_s": [1.0, 2.0, 3.0 + rank],
+            "baseline_steps": 100,
+            "baseline_s": 1.0,
+            # save 1 (allocates) is left out of the blocking figures; growth is from save 2 to the last
+            "saves": [
+                save(0.9, 1.0, 10, 0),
+                save(0.1 + rank, 1.0, 50, 10 * mib),
+                save(0.3, 2.0, 100, (30 + rank) * mib),
+            ],
+            "mismatches": [],
+        }
+        for rank in (0, 1)
+    ]
+    (row,) = async_saves.summarize(records)
+    assert row["blocking_s_median"] == (1.1 + 0.3) / 2 and row["blocking_s_min"] == 0.3  # slowest rank per save
+    assert row["sync_s_median"] == 2.0 and row["blocking_over_sync"] == row["blocking_s_median"] / 2.0
+    assert row["steps_per_s_before"] == 100 and row["steps_per_s_during"] == 160 / 4.0
+    assert row["training_speed_during"] == 0.4
+    assert row["tree_pss_growth_bytes"] == 21 * mib and row["tree_pss_growth_over_payload"] == 0.21
+    assert row["bit_exact"]
+
+
+def test_plan_figures_from_hand_computed_records():
+    from ckptio.bench import plan_time
+
+    records = [
+        {"writer": "w", "tensors": 10, "save": k, "rank": rank, "plan_s": (5 - k) + rank, "save_s": 10.0 + k}
+        for k in range(4)
+        for rank in (0, 1)
+    ]
+    (row,) = plan_time.summarize(records)
+    assert row["first_plan_s"] == 6 and row["later_plan_s_median"] == 4 and row["later_plan_s_min"] == 3
+    assert row["first_save_s"] == 10.0 and row["later_save_s_median"] == 12.0
+
+
+def test_process_tree_memory_counts_a_child_process():
+    import subprocess
+    import sys
+
+    from ckptio.bench import async_saves
+
+    before = async_saves.process_tree_pss()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; b = bytearray(256 << 20); print('ok', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout.readline() == b"ok\n"
+        grown = async_saves.process_tree_pss() - before
+    finally:
+        child.communicate(b"")
+    assert 256 << 20 <= grown < 400 << 20  # the child's touched buffer plus its interpreter
+
+
+def _held_bytes_and_save(url: str, size: int) -> int:
+    """Save the workload on a 2x2 mesh; return the bytes this rank holds (tensors + pickled objects)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    state = workload.build_state(mesh, workload.tensor_specs(size), False, dist.get_rank())
+    ckptio.save(state, url)
+
+    def held(value) -> int:
+        if isinstance(value, dict):
+            return sum(held(v) for v in value.values())
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        return len(workload._pickled(value))
+
+    return held(state)
+
+
+def test_workload_byte_counts_match_what_ranks_hold_and_ckptio_stores(tmp_path):
+    from tests.helpers.harness import spawn
+
+    url = str(tmp_path / "w")
+    held = spawn(4, _held_bytes_and_save, url, 1 << 20)
+    sizes = workload.byte_counts(workload.tensor_specs(1 << 20), (2, 2))
+    assert sum(held) == sizes["logical_bytes"]
+    stored = sum(i["logical_bytes"] for i in readable_metadata(url)["items"])
+    assert stored == sizes["unique_bytes"]
+
+
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
+def test_s3_requests_are_counted_on_the_client(s3):
+    base, options = s3
+    counting.install_s3_counter()
+    counting.take_counts()
+    ckptio.save(
+        {"w": torch.ones(1000)}, f"{base}/counted", ckptio.WriterConfig(inline_limit=0), storage_options=options
+    )
+    counts = counting.take_counts()
+    assert counts["PUT"] == 2 and counts["GET"] == 1  # data object, metadata; the existence check
+    assert sum(counts.values()) == 3
+    ckptio.load({"w": torch.zeros(1000)}, f"{base}/counted", storage_options=options)
+    assert counting.take_counts()["GET"] == 2  # metadata, one ranged read
+
+
+@pytest.mark.slow
+def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
+    out = str(tmp_path / "results")
+    args = [
+        "--ranks",
+        "2",
+        "--mesh",
+        "1x2",
+        "--size",
+        "2MiB",
+        "--out",
+        out,
+        "--quiet",
+        "--writers",
+        "ckptio all_ranks",
+        "ckptio replica_group",
+        "FileSystemWriter",
+        "FsspecWriter",
+        "--async-saves",
+        "2",
+        "--plan-tensors",
+        "10",
+    ]
+    assert bench_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "ckptio all_ranks" in printed and "S3 requests" in printed
+    (path,) = glob.glob(os.path.join(out, "*.json"))
+    doc = json.load(open(path))
+    assert doc["schema_version"] == report.SCHEMA_VERSION
+    assert set(doc) >= {"created", "versions", "machine", "config", "results"}
+    assert doc["config"]["mesh"] == [1, 2] and doc["config"]["ranks"] == 2
+    rows = {(r["target"], r["writer"]) for r in doc["results"]}
+    assert rows == {
+        ("local", "ckptio all_ranks"),
+        ("local", "ckptio replica_group"),
+        ("local", "torch FileSystemWriter"),
+        ("local", "torch FsspecWriter"),
+        ("s3 (moto)", "ckptio all_ranks"),
+        ("s3 (moto)", "ckptio replica_group"),
+        ("s3 (moto)", "torch FsspecWriter"),
+    }
+    numeric = (
+        "save_s_median",
+        "load_s_median",
+        "bytes_written",
+        "dedup_ratio",
+        "write_amplification",
+        "objects",
+        "largest_rank_bytes",
+        "mean_rank_bytes",
+        "peak_rss_save_bytes",
+    )
+    for row in doc["results"]:
+        assert all(isinstance(row[k], (int, float)) for k in numeric)
+        assert row["load_bit_exact"] and row["reshard_bit_exact"]
+        assert set(row["save_requests"]) == set(counting.REQUEST_KINDS)
+        if row["writer"].startswith("ckptio") and row["target"] != "local":
+            assert row["save_requests"]["COPY"] == row["save_requests"]["LIST"] == 0
+    asynchronous = {(r["setup"], r["executor"]) for r in doc["async_saves"]}
+    assert asynchronous == {
+        (setup, executor)
+        for setup in ("ckptio plain call", "torch FileSystemWriter")  # the stagers' rows: --all-stagers
+        for executor in ("THREAD", "PROCESS")
+    }
+    for row in doc["async_saves"]:
+        assert row["bit_exact"] and row["saves"] == 2
+        assert 0 < row["blocking_s_median"] and 0 < row["steps_per_s_during"] and 0 < row["payload_bytes"]
+    assert {(r["writer"], r["tensors"]) for r in doc["plan_time"]} == {
+        ("ckptio all_ranks", 10),
+        ("torch FileSystemWriter", 10),
+    }
+    assert "Asynchronous saves" in printed and "Plan time" in printed
+    for made in (".md", ".png", "-async.png"):
+        assert os.path.exists(path.replace(".json", made))
+    skip_sections = ["--async-saves", "0", "--plan-tensors", "none"]
+    assert bench_main(args + ["--compare", path, "--no-charts", *skip_sections]) == 0
+    printed = capsys.readouterr().out
+    assert "against" in printed and "Asynchronous saves" not in printed and "Plan time" not in printed
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "fsdp", "fsdp_tp"])
+def test_scale_simulation_runs_both_writers_on_valid_plans(layout):
+    from ckptio.bench import scale
+
+    # 16 ranks, 1 layer: 12 parameters x (weight, 2 moments) shards + 12 steps + 5 param_groups + 1 loader
+    rows = [scale.simulate(writer, layout, 16, 1) for writer in ("ckptio", "torch")]
+    for row in rows:
+        assert row["items"] == 16 * 54
+        assert row["metadata_bytes"] > 0 and row["gathered_plan_bytes"] > 0
+        assert min(row["global_plan_s"], row["finish_s"], row["decode_s"]) > 0
+    # torch's planner validated the plans (exact cover) and ckptio decoded its own metadata back
+    assert rows[0]["writer"] == "ckptio" and rows[1]["writer"] == "torch"
+    assert rows[0]["metadata_read_bytes"] == rows[0]["metadata_bytes"]  # one rank reads, for all 16
+    assert rows[1]["metadata_read_bytes"] == 16 * rows[1]["metadata_bytes"]
+
+
+def test_scale_layouts_split_like_dtensor(capsys):
+    from ckptio.bench import scale
+
+    assert scale.chunk_of("layers.0.attention.wq.weight", (8192, 8192), "fsdp", 1024, 3) == ((24, 0), (8, 8192))
+    # column-wise TP shards rows 8 ways, FSDP (1024 / 8 = 128) splits each TP slice's rows again
+    assert scale.chunk_of("layers.0.attention.wq.weight", (8192, 8192), "fsdp_tp", 1024, 9) == ((1032, 0), (8, 8192))
+    # row-wise TP shards columns; a norm is not TP-sharded
+    assert scale.chunk_of("layers.0.feed_forward.w2.weight", (8192, 28672), "fsdp_tp", 1024, 9) == (
+        (64, 3584),
+        (64, 3584),
+    )
+    assert scale.chunk_of("norm.weight", (8192,), "fsdp_tp", 1024, 9) == ((64,), (64,))
+    # HSDP: 128-way shards, replica 1 holds what replica 0 does; FSDP's last ranks of a 32000-row tensor are empty
+    assert scale.chunk_of("output.weight", (32000, 8192), "hsdp", 1024, 128 + 5) == ((1250, 0), (250, 8192))
+    assert scale.chunk_of("output.weight", (32000, 8192), "fsdp", 1024, 1023) == ((32000, 0), (0, 8192))
+    # an empty FSDP slice of TP slice 0 must not take the index of TP slice 1's first chunk
+    assert scale.chunk_of("output.weight", (32000, 8192), "fsdp_tp", 1024, 125 * 8) == ((32000, 0), (0, 8192))
+    assert scale.parse_points("1024:8, 8192") == [(1024, 8), (8192, 80)]
+    with pytest.raises(SystemExit) as refused:
+        scale.parse_points("1001")
+    assert refused.value.code == 2 and "multiple of 8" in capsys.readouterr().err
+
+
+def test_compressed_runs_also_save_the_training_state_with_the_zstd_writers():
+    from ckptio.bench.__main__ import _training_state_pass, parse_args
+    from ckptio.bench.writers import select
+
+    targets = [{"name": "local", "kind": "local", "base": "/x"}, {"name": "s3 (moto)", "kind": "s3", "base": "s3://b"}]
+
+    def pass_for(*argv):
+        args = parse_args(["--out", "/tmp/ckptio-bench-test-out", *argv])
+        cfg = {"data": args.data, "targets": targets, "shared_reads": True}
+        return _training_state_pass(args, cfg, select(args.writers, args.compressed), targets)
+
+    state_cfg, steps = pass_for("--compressed", "--repeats", "3")
+    zstd = ["ckptio all_ranks+zstd", "ckptio replica_group+zstd", "torch FileSystemWriter+zstd"]
+    assert state_cfg["data"] == "bf16-weights" and state_cfg["writers"] == zstd and steps == 9
+    assert [t["name"] for t in state_cfg["targets"]] == ["local bf16-weights"] and not state_cfg["shared_reads"]
+    assert state_cfg["targets"][0]["base"] == "/x/bf16-weights"
+    assert pass_for() is None  # not compressed
+    assert pass_for("--compressed", "--data", "bf16-weights") is None  # the run's own state already
+    assert pass_for("--compressed", "--writers", "ckptio all_ranks") is None  # no compressed writer chosen
+
+
+def test_the_s3_client_benchmark_reads_back_what_each_client_wrote(moto_server):
+    from ckptio.bench import s3_clients
+
+    server = {"endpoint": moto_server, "key": "testing", "secret": "testing"}
+    s3_clients._create_bucket(server)
+    rows = [
+        {"server": "moto", **s3_clients.measure_one(client, server, 2 << 20, 5 << 20, 1, signed)}
+        for client in ("ckptio", "s3fs")
+        for signed in (True, False)
+    ]  # each measurement checks the bytes read back
+    for row in rows:
+        assert row["upload_cpu_s_per_gib"][0] > 0 and row["download_mb_s"][1] > 0
+    assert "| moto | s3fs | unsigned |" in s3_clients.table(rows)

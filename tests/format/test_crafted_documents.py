@@ -1,0 +1,311 @@
+"""Crafted or damaged ``ckptio.json`` documents fail with named format errors, through every entry point."""
+
+from __future__ import annotations
+import json
+import os
+import resource
+import struct
+import time
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import zstandard
+from torch.distributed.checkpoint.api import CheckpointException
+import ckptio
+from ckptio.config import StorageConfig
+from ckptio.format.codec import checksum
+from ckptio.format.names import METADATA_NAME
+from ckptio.format.v1 import pack_counts, unpack_counts
+from ckptio.tools.cli import main as cli_main
+from tests.helpers import findings
+from tests.conftest import S3_SERVERS, s3_client
+from tests.helpers.faultproxy import Fault
+from tests.helpers.harness import spawn
+from tests.helpers.metadata_view import readable_metadata
+import re
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from tests.helpers import scenarios
+from tests.conftest import S3_SERVERS
+from tests.helpers.harness import run_ranks, spawn
+import base64
+import math
+from typing import Any
+from hypothesis import HealthCheck, given, settings
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from ckptio.loading.conversion import is_exact, is_rounding
+from tests.helpers.random_states import blank, differences, round_trip, states
+
+
+def _meta_path(url: str) -> str:
+    return os.path.join(url, METADATA_NAME)
+
+
+def _read_doc(url: str) -> dict:
+    return readable_metadata(url)
+
+
+def _write_doc(url: str, doc: dict) -> None:
+    with open(_meta_path(url), "w") as f:
+        json.dump(doc, f)
+
+
+def _load_error(url: str, state: dict) -> ckptio.CheckpointError:
+    with pytest.raises(CheckpointException) as info:
+        dcp.load(state, storage_reader=ckptio.Reader(url))
+    return ckptio.unwrap(info.value)
+
+
+def _two_chunk_checkpoint(tmp_path) -> str:
+    """A tensor saved as two chunks (by two 'ranks' of a sharded tensor, written here as one plan)."""
+    url = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(4096.0).reshape(64, 64), "meta": {"epoch": 3}}
+    dcp.save(state, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(inline_limit=0)))
+    doc = _read_doc(url)
+    # Split "w" into two row chunks the way a 2-way Shard(0) save records it.
+    (entry,) = [i for i in doc["items"] if i["fqn"] == "w"]
+    top, bottom = dict(entry), dict(entry)
+    half = entry["logical_bytes"] // 2
+    blocks = unpack_counts(entry["crc32c"], "x")
+    per = len(blocks) // 2
+    top.update(shape=[32, 64], logical_bytes=half, crc32c=pack_counts(blocks[:per]))
+    bottom.update(shape=[32, 64], chunk_offset=[32, 0], offset=entry["offset"] + half, logical_bytes=half)
+    bottom.update(crc32c=pack_counts(blocks[per:]), index=1)
+    doc["items"] = [i for i in doc["items"] if i["fqn"] != "w"] + [top, bottom]
+    doc["state"]["w"]["chunks"] = [{"offsets": [0, 0], "sizes": [32, 64]}, {"offsets": [32, 0], "sizes": [32, 64]}]
+    _write_doc(url, doc)
+    return url
+
+
+def test_chunks_that_do_not_cover_the_tensor_are_refused(tmp_path):
+    url = _two_chunk_checkpoint(tmp_path)
+    out = {"w": torch.zeros(64, 64), "meta": {"epoch": 0}}
+    dcp.load(out, storage_reader=ckptio.Reader(url))  # the crafted split itself is valid
+    assert torch.equal(out["w"], torch.arange(4096.0).reshape(64, 64))
+    good = _read_doc(url)
+
+    doc = json.loads(json.dumps(good))  # a chunk missing: its item and its declaration
+    doc["items"] = [i for i in doc["items"] if i.get("chunk_offset") != [32, 0]]
+    doc["state"]["w"]["chunks"] = doc["state"]["w"]["chunks"][:1]
+    _write_doc(url, doc)
+    error = _load_error(url, {"w": torch.full((64, 64), -1.0)})
+    assert isinstance(error, ckptio.CheckpointFormatError) and "does not cover the tensor" in str(error)
+
+    doc = json.loads(json.dumps(good))  # a chunk declared, its item missing
+    doc["items"] = [i for i in doc["items"] if i.get("chunk_offset") != [32, 0]]
+    _write_doc(url, doc)
+    error = _load_error(url, {"w": torch.full((64, 64), -1.0)})
+    assert isinstance(error, ckptio.CheckpointFormatError) and "record is missing" in str(error)
+
+    doc = json.loads(json.dumps(good))  # an object record where a tensor chunk is expected
+    bytes_item = next(i for i in doc["items"] if i["fqn"] == "meta.epoch")
+    tensor_item = next(i for i in doc["items"] if i.get("chunk_offset") == [32, 0])
+    tensor_item.update({k: bytes_item[k] for k in ("kind", "dtype", "shape", "logical_bytes", "crc32c", "offset")})
+    _write_doc(url, doc)
+    error = _load_error(url, {"w": torch.full((64, 64), -1.0)})
+    assert isinstance(error, ckptio.CheckpointFormatError) and "bytes" in str(error)
+
+
+# --- hostile or garbage metadata ------------------------------------------------------------------
+def _saved(tmp_path, name: str = "ckpt") -> str:
+    url = str(tmp_path / name)
+    state = {"w": torch.arange(70000.0), "blob": b"x" * 100, "cfg": {"lr": 0.1}}
+    dcp.save(state, storage_writer=ckptio.Writer(url))
+    return url
+
+
+def _format_error_for(url: str, raw: bytes | str) -> str:
+    with open(_meta_path(url), "wb") as f:
+        f.write(raw.encode() if isinstance(raw, str) else raw)
+    error = _load_error(url, {"w": torch.zeros(70000)})
+    assert isinstance(error, ckptio.CheckpointFormatError), repr(error)
+    return str(error)
+
+
+def test_garbage_json_is_a_named_format_error(tmp_path):
+    url = _saved(tmp_path)
+    good = open(_meta_path(url)).read()
+    doc, view = json.loads(good), _read_doc(url)  # version 3; the same in version 2's schema
+    assert "deeper than" in _format_error_for(url, "[" * 100_000 + "]" * 100_000)
+    assert "not valid JSON" in _format_error_for(url, good.replace('"count":1', '"count":' + "9" * 5000, 1))
+    assert "repeats the JSON key 'files'" in _format_error_for(url, good[:-1] + ',"files":{}}')
+    items = view["items"] + [view["items"][0]]
+    assert "listed twice" in _format_error_for(url, json.dumps({**view, "items": items}))
+    assert "format_version" in _format_error_for(url, json.dumps({**doc, "format_version": -1}))
+    name = next(iter(view["files"]))
+    files = {name + "\n": view["files"][name]}
+    assert "plain ckptio data file name" in _format_error_for(url, json.dumps({**view, "files": files}))
+    files = {**doc["files"], "save_ids": [doc["files"]["save_ids"][0] + "\n"]}
+    assert "plain ckptio data file name" in _format_error_for(url, json.dumps({**doc, "files": files}))
+    for field, value in [
+        ("created_unix", "yesterday"),
+        ("created_unix", 1e300),
+        ("config", ["all_ranks"]),
+        ("mesh", "2x2"),
+        ("writer_ranks", [0]),
+        ("world_size", -2),
+    ]:
+        base = view if field == "writer_ranks" else doc  # version 3 keeps writers in 'files'
+        message = _format_error_for(url, json.dumps({**base, field: value}))
+        assert repr(field) in message or f"field {field!r}" in message or field in message, (field, message)
+        with open(_meta_path(url), "w") as f:
+            f.write(json.dumps({**base, field: value}))
+        for command in (["inspect", url], ["verify", "-q", url], ["convert", url, str(tmp_path / "o.pt")]):
+            assert cli_main(command) == 2
+
+
+def test_declared_sizes_are_checked_before_anything_large_is_allocated(tmp_path):
+    url = _saved(tmp_path)
+    doc = _read_doc(url)
+    blob = next(i for i in doc["items"] if i["fqn"] == "blob")
+    name = blob["file"]
+    block = 64 << 20
+    blob.update(logical_bytes=4 << 30, block_size=block, crc32c=pack_counts([0] * 64))
+    blob["offset"] = doc["files"][name]
+    doc["files"][name] += 4 << 30  # the file "holds" 4 GiB more
+    _write_doc(url, doc)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    state = {"w": torch.zeros(70000), "blob": None, "cfg": {"lr": 0.0}}
+    error = _load_error(url, state)
+    assert isinstance(error, ckptio.CorruptCheckpointError) and name in str(error) and "holds" in str(error)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < (1 << 30) // 1024  # KiB
+    assert cli_main(["convert", url, str(tmp_path / "o.pt")]) == 2
+
+
+def test_unwrap_recovers_the_class_of_metadata_errors_through_plain_dcp_load(tmp_path):
+    state = {"w": torch.zeros(4)}
+    assert isinstance(_load_error(str(tmp_path / "nothing"), state), ckptio.CheckpointNotFoundError)
+    incomplete = tmp_path / "incomplete"
+    incomplete.mkdir()
+    (incomplete / "data-0123456789abcdef-r00000.ckio").write_bytes(b"x")
+    assert isinstance(_load_error(str(incomplete), state), ckptio.IncompleteCheckpointError)
+    url = _saved(tmp_path)
+    open(_meta_path(url), "w").write("{not json")
+    assert isinstance(_load_error(url, state), ckptio.CheckpointFormatError)
+
+
+STATE = {"w": torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024), "b": torch.ones(8), "meta": {"x": 1}}
+
+
+def fresh():
+    return {"w": torch.zeros(64, 1024), "b": torch.zeros(8), "meta": {"x": None}}
+
+
+def saved(tmp_path, name="ck", state=STATE, **config) -> str:
+    url = str(tmp_path / name)
+    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0, **config))
+    return url
+
+
+def test_missing_garbage_and_future_metadata(tmp_path):
+    url = saved(tmp_path)
+    meta_path = os.path.join(url, METADATA_NAME)
+    good = open(meta_path, "rb").read()
+    os.remove(meta_path)
+    with pytest.raises(ckptio.IncompleteCheckpointError, match="never committed"):
+        ckptio.load(fresh(), url)
+    open(meta_path, "wb").write(b"\x80\x04\x95 not json at all")
+    with pytest.raises(ckptio.CheckpointFormatError, match="not valid JSON"):
+        ckptio.load(fresh(), url)
+    doc = json.loads(good)
+    doc["format_version"] = 99
+    doc["written_by"] = "ckptio 9.9.9"
+    open(meta_path, "w").write(json.dumps(doc))
+    with pytest.raises(ckptio.CheckpointFormatError, match="written by ckptio 9.9.9 .* upgrade ckptio"):
+        ckptio.load(fresh(), url)
+    doc = json.loads(good)
+    doc["files"]["save_ids"] = ["../../etc/data-0123456789abcdef"]  # names ../../etc/data-...-r00000.ckio
+    open(meta_path, "w").write(json.dumps(doc))
+    with pytest.raises(ckptio.CheckpointFormatError, match="plain ckptio data file name"):
+        ckptio.load(fresh(), url)
+
+
+# --- item 3: numbers in headers bounded where they are parsed ---------------------------------------
+HUGE = [2**63, 2**64, 2**63 - 1]
+
+
+def _v3_doc(url: str) -> dict:
+    with open(os.path.join(url, "ckptio.json"), "rb") as f:
+        return json.load(f)
+
+
+@pytest.fixture
+def raw_checkpoint(tmp_path):
+    url = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(20000.0), "b": torch.arange(7), "step": 3}
+    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0))
+    doc = _v3_doc(url)
+    assert doc["format_version"] == 3
+    return url, doc
+
+
+def _packed_q(values: list[int]) -> str:
+    """A packed column of 8-byte entries (2^64 and more saturate at the largest one it can hold)."""
+    return "Q" + base64.b64encode(b"".join(min(v, 2**64 - 1).to_bytes(8, "little") for v in values)).decode()
+
+
+V3_FIELDS = {
+    "chunk offset (at)": lambda doc, v: doc["keys"]["w"].__setitem__("at", v),
+    "chunk offset (at, packed)": lambda doc, v: doc["keys"]["w"].__setitem__("at", _packed_q([v])),
+    "tensor size": lambda doc, v: doc["keys"]["w"].__setitem__("size", [v]),
+    "chunk size": lambda doc, v: doc["keys"]["w"].__setitem__("sizes", [v]),
+    "chunk offsets": lambda doc, v: doc["keys"]["w"].__setitem__("offsets", [v]),
+    "block size": lambda doc, v: doc["keys"]["w"].__setitem__("block_size", v),
+    "object length": lambda doc, v: doc["objects"].__setitem__("length", v),
+    "document block size": lambda doc, v: doc.__setitem__("block_size", v),
+}
+
+
+#: Past int64 only: a file size larger than the file is a claim the decoder cannot see through (it
+#: reads no file); loads find the file short, and paths that allocate first check sizes (below).
+V3_FIELDS_INT64_ONLY = {
+    "file size": lambda doc, v: doc["files"].__setitem__("sizes", v),
+    "world size": lambda doc, v: doc.__setitem__("world_size", v),
+    "file rank": lambda doc, v: doc["files"].__setitem__("ranks", v),
+    "mesh shape": lambda doc, v: doc.__setitem__("mesh", {"shape": [v], "dims": ["dp"]}),
+    "configured block size": lambda doc, v: doc["config"].__setitem__("max_block_size", v),
+}
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [(f, v) for f in V3_FIELDS for v in [*HUGE, "past the file"]]
+    + [(f, v) for f in V3_FIELDS_INT64_ONLY for v in HUGE[:2]],
+)
+def test_ckptio_json_numbers_past_int64_or_the_file_are_format_errors_at_decode(field, value, raw_checkpoint):
+    url, doc = raw_checkpoint
+    if value == "past the file":
+        value = doc["files"]["sizes"] + 1
+    {**V3_FIELDS, **V3_FIELDS_INT64_ONLY}[field](doc, value)
+    _write_doc(url, doc)
+    with pytest.raises(ckptio.CheckpointFormatError) as info:
+        ckptio.Reader(url).read_metadata()
+    assert "ckptio.json" in str(info.value), info.value
+
+
+LEGACY_FIELDS = {
+    "item offset": lambda doc, v: doc["items"][0].__setitem__("offset", v),
+    "file size": lambda doc, v: doc["files"].__setitem__(next(iter(doc["files"])), v),
+    "tensor size": lambda doc, v: doc["state"]["w"].__setitem__("size", [v]),
+    "chunk offset": lambda doc, v: doc["state"]["w"]["chunks"][0].__setitem__("offsets", [v]),
+    "logical bytes": lambda doc, v: doc["items"][0].__setitem__("logical_bytes", v),
+    "list index": lambda doc, v: doc["planner_data"].__setitem__("w", ["w", v]),
+}
+
+
+@pytest.mark.parametrize("value", HUGE[:2])
+@pytest.mark.parametrize("field", list(LEGACY_FIELDS))
+def test_version_1_documents_bound_the_same_numbers(field, value, raw_checkpoint):
+    """ckptio 0.1's schema (a JSON object per item), which every later ckptio still reads: the same
+    bounds, through the same rule functions."""
+    from ckptio.format.v1 import legacy_document
+
+    url, _ = raw_checkpoint
+    reader = ckptio.Reader(url)
+    reader.read_metadata()
+    doc = legacy_document(reader.manifest)
+    assert doc["format_version"] == 1 and doc["items"][0]["fqn"] == "w"
+    LEGACY_FIELDS[field](doc, value)
+    _write_doc(url, doc)
+    with pytest.raises(ckptio.CheckpointFormatError) as info:
+        ckptio.Reader(url).read_metadata()
+    assert "ckptio" in str(info.value), info.value

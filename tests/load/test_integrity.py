@@ -1,0 +1,126 @@
+"""Integrity and safety: every way a checkpoint can be damaged, foreign or unsafe gets its own error."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckptio
+from ckptio.format.names import METADATA_NAME
+from ckptio.tools.cli import main as cli_main
+
+from tests.helpers import scenarios
+from tests.conftest import S3_SERVERS
+from tests.helpers.faultproxy import Fault
+from tests.helpers.harness import run_ranks, spawn
+from tests.helpers.metadata_view import readable_metadata
+
+STATE = {"w": torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024), "b": torch.ones(8), "meta": {"x": 1}}
+
+
+def fresh():
+    return {"w": torch.zeros(64, 1024), "b": torch.zeros(8), "meta": {"x": None}}
+
+
+def saved(tmp_path, name="ck", state=STATE, **config) -> str:
+    url = str(tmp_path / name)
+    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0, **config))
+    return url
+
+
+def data_file(url: str) -> str:
+    (name,) = [n for n in os.listdir(url) if n.endswith(".ckio")]
+    return os.path.join(url, name)
+
+
+def item_record(url: str, fqn: str) -> dict:
+    return next(i for i in readable_metadata(url)["items"] if i["fqn"] == fqn)
+
+
+def test_flipped_byte_names_key_file_offset_and_both_checksums(tmp_path):
+    url = saved(tmp_path)
+    record = item_record(url, "w")
+    with open(data_file(url), "r+b") as f:
+        f.seek(record["offset"] + 5000)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ckptio.CorruptCheckpointError) as err:
+        ckptio.load(fresh(), url)
+    message = str(err.value)
+    assert "'w'" in message and os.path.basename(data_file(url)) in message
+    assert re.search(r"crc32c recorded [0-9a-f]{8}, read [0-9a-f]{8}", message)
+    block = 5000 // record["block_size"]
+    assert f"block {block} at byte offset {record['offset'] + block * record['block_size']}" in message
+    ckptio.load(fresh(), url, verify=False)  # opting out really skips the check
+    assert cli_main(["verify", "-q", url]) == 1
+
+
+def test_truncated_and_missing_data_files(tmp_path):
+    url = saved(tmp_path)
+    path = data_file(url)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(ckptio.CorruptCheckpointError, match=rf"truncated.*{size}-byte file"):
+        ckptio.load(fresh(), url)
+    os.remove(path)
+    with pytest.raises(ckptio.CorruptCheckpointError, match="are missing"):
+        ckptio.load(fresh(), url)
+
+
+
+
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
+def test_nonexistent_path_and_bucket(tmp_path, s3):
+    with pytest.raises(ckptio.CheckpointNotFoundError, match="does not exist"):
+        ckptio.load(fresh(), str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ckptio.CheckpointNotFoundError, match="'ckptio.json' is missing"):
+        ckptio.load(fresh(), str(tmp_path / "empty"))
+    _, options = s3
+    with pytest.raises(ckptio.CheckpointNotFoundError, match="does not exist"):
+        ckptio.load(fresh(), "s3://no-such-bucket-ckptio/x", storage_options=options)
+    with pytest.raises(ckptio.StorageError, match="bucket 'no-such-bucket-ckptio' does not exist"):
+        ckptio.save(STATE, "s3://no-such-bucket-ckptio/x", storage_options=options)
+
+
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
+def test_permission_denied_names_the_object(s3_proxy):
+    proxy, base, options = s3_proxy
+    proxy.faults.append(Fault(lambda r: r.operation == "GET", 403))
+    with pytest.raises(ckptio.StorageError, match=r"access denied: get_object .*ckptio.json"):
+        ckptio.load(fresh(), f"{base}/denied", storage_options=options)
+    proxy.faults = [Fault(lambda r: r.operation in ("PUT", "MPU_CREATE"), 403)]
+    with pytest.raises(ckptio.StorageError, match=r"access denied: put_object .*\.ckio"):
+        ckptio.save(STATE, f"{base}/denied", ckptio.WriterConfig(inline_limit=0), storage_options=options)
+
+
+def test_torch_dcp_checkpoint_is_recognised(tmp_path):
+    url = str(tmp_path / "torch")
+    dcp.save(STATE, storage_writer=dcp.FileSystemWriter(url))
+    with pytest.raises(ckptio.NotCkptioCheckpointError, match="torch DCP checkpoint"):
+        ckptio.load(fresh(), url)
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+

@@ -1,0 +1,65 @@
+"""S3 endpoints that stall, race or lack conditional writes (``ckptio.storage.s3``)."""
+
+from __future__ import annotations
+import json
+import os
+import resource
+import struct
+import time
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import zstandard
+from torch.distributed.checkpoint.api import CheckpointException
+import ckptio
+from ckptio.config import StorageConfig
+from ckptio.format.codec import checksum
+from ckptio.format.names import METADATA_NAME
+from ckptio.format.v1 import pack_counts, unpack_counts
+from ckptio.tools.cli import main as cli_main
+from tests.helpers import findings
+from tests.conftest import S3_SERVERS, s3_client
+from tests.helpers.faultproxy import Fault
+from tests.helpers.harness import spawn
+from tests.helpers.metadata_view import readable_metadata
+
+
+# --- faults -----------------------------------------------------------------------------------
+def test_a_stalled_s3_endpoint_is_bounded_by_the_retry_deadline(s3_proxy):
+    proxy, base, options = s3_proxy
+    url = f"{base}/stalled"
+    dcp.save({"w": torch.ones(1000)}, storage_writer=ckptio.Writer(url, storage_options=options))
+    proxy.faults.append(Fault(lambda r: r.operation == "GET", "stall"))
+    started = time.monotonic()
+    reader = ckptio.Reader(
+        url, storage_options=options, storage_config=StorageConfig(retry_attempts=3, retry_deadline_s=1)
+    )
+    with pytest.raises(CheckpointException) as info:
+        dcp.load({"w": torch.zeros(1000)}, storage_reader=reader)
+    assert time.monotonic() - started < 20  # the deadline (1 s) bounds it, not botocore's 60 s read timeout
+    assert isinstance(ckptio.unwrap(info.value), ckptio.StorageError)
+
+    proxy.faults[:] = [Fault(lambda r: r.operation == "PUT", "stall")]
+    config = ckptio.WriterConfig(retry_attempts=3, retry_deadline_s=1)
+    started = time.monotonic()
+    with pytest.raises(CheckpointException) as info:
+        dcp.save({"w": torch.ones(1000)}, storage_writer=ckptio.Writer(f"{base}/s2", config, storage_options=options))
+    assert time.monotonic() - started < 20
+    assert "ckptio.json" in str(ckptio.unwrap(info.value))
+
+
+@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
+def test_s3_compatible_stores_without_conditional_writes_still_commit(s3_proxy):
+    proxy, base, options = s3_proxy
+    url = f"{base}/no-conditional"
+    proxy.faults.append(Fault(lambda r: r.operation == "PUT" and r.conditional, 501))
+    dcp.save({"w": torch.ones(10)}, storage_writer=ckptio.Writer(url, storage_options=options))
+    stats = proxy.reset()
+    # 501 is not retried. The first upload to this endpoint carries a CRC32C header too, so the 501 may
+    # be about either: the conditional PUT is tried again without the checksum (still 501), then the
+    # check and a plain PUT, which carries its checksum (so the store is not taken to refuse them)
+    assert stats.failed["PUT"] == 2 and stats.requests["PUT"] == 3 and stats.requests["HEAD"] == 1
+    assert [r.checksum for r in stats.log if r.operation == "PUT"] == [True, False, True]
+    out = {"w": torch.zeros(10)}
+    dcp.load(out, storage_reader=ckptio.Reader(url, storage_options=options))
+    assert torch.equal(out["w"], torch.ones(10))

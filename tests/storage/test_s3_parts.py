@@ -1,0 +1,34 @@
+"""S3 multipart part sizes (``ckptio.storage.s3``) within S3's limits."""
+
+from __future__ import annotations
+import json
+import math
+import os
+import pytest
+import torch
+import ckptio
+from ckptio import CheckpointFormatError, WriterConfig
+from ckptio.config import MiB
+from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_block
+from ckptio.format.names import FORMAT_VERSION, data_file_name, is_data_file_name
+from ckptio.format.v1 import pack_counts
+from ckptio.format.versions import decode_metadata
+from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
+
+
+def test_s3_part_sizes_stay_within_the_part_count_and_size_limits():
+    from ckptio.storage.s3 import MAX_PART_BYTES, MAX_PARTS, part_size_for
+
+    TiB = 1 << 40
+    for base in (5 * MiB, 32 * MiB, 4 << 30):
+        sizes = [part_size_for(n, base) for n in range(1, MAX_PARTS + 1)]
+        assert sizes[0] == base and sizes == sorted(sizes) and max(sizes) <= MAX_PART_BYTES
+        assert sum(sizes) >= 4.8 * TiB  # S3's largest object is 5 TiB
+    assert [part_size_for(n, 32 * MiB) for n in (1000, 1001, 2001)] == [32 * MiB, 64 * MiB, 128 * MiB]
+
+
+def test_part_size_is_bounded_by_s3s_limits(clean_env):
+    for bad in (5 * MiB - 1, (4 << 30) + 1):
+        with pytest.raises(ValueError, match="part_size"):
+            WriterConfig(part_size=bad)
+    assert WriterConfig(part_size=4 << 30).part_size == 4 << 30

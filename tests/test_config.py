@@ -1,0 +1,85 @@
+"""Settings (``ckptio.config``): modes, environment overrides, the reader's storage settings."""
+
+from __future__ import annotations
+import json
+import math
+import os
+import pytest
+import torch
+import ckptio
+from ckptio import CheckpointFormatError, WriterConfig
+from ckptio.config import MiB
+from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_block
+from ckptio.format.names import FORMAT_VERSION, data_file_name, is_data_file_name
+from ckptio.format.v1 import pack_counts
+from ckptio.format.versions import decode_metadata
+from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
+
+
+# --- config ---------------------------------------------------------------------------
+def test_config_modes_and_errors(clean_env):
+    assert WriterConfig().mode == "all_ranks"
+    assert WriterConfig.from_dict({"mode": "replica_group"}).mode == "replica_group"
+    with pytest.raises(ValueError, match=r"valid modes are \['all_ranks', 'replica_group'\]"):
+        WriterConfig(mode="fast")
+    with pytest.raises(ValueError, match="unknown ckptio config key"):
+        WriterConfig.from_dict({"mdoe": "all_ranks"})
+    with pytest.raises(ValueError, match="part_size"):
+        WriterConfig(part_size=1024)
+
+
+def test_environment_overrides_arguments_and_dicts(clean_env, monkeypatch):
+    monkeypatch.setenv("CKPTIO_MODE", "replica_group")
+    monkeypatch.setenv("CKPTIO_OVERWRITE", "true")
+    monkeypatch.setenv("CKPTIO_COMPRESSION", "zstd")
+    cfg = WriterConfig.from_dict({"mode": "all_ranks"})
+    assert (cfg.mode, cfg.overwrite, cfg.compression) == ("replica_group", True, "zstd")
+    monkeypatch.setenv("CKPTIO_MODE", "bogus")
+    with pytest.raises(ValueError, match="valid modes"):
+        WriterConfig()
+    monkeypatch.setenv("CKPTIO_MODE", "all_ranks")
+    monkeypatch.setenv("CKPTIO_MAX_BLOCK_SIZE", "lots")
+    with pytest.raises(ValueError, match="CKPTIO_MAX_BLOCK_SIZE='lots' is not a valid int"):
+        WriterConfig()
+
+
+def test_the_read_gap_is_the_backends_unless_configured(clean_env, monkeypatch, tmp_path):
+    from ckptio.config import LOCAL_READ_GAP_BYTES, REMOTE_READ_GAP_BYTES
+    from ckptio.storage import open_store
+
+    assert open_store(str(tmp_path)).read_gap_bytes == LOCAL_READ_GAP_BYTES == 0
+    assert open_store("memory://gap").read_gap_bytes == REMOTE_READ_GAP_BYTES
+    assert open_store("memory://gap", config=WriterConfig(read_gap_bytes=4096).storage()).read_gap_bytes == 4096
+    monkeypatch.setenv("CKPTIO_READ_GAP_BYTES", "65536")
+    assert open_store(str(tmp_path), config=WriterConfig().storage()).read_gap_bytes == 65536
+    monkeypatch.setenv("CKPTIO_READ_GAP_BYTES", "none")
+    assert WriterConfig().read_gap_bytes is None
+    monkeypatch.delenv("CKPTIO_READ_GAP_BYTES")
+    with pytest.raises(ValueError, match="read_gap_bytes must be None or 0"):
+        WriterConfig(read_gap_bytes=-1)
+    with pytest.raises(ValueError, match="read_gap_bytes must be None or 0"):
+        ckptio.HFReader(str(tmp_path), read_gap_bytes=1 << 40)
+
+
+def test_a_reader_is_configured_by_storage_config_with_the_same_rules_and_environment(monkeypatch, tmp_path):
+    import ckptio
+    from ckptio.config import MAX_REQUEST_BYTES, StorageConfig
+
+    assert ckptio.Reader(str(tmp_path)).storage_config == StorageConfig()
+    monkeypatch.setenv("CKPTIO_READ_GAP_BYTES", "4096")
+    monkeypatch.setenv("CKPTIO_MAX_CONCURRENCY", "3")
+    assert ckptio.Reader(str(tmp_path)).storage_config == StorageConfig(read_gap_bytes=4096, max_concurrency=3)
+    assert StorageConfig.from_environment(retry_attempts=2).retry_attempts == 2
+    assert WriterConfig().storage() == StorageConfig.from_environment()  # one set of storage fields
+    monkeypatch.delenv("CKPTIO_READ_GAP_BYTES")
+    monkeypatch.delenv("CKPTIO_MAX_CONCURRENCY")
+    for bad, message in [
+        ({"read_gap_bytes": MAX_REQUEST_BYTES + 1}, "read_gap_bytes"),
+        ({"part_size": 1 << 20}, "part_size"),
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"retry_attempts": 0}, "retry_attempts"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            StorageConfig(**bad)
+        with pytest.raises(ValueError, match=message):
+            WriterConfig(**bad)  # the same rule, stated once
