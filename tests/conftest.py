@@ -137,3 +137,19 @@ def radosgw():
     if gateway is None or isinstance(gateway, Exception):
         pytest.skip(f"Ceph radosgw unavailable: {gateway}")
     return gateway
+
+
+@pytest.fixture
+def raw_checkpoint(tmp_path):
+    """A small checkpoint with every item in a data file, and its stored (version 3) document."""
+    import torch
+
+    import ckptio
+    from tests.helpers.documents import read_stored_doc
+
+    url = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(20000.0), "b": torch.arange(7), "step": 3}
+    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0))
+    doc = read_stored_doc(url)
+    assert doc["format_version"] == 3
+    return url, doc

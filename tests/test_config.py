@@ -1,22 +1,13 @@
 """Settings (``ckptio.config``): modes, environment overrides, the reader's storage settings."""
 
 from __future__ import annotations
-import json
-import math
-import os
+
 import pytest
-import torch
+
 import ckptio
-from ckptio import CheckpointFormatError, WriterConfig
-from ckptio.config import MiB
-from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_block
-from ckptio.format.names import FORMAT_VERSION, data_file_name, is_data_file_name
-from ckptio.format.v1 import pack_counts
-from ckptio.format.versions import decode_metadata
-from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
+from ckptio import WriterConfig
 
 
-# --- config ---------------------------------------------------------------------------
 def test_config_modes_and_errors(clean_env):
     assert WriterConfig().mode == "all_ranks"
     assert WriterConfig.from_dict({"mode": "replica_group"}).mode == "replica_group"

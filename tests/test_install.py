@@ -1,21 +1,11 @@
 """What ``pip install`` puts on a machine."""
 
 from __future__ import annotations
-import json
+
 import os
 import subprocess
 import sys
 import zipfile
-import pytest
-import torch
-import torch.distributed.checkpoint as dcp
-import ckptio
-from ckptio.config import MAX_REQUEST_BYTES
-from ckptio.format.names import parse_data_file_name
-from ckptio.format.records import Header, MeshRecord, SavedConfig
-from ckptio.loading.ranges import ReadPiece, plan_requests
-from ckptio.tools.cli import main as cli_main
-from tests.conftest import S3_SERVERS
 
 
 def test_the_benchmark_installs_as_ckptio_bench_and_nothing_named_benchmarks(tmp_path):

@@ -15,7 +15,6 @@ import torch.distributed.checkpoint as dcp
 import ckptio
 from ckptio.storage import ReadRequest, open_store
 from ckptio.storage.local import IOV_MAX, MAX_SYSCALL_BYTES, syscall_batch
-
 from tests.helpers.harness import spawn
 
 #: Tensors per state: their reads merge into one request of this many pieces, about 3x IOV_MAX.

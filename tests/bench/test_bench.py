@@ -12,7 +12,6 @@ from ckptio.bench import counting, report, workload
 from ckptio.bench.__main__ import main as bench_main
 
 import ckptio
-
 from tests.conftest import S3_SERVERS
 from tests.helpers.metadata_view import readable_metadata
 

@@ -1,22 +1,15 @@
 """Checksums and block codecs (``ckptio.format.codec``): round trips, the compression choice, CRC32C combination."""
 
 from __future__ import annotations
-import json
-import math
+
 import os
+
 import pytest
 import torch
-import ckptio
-from ckptio import CheckpointFormatError, WriterConfig
-from ckptio.config import MiB
+
 from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_block
-from ckptio.format.names import FORMAT_VERSION, data_file_name, is_data_file_name
-from ckptio.format.v1 import pack_counts
-from ckptio.format.versions import decode_metadata
-from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
 
 
-# --- codec ----------------------------------------------------------------------------
 def test_blocks_raw_roundtrip_and_checksums():
     data = memoryview(bytes(range(256)) * 10)
     blocks = list(BlockEncoder(1024).encode(data, 1024))

@@ -1,58 +1,30 @@
 """Crafted or damaged ``ckptio.json`` documents fail with named format errors, through every entry point."""
 
 from __future__ import annotations
+
+import base64
 import json
 import os
 import resource
-import struct
-import time
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import zstandard
-from torch.distributed.checkpoint.api import CheckpointException
+
 import ckptio
-from ckptio.config import StorageConfig
-from ckptio.format.codec import checksum
 from ckptio.format.names import METADATA_NAME
 from ckptio.format.v1 import pack_counts, unpack_counts
 from ckptio.tools.cli import main as cli_main
-from tests.helpers import findings
-from tests.conftest import S3_SERVERS, s3_client
-from tests.helpers.faultproxy import Fault
-from tests.helpers.harness import spawn
-from tests.helpers.metadata_view import readable_metadata
-import re
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from tests.helpers import scenarios
-from tests.conftest import S3_SERVERS
-from tests.helpers.harness import run_ranks, spawn
-import base64
-import math
-from typing import Any
-from hypothesis import HealthCheck, given, settings
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from ckptio.loading.conversion import is_exact, is_rounding
-from tests.helpers.random_states import blank, differences, round_trip, states
-
-
-def _meta_path(url: str) -> str:
-    return os.path.join(url, METADATA_NAME)
-
-
-def _read_doc(url: str) -> dict:
-    return readable_metadata(url)
-
-
-def _write_doc(url: str, doc: dict) -> None:
-    with open(_meta_path(url), "w") as f:
-        json.dump(doc, f)
-
-
-def _load_error(url: str, state: dict) -> ckptio.CheckpointError:
-    with pytest.raises(CheckpointException) as info:
-        dcp.load(state, storage_reader=ckptio.Reader(url))
-    return ckptio.unwrap(info.value)
+from tests.helpers.documents import (
+    HUGE,
+    fresh,
+    load_error,
+    meta_path,
+    read_doc,
+    saved,
+    saved_with_dcp,
+    write_doc,
+)
 
 
 def _two_chunk_checkpoint(tmp_path) -> str:
@@ -60,7 +32,7 @@ def _two_chunk_checkpoint(tmp_path) -> str:
     url = str(tmp_path / "ckpt")
     state = {"w": torch.arange(4096.0).reshape(64, 64), "meta": {"epoch": 3}}
     dcp.save(state, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(inline_limit=0)))
-    doc = _read_doc(url)
+    doc = read_doc(url)
     # Split "w" into two row chunks the way a 2-way Shard(0) save records it.
     (entry,) = [i for i in doc["items"] if i["fqn"] == "w"]
     top, bottom = dict(entry), dict(entry)
@@ -72,7 +44,7 @@ def _two_chunk_checkpoint(tmp_path) -> str:
     bottom.update(crc32c=pack_counts(blocks[per:]), index=1)
     doc["items"] = [i for i in doc["items"] if i["fqn"] != "w"] + [top, bottom]
     doc["state"]["w"]["chunks"] = [{"offsets": [0, 0], "sizes": [32, 64]}, {"offsets": [32, 0], "sizes": [32, 64]}]
-    _write_doc(url, doc)
+    write_doc(url, doc)
     return url
 
 
@@ -81,50 +53,45 @@ def test_chunks_that_do_not_cover_the_tensor_are_refused(tmp_path):
     out = {"w": torch.zeros(64, 64), "meta": {"epoch": 0}}
     dcp.load(out, storage_reader=ckptio.Reader(url))  # the crafted split itself is valid
     assert torch.equal(out["w"], torch.arange(4096.0).reshape(64, 64))
-    good = _read_doc(url)
+    good = read_doc(url)
 
     doc = json.loads(json.dumps(good))  # a chunk missing: its item and its declaration
     doc["items"] = [i for i in doc["items"] if i.get("chunk_offset") != [32, 0]]
     doc["state"]["w"]["chunks"] = doc["state"]["w"]["chunks"][:1]
-    _write_doc(url, doc)
-    error = _load_error(url, {"w": torch.full((64, 64), -1.0)})
+    write_doc(url, doc)
+    error = load_error(url, {"w": torch.full((64, 64), -1.0)})
     assert isinstance(error, ckptio.CheckpointFormatError) and "does not cover the tensor" in str(error)
 
     doc = json.loads(json.dumps(good))  # a chunk declared, its item missing
     doc["items"] = [i for i in doc["items"] if i.get("chunk_offset") != [32, 0]]
-    _write_doc(url, doc)
-    error = _load_error(url, {"w": torch.full((64, 64), -1.0)})
+    write_doc(url, doc)
+    error = load_error(url, {"w": torch.full((64, 64), -1.0)})
     assert isinstance(error, ckptio.CheckpointFormatError) and "record is missing" in str(error)
 
     doc = json.loads(json.dumps(good))  # an object record where a tensor chunk is expected
     bytes_item = next(i for i in doc["items"] if i["fqn"] == "meta.epoch")
     tensor_item = next(i for i in doc["items"] if i.get("chunk_offset") == [32, 0])
     tensor_item.update({k: bytes_item[k] for k in ("kind", "dtype", "shape", "logical_bytes", "crc32c", "offset")})
-    _write_doc(url, doc)
-    error = _load_error(url, {"w": torch.full((64, 64), -1.0)})
+    write_doc(url, doc)
+    error = load_error(url, {"w": torch.full((64, 64), -1.0)})
     assert isinstance(error, ckptio.CheckpointFormatError) and "bytes" in str(error)
 
 
 # --- hostile or garbage metadata ------------------------------------------------------------------
-def _saved(tmp_path, name: str = "ckpt") -> str:
-    url = str(tmp_path / name)
-    state = {"w": torch.arange(70000.0), "blob": b"x" * 100, "cfg": {"lr": 0.1}}
-    dcp.save(state, storage_writer=ckptio.Writer(url))
-    return url
 
 
 def _format_error_for(url: str, raw: bytes | str) -> str:
-    with open(_meta_path(url), "wb") as f:
+    with open(meta_path(url), "wb") as f:
         f.write(raw.encode() if isinstance(raw, str) else raw)
-    error = _load_error(url, {"w": torch.zeros(70000)})
+    error = load_error(url, {"w": torch.zeros(70000)})
     assert isinstance(error, ckptio.CheckpointFormatError), repr(error)
     return str(error)
 
 
 def test_garbage_json_is_a_named_format_error(tmp_path):
-    url = _saved(tmp_path)
-    good = open(_meta_path(url)).read()
-    doc, view = json.loads(good), _read_doc(url)  # version 3; the same in version 2's schema
+    url = saved_with_dcp(tmp_path)
+    good = open(meta_path(url)).read()
+    doc, view = json.loads(good), read_doc(url)  # version 3; the same in version 2's schema
     assert "deeper than" in _format_error_for(url, "[" * 100_000 + "]" * 100_000)
     assert "not valid JSON" in _format_error_for(url, good.replace('"count":1', '"count":' + "9" * 5000, 1))
     assert "repeats the JSON key 'files'" in _format_error_for(url, good[:-1] + ',"files":{}}')
@@ -147,25 +114,25 @@ def test_garbage_json_is_a_named_format_error(tmp_path):
         base = view if field == "writer_ranks" else doc  # version 3 keeps writers in 'files'
         message = _format_error_for(url, json.dumps({**base, field: value}))
         assert repr(field) in message or f"field {field!r}" in message or field in message, (field, message)
-        with open(_meta_path(url), "w") as f:
+        with open(meta_path(url), "w") as f:
             f.write(json.dumps({**base, field: value}))
         for command in (["inspect", url], ["verify", "-q", url], ["convert", url, str(tmp_path / "o.pt")]):
             assert cli_main(command) == 2
 
 
 def test_declared_sizes_are_checked_before_anything_large_is_allocated(tmp_path):
-    url = _saved(tmp_path)
-    doc = _read_doc(url)
+    url = saved_with_dcp(tmp_path)
+    doc = read_doc(url)
     blob = next(i for i in doc["items"] if i["fqn"] == "blob")
     name = blob["file"]
     block = 64 << 20
     blob.update(logical_bytes=4 << 30, block_size=block, crc32c=pack_counts([0] * 64))
     blob["offset"] = doc["files"][name]
     doc["files"][name] += 4 << 30  # the file "holds" 4 GiB more
-    _write_doc(url, doc)
+    write_doc(url, doc)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     state = {"w": torch.zeros(70000), "blob": None, "cfg": {"lr": 0.0}}
-    error = _load_error(url, state)
+    error = load_error(url, state)
     assert isinstance(error, ckptio.CorruptCheckpointError) and name in str(error) and "holds" in str(error)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < (1 << 30) // 1024  # KiB
     assert cli_main(["convert", url, str(tmp_path / "o.pt")]) == 2
@@ -173,27 +140,14 @@ def test_declared_sizes_are_checked_before_anything_large_is_allocated(tmp_path)
 
 def test_unwrap_recovers_the_class_of_metadata_errors_through_plain_dcp_load(tmp_path):
     state = {"w": torch.zeros(4)}
-    assert isinstance(_load_error(str(tmp_path / "nothing"), state), ckptio.CheckpointNotFoundError)
+    assert isinstance(load_error(str(tmp_path / "nothing"), state), ckptio.CheckpointNotFoundError)
     incomplete = tmp_path / "incomplete"
     incomplete.mkdir()
     (incomplete / "data-0123456789abcdef-r00000.ckio").write_bytes(b"x")
-    assert isinstance(_load_error(str(incomplete), state), ckptio.IncompleteCheckpointError)
-    url = _saved(tmp_path)
-    open(_meta_path(url), "w").write("{not json")
-    assert isinstance(_load_error(url, state), ckptio.CheckpointFormatError)
-
-
-STATE = {"w": torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024), "b": torch.ones(8), "meta": {"x": 1}}
-
-
-def fresh():
-    return {"w": torch.zeros(64, 1024), "b": torch.zeros(8), "meta": {"x": None}}
-
-
-def saved(tmp_path, name="ck", state=STATE, **config) -> str:
-    url = str(tmp_path / name)
-    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0, **config))
-    return url
+    assert isinstance(load_error(str(incomplete), state), ckptio.IncompleteCheckpointError)
+    url = saved_with_dcp(tmp_path)
+    open(meta_path(url), "w").write("{not json")
+    assert isinstance(load_error(url, state), ckptio.CheckpointFormatError)
 
 
 def test_missing_garbage_and_future_metadata(tmp_path):
@@ -219,23 +173,7 @@ def test_missing_garbage_and_future_metadata(tmp_path):
         ckptio.load(fresh(), url)
 
 
-# --- item 3: numbers in headers bounded where they are parsed ---------------------------------------
-HUGE = [2**63, 2**64, 2**63 - 1]
-
-
-def _v3_doc(url: str) -> dict:
-    with open(os.path.join(url, "ckptio.json"), "rb") as f:
-        return json.load(f)
-
-
-@pytest.fixture
-def raw_checkpoint(tmp_path):
-    url = str(tmp_path / "ckpt")
-    state = {"w": torch.arange(20000.0), "b": torch.arange(7), "step": 3}
-    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0))
-    doc = _v3_doc(url)
-    assert doc["format_version"] == 3
-    return url, doc
+# --- numbers in headers bounded where they are parsed -----------------------------------------------
 
 
 def _packed_q(values: list[int]) -> str:
@@ -276,7 +214,7 @@ def test_ckptio_json_numbers_past_int64_or_the_file_are_format_errors_at_decode(
     if value == "past the file":
         value = doc["files"]["sizes"] + 1
     {**V3_FIELDS, **V3_FIELDS_INT64_ONLY}[field](doc, value)
-    _write_doc(url, doc)
+    write_doc(url, doc)
     with pytest.raises(ckptio.CheckpointFormatError) as info:
         ckptio.Reader(url).read_metadata()
     assert "ckptio.json" in str(info.value), info.value
@@ -305,7 +243,7 @@ def test_version_1_documents_bound_the_same_numbers(field, value, raw_checkpoint
     doc = legacy_document(reader.manifest)
     assert doc["format_version"] == 1 and doc["items"][0]["fqn"] == "w"
     LEGACY_FIELDS[field](doc, value)
-    _write_doc(url, doc)
+    write_doc(url, doc)
     with pytest.raises(ckptio.CheckpointFormatError) as info:
         ckptio.Reader(url).read_metadata()
     assert "ckptio" in str(info.value), info.value

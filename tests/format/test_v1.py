@@ -1,22 +1,21 @@
 """Format versions 1 and 2 (``ckptio.format.v1``): documents decoded and checked, the readable view."""
 
 from __future__ import annotations
+
 import json
 import math
 import os
+
 import pytest
 import torch
+
 import ckptio
-from ckptio import CheckpointFormatError, WriterConfig
-from ckptio.config import MiB
-from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_block
-from ckptio.format.names import FORMAT_VERSION, data_file_name, is_data_file_name
+from ckptio import CheckpointFormatError
+from ckptio.format.names import FORMAT_VERSION, data_file_name
 from ckptio.format.v1 import pack_counts
 from ckptio.format.versions import decode_metadata
-from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
 
 
-# --- layout ---------------------------------------------------------------------------
 def minimal_doc(**changes) -> dict:
     """A version 2 document (one JSON object per item), as ckptio 0.1 wrote them."""
     doc = {
@@ -96,7 +95,6 @@ def test_decode_rejects_garbage_future_versions_and_inconsistent_sizes():
 def test_saves_write_version_3_and_the_readable_view_keeps_each_codecs_oldest_version(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    import ckptio
     from ckptio.format.v1 import legacy_document
 
     cases = {"raw": (None, torch.float32), "zstd-bytes": ("zstd", torch.uint8), "planes": ("zstd", torch.bfloat16)}

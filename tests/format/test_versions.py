@@ -1,24 +1,20 @@
 """Every format version loads: checkpoints written by earlier releases, the header's fields."""
 
 from __future__ import annotations
+
 import json
 import os
-import subprocess
-import sys
-import zipfile
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
 import ckptio
-from ckptio.config import MAX_REQUEST_BYTES
 from ckptio.format.names import parse_data_file_name
 from ckptio.format.records import Header, MeshRecord, SavedConfig
-from ckptio.loading.ranges import ReadPiece, plan_requests
 from ckptio.tools.cli import main as cli_main
-from tests.conftest import S3_SERVERS
 
-
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 
 
 def _fixture_state() -> dict:

@@ -14,7 +14,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import ckptio
-
 from tests.helpers import llama
 
 FILE_SEED, MODEL_SEED = 1, 99  # the files' values, and the different values a model starts with

@@ -18,7 +18,6 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from ckptio.integrations.torchtitan import CheckpointManager
-
 from tests.helpers.models import IN, build_model
 
 

@@ -11,7 +11,6 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
-
 from tests.helpers.metadata_view import readable_metadata
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,18 +14,9 @@ import torch
 
 import ckptio
 from ckptio.tools.cli import main as cli_main
-
 from tests.helpers import llama
+from tests.helpers.documents import write_doc
 from tests.helpers.harness import spawn
-import base64
-import math
-from typing import Any
-import torch.distributed.checkpoint as dcp
-from hypothesis import HealthCheck, given, settings
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from ckptio.loading.conversion import is_exact, is_rounding
-from tests.conftest import S3_SERVERS, s3_client
-from tests.helpers.random_states import blank, differences, round_trip, states
 
 LIMIT = 40_000  # bytes per shard: several shards for this model
 
@@ -92,26 +85,6 @@ def test_bad_requests_are_named(saved, tmp_path, capsys):
     assert "cannot read shard size 'lots'" in capsys.readouterr().err
 
 
-def _v3_doc(url: str) -> dict:
-    with open(os.path.join(url, "ckptio.json"), "rb") as f:
-        return json.load(f)
-
-
-def _write_doc(url: str, doc: dict) -> None:
-    with open(os.path.join(url, "ckptio.json"), "w") as f:
-        json.dump(doc, f)
-
-
-@pytest.fixture
-def raw_checkpoint(tmp_path):
-    url = str(tmp_path / "ckpt")
-    state = {"w": torch.arange(20000.0), "b": torch.arange(7), "step": 3}
-    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0))
-    doc = _v3_doc(url)
-    assert doc["format_version"] == 3
-    return url, doc
-
-
 def test_a_tensor_declared_far_beyond_its_files_is_refused_by_every_export_before_allocating(raw_checkpoint):
     """48 GiB declared in a checkpoint of a few KB: the decoder accepts the claims (they agree with
     each other), every path that allocates whole tensors checks the files first and names the file."""
@@ -124,7 +97,7 @@ def test_a_tensor_declared_far_beyond_its_files_is_refused_by_every_export_befor
     record["crc32c"] = "I" + base64.b64encode(bytes(4 * blocks)).decode()
     doc["files"]["sizes"] = numel * 4 + 4096
     doc["keys"]["b"]["at"] = numel * 4
-    _write_doc(url, doc)
+    write_doc(url, doc)
     ckptio.Reader(url).read_metadata()  # consistent claims: they load as metadata
     with pytest.raises(ckptio.CorruptCheckpointError, match=r"data-.*\.ckio.*holds \d+ bytes, the metadata records"):
         ckptio.export_safetensors(url, os.path.join(os.path.dirname(url), "out"))

@@ -1,26 +1,15 @@
-"""The safetensors header parser (``ckptio.hf.format``): numbers past int64 or past the file are refused naming file and tensor."""
+"""The safetensors header parser (``ckptio.hf.format``): numbers past int64 or past the file are refused
+naming file and tensor."""
 
 from __future__ import annotations
-import base64
+
 import json
-import math
-import os
 from typing import Any
+
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
-from hypothesis import HealthCheck, given, settings
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
 import ckptio
-from ckptio.loading.conversion import is_exact, is_rounding
-from ckptio.tools.cli import main as cli_main
-from tests.conftest import S3_SERVERS, s3_client
-from tests.helpers.harness import spawn
-from tests.helpers.random_states import blank, differences, round_trip, states
-
-
-# --- item 3: numbers in headers bounded where they are parsed ---------------------------------------
-HUGE = [2**63, 2**64, 2**63 - 1]
+from tests.helpers.documents import HUGE
 
 
 def _write_safetensors(path, header: dict, data: bytes = b"") -> None:

@@ -16,9 +16,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 import ckptio
 from ckptio.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptio.hf.format import HEADER_PROBE_BYTES, parse_header, parse_index
-
-from tests.helpers import hf
 from tests.conftest import S3_SERVERS
+from tests.helpers import hf
 from tests.helpers.harness import spawn
 
 

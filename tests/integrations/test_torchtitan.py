@@ -19,7 +19,6 @@ from torchtitan.components.checkpointer import BaseCheckpointManager  # noqa: E4
 import ckptio  # noqa: E402
 from ckptio.integrations.torchtitan import CheckpointManager  # noqa: E402
 from ckptio.tools import cli  # noqa: E402
-
 from tests.helpers import titan  # noqa: E402
 from tests.helpers.harness import spawn  # noqa: E402
 from tests.helpers.models import differences  # noqa: E402

@@ -1,25 +1,17 @@
-"""dtype conversion on load (``ckptio.loading.conversion``): exact conversions load, rounding only when asked, the rest refused by name."""
+"""dtype conversion on load (``ckptio.loading.conversion``): exact conversions load, rounding only when
+asked, the rest refused by name."""
 
 from __future__ import annotations
-import base64
-import json
-import math
-import os
-from typing import Any
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import HealthCheck, given, settings
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
 import ckptio
 from ckptio.loading.conversion import is_exact, is_rounding
-from ckptio.tools.cli import main as cli_main
-from tests.conftest import S3_SERVERS, s3_client
-from tests.helpers.harness import spawn
-from tests.helpers.random_states import blank, differences, round_trip, states
 
+pytestmark = pytest.mark.protocol
 
-# --- item 2: one dtype conversion rule, every pair --------------------------------------------------
 CONVERSION_DTYPES = [
     torch.bool,
     torch.uint8,

@@ -1,46 +1,20 @@
 """Stored blocks that do not decode to what their records say are named corrupt, before any large allocation."""
 
 from __future__ import annotations
-import json
+
 import os
 import resource
 import struct
-import time
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import zstandard
-from torch.distributed.checkpoint.api import CheckpointException
+
 import ckptio
-from ckptio.config import StorageConfig
 from ckptio.format.codec import checksum
-from ckptio.format.names import METADATA_NAME
 from ckptio.format.v1 import pack_counts, unpack_counts
-from ckptio.tools.cli import main as cli_main
-from tests.helpers import findings
-from tests.conftest import S3_SERVERS, s3_client
-from tests.helpers.faultproxy import Fault
-from tests.helpers.harness import spawn
-from tests.helpers.metadata_view import readable_metadata
-
-
-def _meta_path(url: str) -> str:
-    return os.path.join(url, METADATA_NAME)
-
-
-def _read_doc(url: str) -> dict:
-    return readable_metadata(url)
-
-
-def _write_doc(url: str, doc: dict) -> None:
-    with open(_meta_path(url), "w") as f:
-        json.dump(doc, f)
-
-
-def _load_error(url: str, state: dict) -> ckptio.CheckpointError:
-    with pytest.raises(CheckpointException) as info:
-        dcp.load(state, storage_reader=ckptio.Reader(url))
-    return ckptio.unwrap(info.value)
+from tests.helpers.documents import load_error, read_doc, write_doc
 
 
 def _frame_declaring(size: int) -> bytes:
@@ -55,7 +29,7 @@ def _frame_declaring(size: int) -> bytes:
 def _replace_first_block(url: str, key: str, stored: bytes) -> None:
     """Put other stored bytes in block 0 of ``key`` and re-sign the metadata, as a crafted (or
     buggy) checkpoint would: the checksums match, only what the block decodes to is wrong."""
-    doc = _read_doc(url)
+    doc = read_doc(url)
     item = next(i for i in doc["items"] if i["fqn"] == key)
     path = os.path.join(url, item["file"])
     data = open(path, "rb").read()
@@ -66,7 +40,7 @@ def _replace_first_block(url: str, key: str, stored: bytes) -> None:
     item["stored_lengths"], item["crc32c"] = pack_counts(lengths), pack_counts(crcs)
     doc["files"][item["file"]] = len(data)
     open(path, "wb").write(data)
-    _write_doc(url, doc)
+    write_doc(url, doc)
 
 
 def _saved_zeros(tmp_path, codec: str) -> tuple[str, torch.Tensor, int]:
@@ -79,7 +53,7 @@ def _saved_zeros(tmp_path, codec: str) -> tuple[str, torch.Tensor, int]:
         zeros = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
     config = ckptio.WriterConfig(compression="zstd", inline_limit=0)
     dcp.save({"w": zeros}, storage_writer=ckptio.Writer(url, config))
-    (item,) = _read_doc(url)["items"]
+    (item,) = read_doc(url)["items"]
     assert item["codec"] == codec
     return url, zeros, item["block_size"]
 
@@ -99,7 +73,7 @@ def test_a_compressed_block_that_decodes_to_another_length_is_corrupt(tmp_path, 
     logical = block if codec == "zstd" else block // 4
     frame = zstandard.ZstdCompressor(write_content_size=content_size).compress(bytes(logical - 4))
     _replace_first_block(url, "w", _block_around(codec, block, frame))
-    error = _load_error(url, {"w": torch.full_like(zeros, 7)})
+    error = load_error(url, {"w": torch.full_like(zeros, 7)})
     assert isinstance(error, ckptio.CorruptCheckpointError) and "'w'" in str(error) and "block 0" in str(error)
     assert f"{logical - 4} bytes where the metadata records {logical}" in str(error) or (
         content_size and f"declares {logical - 4} bytes" in str(error)
@@ -111,6 +85,6 @@ def test_a_frame_that_declares_a_huge_size_fails_before_allocating(tmp_path, cod
     url, zeros, block = _saved_zeros(tmp_path, codec)
     _replace_first_block(url, "w", _block_around(codec, block, _frame_declaring(3 << 30)))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    error = _load_error(url, {"w": torch.zeros_like(zeros)})
+    error = load_error(url, {"w": torch.zeros_like(zeros)})
     assert isinstance(error, ckptio.CorruptCheckpointError) and "declares 3221225472 bytes" in str(error)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < (1 << 30) // 1024  # KiB

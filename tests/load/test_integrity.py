@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
-from ckptio.format.names import METADATA_NAME
 from ckptio.tools.cli import main as cli_main
-
-from tests.helpers import scenarios
 from tests.conftest import S3_SERVERS
+from tests.helpers.documents import STATE, fresh, saved
 from tests.helpers.faultproxy import Fault
-from tests.helpers.harness import run_ranks, spawn
 from tests.helpers.metadata_view import readable_metadata
-
-STATE = {"w": torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024), "b": torch.ones(8), "meta": {"x": 1}}
-
-
-def fresh():
-    return {"w": torch.zeros(64, 1024), "b": torch.zeros(8), "meta": {"x": None}}
-
-
-def saved(tmp_path, name="ck", state=STATE, **config) -> str:
-    url = str(tmp_path / name)
-    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0, **config))
-    return url
 
 
 def data_file(url: str) -> str:
@@ -76,8 +57,6 @@ def test_truncated_and_missing_data_files(tmp_path):
         ckptio.load(fresh(), url)
 
 
-
-
 @pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
 def test_nonexistent_path_and_bucket(tmp_path, s3):
     with pytest.raises(ckptio.CheckpointNotFoundError, match="does not exist"):
@@ -108,19 +87,3 @@ def test_torch_dcp_checkpoint_is_recognised(tmp_path):
     dcp.save(STATE, storage_writer=dcp.FileSystemWriter(url))
     with pytest.raises(ckptio.NotCkptioCheckpointError, match="torch DCP checkpoint"):
         ckptio.load(fresh(), url)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -1,32 +1,17 @@
 """Which bytes a read needs (``ckptio.loading.ranges``): runs of a box, blocks of runs, merged requests."""
 
 from __future__ import annotations
-import json
-import math
-import os
+
 import pytest
 import torch
-import ckptio
-from ckptio import CheckpointFormatError, WriterConfig
-from ckptio.config import MiB
-from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_block
-from ckptio.format.names import FORMAT_VERSION, data_file_name, is_data_file_name
-from ckptio.format.v1 import pack_counts
-from ckptio.format.versions import decode_metadata
-from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
-import subprocess
-import sys
-import zipfile
 import torch.distributed.checkpoint as dcp
+
+import ckptio
 from ckptio.config import MAX_REQUEST_BYTES
-from ckptio.format.names import parse_data_file_name
-from ckptio.format.records import Header, MeshRecord, SavedConfig
-from ckptio.loading.ranges import ReadPiece, plan_requests
-from ckptio.tools.cli import main as cli_main
+from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
 from tests.conftest import S3_SERVERS
 
 
-# --- ranges ---------------------------------------------------------------------------
 def test_box_runs_row_slices_are_one_run():
     assert box_runs([10, 8], [2, 0], [3, 8]) == [(16, 40)]
     assert box_runs([10, 8], [0, 0], [10, 8]) == [(0, 80)]

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from ckptio.tools.convert import to_torch_save
-
 from tests.helpers import models
 from tests.helpers.harness import spawn
 

@@ -1,22 +1,16 @@
 """Safe loading (``ckptio.loading.safe_load``): no code runs from a checkpoint's objects."""
 
 from __future__ import annotations
-import json
+
 import os
-import re
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
+
 import ckptio
-from ckptio.format.names import METADATA_NAME
-from ckptio.tools.cli import main as cli_main
-from tests.helpers import scenarios
-from tests.conftest import S3_SERVERS
-from tests.helpers.faultproxy import Fault
-from tests.helpers.harness import run_ranks, spawn
-from tests.helpers.metadata_view import readable_metadata
 
 
 class RunsCode:

@@ -4,23 +4,8 @@ from __future__ import annotations
 
 import ckptio
 from ckptio.loading.together import fail_together
-
-from tests.helpers.harness import spawn
-import json
-import os
-import re
-import pytest
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.api import CheckpointException
-from ckptio.format.names import METADATA_NAME
-from ckptio.tools.cli import main as cli_main
 from tests.helpers import scenarios
-from tests.conftest import S3_SERVERS
-from tests.helpers.faultproxy import Fault
-from tests.helpers.harness import run_ranks, spawn
-from tests.helpers.metadata_view import readable_metadata
+from tests.helpers.harness import spawn
 
 
 def _fail_on(failing: dict[int, BaseException | None]) -> tuple[str, str]:

@@ -1,32 +1,18 @@
 """Commit (``ckptio.saving.commit``): create-only, exactly once when saves race."""
 
 from __future__ import annotations
-import json
+
 import os
-import resource
-import struct
-import time
+
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-import zstandard
-from torch.distributed.checkpoint.api import CheckpointException
+
 import ckptio
-from ckptio.config import StorageConfig
-from ckptio.format.codec import checksum
 from ckptio.format.names import METADATA_NAME
-from ckptio.format.v1 import pack_counts, unpack_counts
 from ckptio.tools.cli import main as cli_main
-from tests.helpers import findings
-from tests.conftest import S3_SERVERS, s3_client
-from tests.helpers.faultproxy import Fault
-from tests.helpers.harness import spawn
-from tests.helpers.metadata_view import readable_metadata
-import re
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from tests.helpers import scenarios
-from tests.conftest import S3_SERVERS
-from tests.helpers.harness import run_ranks, spawn
+from tests.helpers import findings, scenarios
+from tests.helpers.documents import STATE, fresh, saved
+from tests.helpers.harness import run_ranks
 
 
 def test_two_saves_racing_to_one_path_commit_exactly_once_locally(tmp_path):
@@ -38,19 +24,6 @@ def test_two_saves_racing_to_one_path_commit_exactly_once_locally(tmp_path):
 def test_two_saves_racing_to_one_path_commit_exactly_once_on_s3(s3):
     base, options = s3
     findings.race_two_saves(f"{base}/race", options)
-
-
-STATE = {"w": torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024), "b": torch.ones(8), "meta": {"x": 1}}
-
-
-def fresh():
-    return {"w": torch.zeros(64, 1024), "b": torch.zeros(8), "meta": {"x": None}}
-
-
-def saved(tmp_path, name="ck", state=STATE, **config) -> str:
-    url = str(tmp_path / name)
-    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0, **config))
-    return url
 
 
 def test_existing_checkpoint_is_never_overwritten_by_accident(tmp_path):

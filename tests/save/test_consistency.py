@@ -1,35 +1,14 @@
 """The cross-rank value check (``ckptio.saving.consistency``): values that differ between ranks are found and named."""
 
 from __future__ import annotations
-import json
-import math
+
 import os
+
 import pytest
-import torch
-import ckptio
-from ckptio import CheckpointFormatError, WriterConfig
-from ckptio.config import MiB
-from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_block
-from ckptio.format.names import FORMAT_VERSION, data_file_name, is_data_file_name
-from ckptio.format.v1 import pack_counts
-from ckptio.format.versions import decode_metadata
-from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
-import resource
-import struct
-import time
-import torch.distributed.checkpoint as dcp
-import zstandard
-from torch.distributed.checkpoint.api import CheckpointException
-from ckptio.config import StorageConfig
-from ckptio.format.codec import checksum
-from ckptio.format.names import METADATA_NAME
-from ckptio.format.v1 import pack_counts, unpack_counts
-from ckptio.tools.cli import main as cli_main
+
 from tests.helpers import findings
-from tests.conftest import S3_SERVERS, s3_client
-from tests.helpers.faultproxy import Fault
+from tests.helpers.documents import meta_path
 from tests.helpers.harness import spawn
-from tests.helpers.metadata_view import readable_metadata
 
 
 def test_object_reports_find_every_key_whose_value_differs_between_ranks():
@@ -46,10 +25,6 @@ def test_object_reports_find_every_key_whose_value_differs_between_ranks():
     assert differing_keys(reports) == {"lr": [[0, 2, 3], [1, 4], [5]]}
 
 
-def _meta_path(url: str) -> str:
-    return os.path.join(url, METADATA_NAME)
-
-
 @pytest.mark.parametrize("which", ["rng", "counter", "sampled"])
 def test_plain_tensors_that_differ_between_ranks_fail_the_save(tmp_path, which):
     url = str(tmp_path / which)
@@ -57,7 +32,7 @@ def test_plain_tensors_that_differ_between_ranks_fail_the_save(tmp_path, which):
     for outcome in spawn(2, findings.save_per_rank_tensor, url, which):
         assert outcome.startswith("PerRankStateError") and f"tensor key '{key}'" in outcome, outcome
         assert "ranks [0]; ranks [1]" in outcome and "ckptio.PerRank" in outcome
-    assert not os.path.exists(_meta_path(url))
+    assert not os.path.exists(meta_path(url))
 
 
 def test_equal_objects_whose_pickles_differ_are_not_per_rank_state(tmp_path):

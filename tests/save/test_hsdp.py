@@ -7,7 +7,6 @@ import pytest
 
 from ckptio.format.names import is_data_file_name
 from ckptio.tools.cli import main as cli_main
-
 from tests.helpers import scenarios
 from tests.helpers.harness import spawn
 from tests.helpers.metadata_view import readable_metadata

@@ -1,31 +1,12 @@
 """State keys (``ckptio.state.keys``): wrapper prefixes never reach a checkpoint."""
 
 from __future__ import annotations
-import json
-import os
-import resource
-import struct
-import time
-import pytest
+
 import torch
 import torch.distributed.checkpoint as dcp
-import zstandard
-from torch.distributed.checkpoint.api import CheckpointException
+
 import ckptio
-from ckptio.config import StorageConfig
-from ckptio.format.codec import checksum
-from ckptio.format.names import METADATA_NAME
-from ckptio.format.v1 import pack_counts, unpack_counts
-from ckptio.tools.cli import main as cli_main
-from tests.helpers import findings
-from tests.conftest import S3_SERVERS, s3_client
-from tests.helpers.faultproxy import Fault
-from tests.helpers.harness import spawn
-from tests.helpers.metadata_view import readable_metadata
-
-
-def _read_doc(url: str) -> dict:
-    return readable_metadata(url)
+from tests.helpers.documents import read_doc
 
 
 # --- drop-in compatibility with torch's writers -------------------------------------------------
@@ -36,7 +17,7 @@ def test_compiled_model_keys_round_trip_through_plain_dcp(tmp_path):
     assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
     url = str(tmp_path / "from-compiled")
     dcp.save(compiled.state_dict(), storage_writer=ckptio.Writer(url))
-    assert sorted(_read_doc(url)["state"]) == sorted(plain.state_dict())
+    assert sorted(read_doc(url)["state"]) == sorted(plain.state_dict())
     target = plain.state_dict()
     dcp.load(target, storage_reader=ckptio.Reader(url))
     for key, value in compiled.state_dict().items():

@@ -10,7 +10,6 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
 import ckptio
-
 from tests.helpers import training_state
 from tests.helpers.harness import spawn
 from tests.helpers.metadata_view import readable_metadata

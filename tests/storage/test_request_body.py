@@ -1,19 +1,8 @@
 """An upload's body (``ckptio.storage.request_body``) sends its pieces back to back."""
 
 from __future__ import annotations
-import json
-import math
-import os
-import pytest
+
 import torch
-import ckptio
-from ckptio import CheckpointFormatError, WriterConfig
-from ckptio.config import MiB
-from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_block
-from ckptio.format.names import FORMAT_VERSION, data_file_name, is_data_file_name
-from ckptio.format.v1 import pack_counts
-from ckptio.format.versions import decode_metadata
-from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
 
 
 def test_a_request_body_sends_and_reads_its_pieces_back_to_back_without_joining_large_ones():

@@ -13,9 +13,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
 from ckptio.config import REMOTE_READ_GAP_BYTES
-
-from tests.helpers import scenarios
 from tests.conftest import S3_SERVERS, s3_client, s3_objects
+from tests.helpers import scenarios
 from tests.helpers.faultproxy import Fault
 from tests.helpers.harness import spawn
 

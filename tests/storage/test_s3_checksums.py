@@ -14,7 +14,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
-
 from tests.helpers.faultproxy import Fault
 
 PART = 5 << 20

@@ -1,19 +1,11 @@
 """S3 multipart part sizes (``ckptio.storage.s3``) within S3's limits."""
 
 from __future__ import annotations
-import json
-import math
-import os
+
 import pytest
-import torch
-import ckptio
-from ckptio import CheckpointFormatError, WriterConfig
+
+from ckptio import WriterConfig
 from ckptio.config import MiB
-from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_block
-from ckptio.format.names import FORMAT_VERSION, data_file_name, is_data_file_name
-from ckptio.format.v1 import pack_counts
-from ckptio.format.versions import decode_metadata
-from ckptio.loading.ranges import ReadPiece, blocks_for_runs, box_runs, plan_requests
 
 
 def test_s3_part_sizes_stay_within_the_part_count_and_size_limits():
