@@ -21,7 +21,7 @@ from ckptio.errors import CheckpointFormatError
 
 FORMAT_NAME = "ckptio"
 #: The format this ckptio writes, and the newest it reads (``versions`` says how each is read).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 METADATA_NAME = "ckptio.json"
 TORCH_DCP_METADATA_NAME = ".metadata"
 #: The save id in a data file name: ``data-<save id>-r<rank>.ckio``.
@@ -92,8 +92,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_from_name(name: Any) -> torch.dtype:
+def dtype_from_name(name: Any, where: str = "ckptio metadata") -> torch.dtype:
     value = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(value, torch.dtype):
-        raise CheckpointFormatError(f"unknown dtype {name!r} in ckptio metadata")
+        raise CheckpointFormatError(f"{where}: unknown dtype {name!r:.40}")
     return value

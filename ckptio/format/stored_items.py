@@ -17,13 +17,15 @@ class StoredKey:
     """The stored items of one key, as decoded and checked columns; ``item(i)`` builds one record."""
 
     __slots__ = (
-        "fqn", "tensor", "dtype", "offsets", "sizes", "logical", "file", "at", "codec", "block_size",
-        "starts", "crcs", "lengths", "inline", "ranks", "_files", "_built", "_by_offset",
+        "fqn", "tensor", "dtype", "dtypes", "offsets", "sizes", "logical", "file", "at", "codec", "block_size",
+        "starts", "crcs", "lengths", "inline", "ranks", "firsts", "_files", "_built", "_by_offset",
     )  # fmt: skip
 
     def __init__(self, fqn: str, tensor: bool, files: tuple[str, ...]):
         self.fqn, self.tensor, self._files = fqn, tensor, files
         self.dtype: str | None = None
+        self.dtypes: list[str] | None = None  # each item's, in the tensors table (items of many keys)
+        self.firsts: list[int] | None = None  # the tensors table: each key's first item, then the end
         self.offsets: list[tuple[int, ...]] = []
         self.sizes: list[tuple[int, ...]] = []
         self.logical: list[int] = []
@@ -53,7 +55,7 @@ class StoredKey:
             offset=self.at[i],
             logical_bytes=logical,
             kind=ItemKind.TENSOR if self.tensor else ItemKind.BYTES,
-            dtype=self.dtype,
+            dtype=self.dtype if self.dtypes is None else self.dtypes[i],
             shape=self.sizes[i] if self.tensor else None,
             codec=CODECS[self.codec[i]],
             block_size=block_size,
@@ -61,36 +63,55 @@ class StoredKey:
             inline=self.inline.get(i),
         )
 
-    def position(self, offset: Any, hint: int | None) -> int | None:
-        """The item stored for DCP's index ``(offset, hint)``: the hint is the chunk's position."""
+    def position(self, offset: Any, hint: int | None, key: int = 0) -> int | None:
+        """The item stored for DCP's index ``(offset, hint)``: the hint is the chunk's position (among
+        the chunks of the ``key``-th key, in the tensors table)."""
         if not self.tensor:
             return 0 if offset is None and self.ranks is None else None
         if offset is None:
             return None
         offset = tuple(offset)
-        if hint is not None and 0 <= hint < len(self.offsets) and self.offsets[hint] == offset:
-            return hint
+        first, end = (0, len(self.offsets)) if self.firsts is None else (self.firsts[key], self.firsts[key + 1])
+        if hint is not None and 0 <= hint < end - first and self.offsets[first + hint] == offset:
+            return first + hint
         if self._by_offset is None:
-            self._by_offset = {o: i for i, o in enumerate(self.offsets)}
-        return self._by_offset.get(offset)
+            if self.firsts is None:
+                self._by_offset = {o: i for i, o in enumerate(self.offsets)}
+            else:
+                self._by_offset = {(k, tuple(self.offsets[i])): i for k in range(len(self.firsts) - 1)
+                                   for i in range(self.firsts[k], self.firsts[k + 1])}  # fmt: skip
+        return self._by_offset.get(offset if self.firsts is None else (key, offset))
 
 
 class StoredItems(Mapping):
-    """``MetadataIndex -> StoredItem`` over the decoded keys and objects table, building each record on
-    first use: a rank resolves the items its load plan reads, not every item of the checkpoint."""
+    """``MetadataIndex -> StoredItem`` over the decoded keys and the objects and tensors tables, building
+    each record on first use: a rank resolves the items its load plan reads, not every item of the
+    checkpoint."""
 
-    def __init__(self, keys: dict[str, StoredKey], objects: StoredKey | None, object_names: list[str]):
-        self._keys, self._objects = keys, objects
+    def __init__(
+        self,
+        keys: dict[str, StoredKey],
+        objects: tuple[StoredKey, list[str]] | None = None,
+        tensors: tuple[StoredKey, list[str]] | None = None,
+    ):
+        self._keys = keys
+        self._objects, object_names = objects or (None, [])
+        self._tensors, tensor_names = tensors or (None, [])
         self._object_at = {name: i for i, name in enumerate(object_names)}
+        self._tensor_at = {name: i for i, name in enumerate(tensor_names)}
 
     def _locate(self, index: Any) -> tuple[StoredKey, int] | None:
         fqn = getattr(index, "fqn", None)
         key = self._keys.get(fqn)
-        if key is None:
-            at = self._object_at.get(fqn) if index.offset is None else None
+        if key is not None:
+            at = key.position(index.offset, index.index)
+            return None if at is None else (key, at)
+        if index.offset is None:
+            at = self._object_at.get(fqn)
             return None if at is None else (self._objects, at)
-        at = key.position(index.offset, index.index)
-        return None if at is None else (key, at)
+        at = self._tensor_at.get(fqn)
+        position = None if at is None else self._tensors.position(index.offset, index.index, at)
+        return None if position is None else (self._tensors, position)
 
     def __getitem__(self, index: Any) -> Any:
         located = self._locate(index)
@@ -109,8 +130,13 @@ class StoredItems(Mapping):
                 continue
             for i, offset in enumerate(key.offsets):
                 yield MetadataIndex(fqn, torch.Size(offset), i)
+        for name, k in self._tensor_at.items():
+            first, end = self._tensors.firsts[k], self._tensors.firsts[k + 1]
+            for i in range(first, end):
+                yield MetadataIndex(name, torch.Size(self._tensors.offsets[i]), i - first)
         for name in self._object_at:
             yield MetadataIndex(name)
 
     def __len__(self) -> int:
-        return sum(key.count if key.tensor else key.ranks is None for key in self._keys.values()) + len(self._object_at)
+        in_keys = sum(key.count if key.tensor else key.ranks is None for key in self._keys.values())
+        return in_keys + (self._tensors.count if self._tensors else 0) + len(self._object_at)

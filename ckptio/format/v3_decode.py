@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptio.config import is_block_size
+from ckptio.config import INT64_LIMIT, is_block_size
 from ckptio.errors import CheckpointFormatError
 from ckptio.format.names import FORMAT_VERSION, SAVE_ID, data_file_name, dtype_from_name, dtype_name
 from ckptio.format.rules import (
@@ -84,7 +85,8 @@ def decode_keys(
     doc: dict[str, Any], names: tuple[str, ...], files: dict[str, int], doc_bytes: int, where: str
 ) -> tuple[dict[str, Any], StoredItems, dict[str, dict[int, Any]], Any]:
     """DCP's ``state_dict_metadata``, the item records, the per-rank copies and, when the document
-    stores it as per-key paths, the planner data of a version 3 document's ``keys`` and ``objects``."""
+    stores it as per-key paths, the planner data of a version 3 or 4 document's ``keys``, ``objects``
+    and ``tensors``."""
     default_block = doc.get("block_size")
     if default_block is not None and not is_block_size(default_block):
         raise CheckpointFormatError(f"{where}: 'block_size' {default_block!r:.40} is not a valid block size")
@@ -103,19 +105,24 @@ def decode_keys(
         state[fqn], keys[fqn] = md, key
         if key.ranks is not None:
             per_rank[fqn] = {rank: key.item(i) for i, rank in enumerate(key.ranks)}
-    objects, object_names = None, []
-    if doc.get("objects") is not None:
-        with _schema(where, "the objects table"):
-            objects, object_names = _decode_objects(doc["objects"], context)
-        twice = state.keys() & set(object_names)
+    tables: dict[str, tuple[StoredKey, list[str]]] = {}
+    for name, decode_table in (("tensors", _decode_tensors), ("objects", _decode_objects)):
+        if doc.get(name) is None:
+            continue
+        if name == "tensors" and doc.get("format_version") == 3:
+            raise CheckpointFormatError(f"{where}: a 'tensors' table is format version 4's, not 3's")
+        with _schema(where, f"the {name} table"):
+            table, table_names, entries = decode_table(doc[name], context)
+        twice = state.keys() & set(table_names)
         if twice:
             raise CheckpointFormatError(f"{where}: key {min(twice)!r:.80} is listed twice")
-        state.update(dict.fromkeys(object_names, _OBJECT))
-        paths.update(zip(object_names, doc["objects"].get("paths") or [None] * len(object_names), strict=True))
+        state.update(zip(table_names, entries, strict=True) if entries else dict.fromkeys(table_names, _OBJECT))
+        paths.update(zip(table_names, doc[name].get("paths") or [None] * len(table_names), strict=True))
+        tables[name] = (table, table_names)
     planner_data = None  # stored as it is (or absent): checked by the caller, as in every version
     if doc.get("planner_data") == "paths":
         planner_data = {fqn: decode_path(fqn, code, len(state), where) for fqn, code in paths.items()}
-    return state, StoredItems(keys, objects, object_names), per_rank, planner_data
+    return state, StoredItems(keys, tables.get("objects"), tables.get("tensors")), per_rank, planner_data
 
 
 @contextlib.contextmanager
@@ -131,18 +138,94 @@ def _schema(where: str, what: str) -> Iterator[None]:
         ) from None
 
 
-def _decode_objects(table: Any, context: _Context) -> tuple[StoredKey, list[str]]:
-    """The objects table: one stored item per object key, as columns (``keys`` names them)."""
-    where = f"{context.where}: objects table"
+def _table_names(table: Any, where: str) -> list[str]:
     names = table["keys"]
     if not isinstance(names, list) or not set(map(type, names)) <= {str} or len(set(names)) != len(names):
         raise CheckpointFormatError(f"{where}: 'keys' must be a list of distinct key names")
     if "paths" in table and (not isinstance(table["paths"], list) or len(table["paths"]) != len(names)):
         raise CheckpointFormatError(f"{where}: 'paths' must have one entry per key")
+    return names
+
+
+def _decode_objects(table: Any, context: _Context) -> tuple[StoredKey, list[str], None]:
+    """The objects table: one stored item per object key, as columns (``keys`` names them)."""
+    where = f"{context.where}: objects table"
+    names = _table_names(table, where)
     objects = StoredKey("", False, context.names)
     objects.logical = decode_column(table["length"], len(names), f"{where}: length")
     _storage_columns_of(objects, table, context, where)
-    return objects, names
+    return objects, names, None
+
+
+def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str], list[TensorStorageMetadata]]:
+    """The tensors table (version 4): every tensor key's shape and chunks, and each chunk's stored item,
+    as columns. A key of one chunk is stored whole (no offsets or sizes entries)."""
+    where = f"{context.where}: tensors table"
+    names = _table_names(table, where)
+    count = len(names)
+    kinds = table["dtypes"]
+    if not isinstance(kinds, list) or len(set(kinds)) != len(kinds):
+        raise CheckpointFormatError(f"{where}: 'dtypes' must be a list of distinct dtype names")
+    dtypes = [dtype_from_name(name, where) for name in kinds]
+    numbers = decode_column(table["dtype"], count, f"{where}: dtype")
+    ndims = decode_column(table["ndim"], count, f"{where}: ndim")
+    grads = decode_column(table["requires_grad"], count, f"{where}: requires_grad")
+    chunks = decode_column(table.get("count", 1), count, f"{where}: count")
+    bound = context.doc_bytes  # no column may declare more entries than the document could hold
+    if count and (max(numbers) >= len(dtypes) or max(grads) > 1 or min(chunks) < 1 or sum(ndims) > bound):
+        raise CheckpointFormatError(
+            f"{where}: 'dtype' must index 'dtypes', 'requires_grad' hold 0 or 1, 'count' be positive, and "
+            "'ndim' fit the document"
+        )
+    flat = decode_column(table["size"], sum(ndims), f"{where}: size")
+    ends = list(itertools.accumulate(ndims))
+    sizes = [tuple(flat[end - n : end]) for n, end in zip(ndims, ends, strict=True)]
+    itemsizes = [dtypes[number].itemsize for number in numbers]
+    volumes = list(map(math.prod, sizes))
+    for i in (i for i, n in enumerate(volumes) if n * itemsizes[i] >= INT64_LIMIT or not n and sizes[i]):
+        check_shape(sizes[i], itemsizes[i], f"{where}: key {names[i]!r:.80}")  # else within int64
+    split = [i for i, n in enumerate(chunks) if n != 1]
+    if sum(chunks[i] * ndims[i] for i in split) > bound:
+        raise CheckpointFormatError(f"{where}: 'count' declares more chunks than the document could describe")
+    box_entries = sum(chunks[i] * ndims[i] for i in split)
+    offsets_flat = decode_column(table.get("offsets", 0), box_entries, f"{where}: offsets")
+    sizes_flat = decode_column(table.get("sizes", 0), box_entries, f"{where}: sizes")
+    zeros = {n: torch.Size((0,) * n) for n in set(ndims)}
+    props = {
+        (number, grad): TensorProperties(dtype=dtypes[number], requires_grad=bool(grad))
+        for number, grad in set(zip(numbers, grads, strict=True))
+    }
+    entries: list[TensorStorageMetadata] = []
+    key = StoredKey("", True, context.names)
+    key.dtypes, key.offsets, key.sizes, key.logical = [], [], [], []
+    item_sizes: list[int] = []
+    at = 0  # in the flat offsets and sizes columns
+    for i, (size, n, number, grad, itemsize) in enumerate(zip(sizes, ndims, numbers, grads, itemsizes, strict=True)):
+        shape = torch.Size(size)
+        if chunks[i] == 1:
+            boxes = [ChunkStorageMetadata(zeros[n], shape)]
+            key.offsets.append(zeros[n])
+            key.sizes.append(size)
+            key.logical.append(volumes[i] * itemsize)
+        else:
+            c = chunks[i]
+            span = slice(at, at + c * n)
+            offset_columns = [offsets_flat[span][d::n] for d in range(n)]
+            size_columns = [sizes_flat[span][d::n] for d in range(n)]
+            at += c * n
+            starts, lengths, parts = check_chunks_tile(
+                size, c, offset_columns, size_columns, f"{where}: key {names[i]!r:.80}"
+            )
+            boxes = [ChunkStorageMetadata(torch.Size(o), torch.Size(m)) for o, m in zip(starts, lengths, strict=True)]
+            key.offsets += starts
+            key.sizes += lengths
+            key.logical += [part * itemsize for part in parts]
+        entries.append(TensorStorageMetadata(props[number, grad], shape, boxes))
+        key.dtypes += [kinds[number]] * chunks[i]
+        item_sizes += [itemsize] * chunks[i]
+    _storage_columns_of(key, table, context, where, item_sizes)
+    key.firsts = list(itertools.accumulate(chunks, initial=0))
+    return key, names, entries
 
 
 def decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, ...]:
@@ -150,6 +233,8 @@ def decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, 
     if code is None:
         return tuple(fqn.split("."))
     parts = fqn.split(".")
+    if code == [len(parts)]:  # the key is one element of its path (a flat state's dotted names)
+        return (fqn,)
     if not isinstance(code, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in code):
         raise CheckpointFormatError(f"{where}: the path of key {fqn!r:.80} must be a list of part counts")
     path: list[str | int] = []
@@ -197,7 +282,7 @@ def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: s
         raise CheckpointFormatError(f"{where} must have one offsets and one sizes column per dimension ({len(size)})")
     offset_columns = [decode_column(c, count, f"{where}: offsets column {d}") for d, c in enumerate(offsets)]
     size_columns = [decode_column(c, count, f"{where}: sizes column {d}") for d, c in enumerate(sizes)]
-    dtype = dtype_from_name(record["dtype"])
+    dtype = dtype_from_name(record["dtype"], where)
     check_shape(size, dtype.itemsize, where)
     key.dtype = dtype_name(dtype)
     key.offsets, key.sizes, volumes = check_chunks_tile(size, count, offset_columns, size_columns, where)
@@ -222,7 +307,9 @@ def _object_columns(key: StoredKey, record: dict[str, Any], count: int, where: s
     key.logical = decode_column(record["length"], count, f"{where}: length")
 
 
-def _storage_columns_of(key: StoredKey, record: dict[str, Any], context: _Context, where: str) -> None:
+def _storage_columns_of(
+    key: StoredKey, record: dict[str, Any], context: _Context, where: str, itemsizes: list[int] | None = None
+) -> None:
     """Files, offsets, codecs, block sizes and blocks, each item checked as version 1 checks a record."""
     count = key.count
     key.file = decode_column(record["file"], count, f"{where}: file")
@@ -232,8 +319,9 @@ def _storage_columns_of(key: StoredKey, record: dict[str, Any], context: _Contex
     if default_block is None:
         raise CheckpointFormatError(f"{where} has no 'block_size' and the document gives no default")
     key.block_size = decode_column(default_block, count, f"{where}: block_size")
-    itemsize = dtype_from_name(key.dtype).itemsize if key.tensor else 0
-    check_codecs(key.codec, itemsize, FORMAT_VERSION, where)
+    if itemsizes is None:
+        itemsizes = dtype_from_name(key.dtype).itemsize if key.tensor else 0
+    check_codecs(key.codec, itemsizes, FORMAT_VERSION, where)
     check_block_sizes(key.block_size, where)
     check_file_numbers(key.file, key.at, len(context.names), where)
     blocks = key.block_size

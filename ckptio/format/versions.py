@@ -1,7 +1,8 @@
-"""The one module that knows format versions: which one a save writes (3) and how each is read.
+"""The one module that knows format versions: which one a save writes (4) and how each is read.
 
 Version 1 (ckptio 0.1: a JSON object per item) and 2 (the same with the ``zstd-byteplanes`` codec) are
-decoded by ``v1``; version 3 (per-key columns) is encoded by ``v3`` and decoded by ``v3_decode``. Both
+decoded by ``v1``; versions 3 (per-key columns) and 4 (whole tensors in one table as well) are encoded
+by ``v3`` and decoded by ``v3_decode``. Both
 apply the same rules (``rules``) and build the same records (``records``). A newer version than this
 ckptio knows is refused asking for an upgrade.
 """
@@ -30,12 +31,18 @@ def encode_metadata(
     items: dict[tuple[str, torch.Size | None], StoredItem],
     header: Header,
     per_rank: dict[str, dict[int, StoredItem]] | None = None,
+    format_version: int = FORMAT_VERSION,
 ) -> bytes:
     """Serialize DCP metadata plus ckptio's item records, by ``(key, chunk offsets or None)``, into the
-    JSON document (format version 3)."""
+    JSON document (format version 4, or 3 for a reader that predates the ``tensors`` table)."""
+    if format_version not in (3, 4):
+        raise ValueError(f"ckptio writes format version 3 or 4, not {format_version}")
     block_size = header.config.max_block_size or next((i.block_size for i in items.values()), 64)
-    doc = dataclasses.replace(header, format_version=FORMAT_VERSION).to_json()
-    doc.update(encode_document(metadata, items, per_rank or {}, header.files, header.writer_ranks, block_size))
+    doc = dataclasses.replace(header, format_version=format_version).to_json()
+    columns = encode_document(
+        metadata, items, per_rank or {}, header.files, header.writer_ranks, block_size, format_version >= 4
+    )
+    doc.update(columns)
     del doc["writer_ranks"]  # in 'files'
     return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()  # a tree we built
 
