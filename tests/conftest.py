@@ -141,7 +141,7 @@ def radosgw():
 
 @pytest.fixture
 def raw_checkpoint(tmp_path):
-    """A small checkpoint with every item in a data file, and its stored (version 3) document."""
+    """A small checkpoint with every item in a data file, and its stored (version 4) document."""
     import torch
 
     import ckptio
@@ -151,5 +151,5 @@ def raw_checkpoint(tmp_path):
     state = {"w": torch.arange(20000.0), "b": torch.arange(7), "step": 3}
     ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0))
     doc = read_stored_doc(url)
-    assert doc["format_version"] == 3
+    assert doc["format_version"] == 4
     return url, doc

@@ -21,6 +21,7 @@ from tests.helpers.documents import (
     load_error,
     meta_path,
     read_doc,
+    rewrite_in_version,
     saved,
     saved_with_dcp,
     write_doc,
@@ -91,9 +92,11 @@ def _format_error_for(url: str, raw: bytes | str) -> str:
 def test_garbage_json_is_a_named_format_error(tmp_path):
     url = saved_with_dcp(tmp_path)
     good = open(meta_path(url)).read()
-    doc, view = json.loads(good), read_doc(url)  # version 3; the same in version 2's schema
+    doc, view = json.loads(good), read_doc(url)  # version 4; the same in version 2's schema
     assert "deeper than" in _format_error_for(url, "[" * 100_000 + "]" * 100_000)
-    assert "not valid JSON" in _format_error_for(url, good.replace('"count":1', '"count":' + "9" * 5000, 1))
+    assert "not valid JSON" in _format_error_for(
+        url, good.replace('"format_version":4', '"format_version":' + "9" * 5000, 1)
+    )
     assert "repeats the JSON key 'files'" in _format_error_for(url, good[:-1] + ',"files":{}}')
     items = view["items"] + [view["items"][0]]
     assert "listed twice" in _format_error_for(url, json.dumps({**view, "items": items}))
@@ -181,6 +184,18 @@ def _packed_q(values: list[int]) -> str:
     return "Q" + base64.b64encode(b"".join(min(v, 2**64 - 1).to_bytes(8, "little") for v in values)).decode()
 
 
+#: The numbers of a version 4 document (``w`` and ``b`` are the tensors table's two keys, in that order).
+V4_FIELDS = {
+    "chunk offset (at)": lambda doc, v: doc["tensors"].__setitem__("at", v),
+    "chunk offset (at, packed)": lambda doc, v: doc["tensors"].__setitem__("at", _packed_q([v, v])),
+    "tensor size": lambda doc, v: doc["tensors"].__setitem__("size", _packed_q([v, 7])),
+    "chunk count": lambda doc, v: doc["tensors"].__setitem__("count", v),
+    "dimension count": lambda doc, v: doc["tensors"].__setitem__("ndim", v),
+    "block size": lambda doc, v: doc["tensors"].__setitem__("block_size", v),
+    "object length": lambda doc, v: doc["objects"].__setitem__("length", v),
+    "document block size": lambda doc, v: doc.__setitem__("block_size", v),
+}
+#: The same numbers of a version 3 document (a ``keys`` record per tensor).
 V3_FIELDS = {
     "chunk offset (at)": lambda doc, v: doc["keys"]["w"].__setitem__("at", v),
     "chunk offset (at, packed)": lambda doc, v: doc["keys"]["w"].__setitem__("at", _packed_q([v])),
@@ -191,11 +206,12 @@ V3_FIELDS = {
     "object length": lambda doc, v: doc["objects"].__setitem__("length", v),
     "document block size": lambda doc, v: doc.__setitem__("block_size", v),
 }
+FIELDS = {4: V4_FIELDS, 3: V3_FIELDS}
 
 
 #: Past int64 only: a file size larger than the file is a claim the decoder cannot see through (it
 #: reads no file); loads find the file short, and paths that allocate first check sizes (below).
-V3_FIELDS_INT64_ONLY = {
+HEADER_FIELDS_INT64_ONLY = {
     "file size": lambda doc, v: doc["files"].__setitem__("sizes", v),
     "world size": lambda doc, v: doc.__setitem__("world_size", v),
     "file rank": lambda doc, v: doc["files"].__setitem__("ranks", v),
@@ -205,15 +221,16 @@ V3_FIELDS_INT64_ONLY = {
 
 
 @pytest.mark.parametrize(
-    "field, value",
-    [(f, v) for f in V3_FIELDS for v in [*HUGE, "past the file"]]
-    + [(f, v) for f in V3_FIELDS_INT64_ONLY for v in HUGE[:2]],
+    "version, field, value",
+    [(n, f, v) for n in (4, 3) for f in FIELDS[n] for v in [*HUGE, "past the file"]]
+    + [(n, f, v) for n in (4, 3) for f in HEADER_FIELDS_INT64_ONLY for v in HUGE[:2]],
 )
-def test_ckptio_json_numbers_past_int64_or_the_file_are_format_errors_at_decode(field, value, raw_checkpoint):
-    url, doc = raw_checkpoint
+def test_ckptio_json_numbers_past_int64_or_the_file_are_format_errors_at_decode(version, field, value, raw_checkpoint):
+    url, _ = raw_checkpoint
+    doc = rewrite_in_version(url, version)
     if value == "past the file":
         value = doc["files"]["sizes"] + 1
-    {**V3_FIELDS, **V3_FIELDS_INT64_ONLY}[field](doc, value)
+    {**FIELDS[version], **HEADER_FIELDS_INT64_ONLY}[field](doc, value)
     write_doc(url, doc)
     with pytest.raises(ckptio.CheckpointFormatError) as info:
         ckptio.Reader(url).read_metadata()

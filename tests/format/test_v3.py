@@ -289,18 +289,25 @@ def test_the_readable_view_is_the_same_metadata_in_version_2s_schema():
     assert again.metadata.state_dict_metadata == manifest.metadata.state_dict_metadata
 
 
-def test_a_plain_dcp_load_builds_the_records_of_what_it_reads_only(tmp_path):
+def test_a_plain_dcp_load_decodes_the_checksums_of_what_it_reads_only(tmp_path):
+    """Every key's checksums share one column; a load decodes the entries of the items it reads, so
+    damage elsewhere in the column is found by the load that reads it, naming the column."""
     import torch.distributed.checkpoint as dcp
 
     import ckptio
 
     url = str(tmp_path / "ckpt")
     dcp.save({f"t{i}": torch.full((8,), float(i)) for i in range(50)}, storage_writer=ckptio.Writer(url))
-    reader = ckptio.Reader(url)
+    doc = json.load(open(f"{url}/ckptio.json"))
+    crcs = doc["tensors"]["crc32c"]
+    at = 1 + 30 * 4 // 3 * 4  # the base64 of t30's checksum (one block each)
+    doc["tensors"]["crc32c"] = crcs[:at] + "*" + crcs[at + 1 :]
+    json.dump(doc, open(f"{url}/ckptio.json", "w"))
     out = {"t7": torch.zeros(8)}
-    dcp.load(out, storage_reader=reader)
+    dcp.load(out, storage_reader=ckptio.Reader(url))
     assert torch.equal(out["t7"], torch.full((8,), 7.0))
-    assert [fqn for fqn, key in reader.manifest.items._keys.items() if key._built] == ["t7"]
+    with pytest.raises(ckptio.CheckpointFormatError, match=r"tensors table: crc32c .* not valid base64"):
+        ckptio.load({"t30": torch.zeros(8)}, url)
 
 
 def _paths(value, prefix=()):

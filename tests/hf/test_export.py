@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import os
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 import ckptio
+from ckptio.format.v3 import encode_column, encode_packed
 from ckptio.tools.cli import main as cli_main
 from tests.helpers import llama
 from tests.helpers.documents import write_doc
@@ -90,13 +90,13 @@ def test_a_tensor_declared_far_beyond_its_files_is_refused_by_every_export_befor
     each other), every path that allocates whole tensors checks the files first and names the file."""
     url, doc = raw_checkpoint
     numel = 12 << 30  # fp32: 48 GiB
-    record = doc["keys"]["w"]
+    table = doc["tensors"]
+    assert table["keys"] == ["w", "b"]
     block = 64 << 20
     blocks = math.ceil(numel * 4 / block)
-    record.update(size=[numel], sizes=[numel], at=0, block_size=block)
-    record["crc32c"] = "I" + base64.b64encode(bytes(4 * blocks)).decode()
+    table.update(size=encode_column([numel, 7]), at=encode_column([0, numel * 4]))
+    table.update(block_size=encode_column([block, doc["block_size"]]), crc32c=encode_packed([0] * (blocks + 1), "I"))
     doc["files"]["sizes"] = numel * 4 + 4096
-    doc["keys"]["b"]["at"] = numel * 4
     write_doc(url, doc)
     ckptio.Reader(url).read_metadata()  # consistent claims: they load as metadata
     with pytest.raises(ckptio.CorruptCheckpointError, match=r"data-.*\.ckio.*holds \d+ bytes, the metadata records"):
