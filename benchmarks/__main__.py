@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=workload.DATA_KINDS,
         default="randn",
         help="what the tensors hold: randn (fp32, default), bf16-in-fp32 (compress ~2x), bf16-weights "
-        "(bf16 weights, fp32 Adam moments), random-bytes (incompressible)",
+        "(bf16 weights, fp32 Adam moments), adam-moments (a trained state: bf16 weights 0.02 N(0,1), exp_avg "
+        "1e-3 N(0,1), exp_avg_sq its square, a step tensor per parameter), random-bytes (incompressible)",
     )
     p.add_argument("--compressible", action="store_true", help="same as --data bf16-in-fp32")
     p.add_argument("--writers", nargs="+", help=f"subset of: {', '.join(w.name for w in WRITERS)}")
@@ -224,18 +225,19 @@ def run(args: argparse.Namespace) -> dict:
         from . import runner
 
         records = _spawn_with_progress(args, runner.run_rank, cfg, progress_file, steps, backend)
+        raw = report.raw_bandwidth([r for r in records if "raw_bandwidth" in r])
+        records = [r for r in records if "raw_bandwidth" not in r]
         by_state = {args.data: records}
         training_state = _training_state_pass(args, cfg, chosen, targets)
         if training_state is not None:
             state_cfg, state_steps = training_state
-            by_state[state_cfg["data"]] = _spawn_with_progress(
-                args, runner.run_rank, state_cfg, progress_file, state_steps, backend
-            )
+            state_records = _spawn_with_progress(args, runner.run_rank, state_cfg, progress_file, state_steps, backend)
+            by_state[state_cfg["data"]] = [r for r in state_records if "raw_bandwidth" not in r]
         async_rows, plan_rows = _async_and_plan_sections(args, cfg, targets, progress_file, backend)
         listings = {r["url"]: r["listing"] for rows in by_state.values() for r in rows if "listing" in r}
         results = []
         for data, rows in by_state.items():  # each state's byte counts are its own
-            sizes = workload.byte_counts(workload.tensor_specs(size_bytes, data), (replicas, shards))
+            sizes = workload.byte_counts(workload.tensor_specs(size_bytes, data), (replicas, shards), data)
             results += report.summarize(rows, listings, args.ranks, sizes)
         shared_reads = report.shared_reads(records, listings)
     import torch
@@ -261,6 +263,7 @@ def run(args: argparse.Namespace) -> dict:
             "targets": [{k: v for k, v in t.items() if k != "storage_options"} for t in targets],
         },
         "results": results,
+        "raw_bandwidth": raw,
         "shared_reads": shared_reads,
         "async_saves": async_rows,
         "plan_time": plan_rows,
@@ -408,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(base + ".md", "w") as f:
         f.write(report.markdown_report(doc))
     print(report.table(doc["results"]))
+    phases = report.phase_table(doc["results"], doc.get("raw_bandwidth", {}))
+    if phases:
+        print(
+            "\nPhases (s in each writer method on the slowest rank, median (min-max) over repeats; waits for other "
+            "ranks between methods excluded):\n" + phases + "\n" + report.raw_lines(doc["raw_bandwidth"], args.ranks)
+        )
     by_dtype = report.dtype_table(doc["results"])
     if by_dtype and any("zstd" in r["writer"] for r in doc["results"]):
         print("\nBytes saved by compression, per dtype (tensor data):\n" + by_dtype)

@@ -76,9 +76,80 @@ def summarize(records: list[dict], files: dict[str, dict[str, int]], world: int,
             "load_bit_exact": all(not r["load_mismatches"] for r in recs),
             "reshard_bit_exact": all(not r["reshard_mismatches"] for r in first),
             "bytes_by_dtype": next((r["bytes_by_dtype"] for r in first if "bytes_by_dtype" in r), {}),
+            "phases": {kind: _phases(recs, reps, f"{kind}_phases") for kind in ("save", "load")},
         }
         rows.append(row)
     return rows
+
+
+def _phases(recs: list[dict], reps: list[int], field: str) -> dict[str, list[float]]:
+    """phase -> [median, min, max] over repeats of the slowest rank's seconds in it."""
+    names = list(next((r[field] for r in recs if field in r), {}))
+    out = {}
+    for name in names:
+        slowest = [max(r[field][name] for r in recs if r["repeat"] == k) for k in reps]
+        out[name] = [statistics.median(slowest), min(slowest), max(slowest)]
+    return out
+
+
+def raw_bandwidth(records: list[dict]) -> dict[str, dict]:
+    """target -> the raw parallel write+fsync and read of ``phases.raw_bandwidth`` (MB/s)."""
+    out = {}
+    for r in records:
+        raw = r["raw_bandwidth"]
+        out[r["target"]] = {
+            "bytes": raw["bytes"],
+            "write_MBps": raw["bytes"] / raw["write_s"] / 1e6,
+            "read_MBps": raw["bytes"] / raw["read_s"] / 1e6,
+        }
+    return out
+
+
+def _spread(values: list[float]) -> str:
+    return f"{values[0]:.3f} ({values[1]:.3f}-{values[2]:.3f})"
+
+
+def phase_table(rows: list[dict], raw: dict[str, dict], markdown: bool = False) -> str:
+    """Per-phase seconds of each writer (slowest rank, median and min-max over repeats), the write
+    phase's bandwidth, and the share of the target's raw write+fsync bandwidth it reaches."""
+    header = [
+        "target",
+        "writer",
+        "save: plan",
+        "write",
+        "finish",
+        "write MB/s",
+        "of raw",
+        "load: metadata",
+        "plan",
+        "read",
+    ]
+    lines = []
+    for r in rows:
+        save, load = r.get("phases", {}).get("save"), r.get("phases", {}).get("load")
+        if not save or not load:
+            continue
+        write_mbps = r["bytes_written"] / save["write"][0] / 1e6 if save["write"][0] else math.nan
+        target_raw = raw.get(r["target"])
+        share = f"{write_mbps / target_raw['write_MBps']:.2f}" if target_raw else "-"
+        lines.append(
+            [r["target"], r["writer"], _spread(save["plan"]), _spread(save["write"]), _spread(save["finish"])]
+            + [f"{write_mbps:.0f}", share, _spread(load["metadata"]), _spread(load["plan"]), _spread(load["read"])]
+        )
+    return _grid(header, lines, markdown) if lines else ""
+
+
+def report_raw(doc: dict[str, Any], cfg: dict[str, Any]) -> str:
+    return raw_lines(doc.get("raw_bandwidth", {}), cfg["ranks"]).replace("\n", "; ") or "not measured"
+
+
+def raw_lines(raw: dict[str, dict], world: int) -> str:
+    return "\n".join(
+        f"{target}: write+fsync {r['write_MBps']:.0f} MB/s, read {r['read_MBps']:.0f} MB/s "
+        f"({world} processes, {_mib(r['bytes'] / world)} MiB each in 8 MiB system calls; the page cache dropped "
+        "before the read)"
+        for target, r in raw.items()
+    )
 
 
 def dtype_table(rows: list[dict]) -> str:
@@ -346,6 +417,18 @@ def markdown_report(doc: dict[str, Any]) -> str:
         "",
         table(doc["results"], markdown=True),
     ]
+    phases = phase_table(doc["results"], doc.get("raw_bandwidth", {}), markdown=True)
+    if phases:
+        parts += [
+            "",
+            "## Phases",
+            "",
+            "Seconds in each writer's methods on the slowest rank, median (min-max) over repeats; a rank's wait "
+            "for the others between methods is in no phase. The target's own bandwidth, for comparison: "
+            + report_raw(doc, cfg),
+            "",
+            phases,
+        ]
     requests = request_table(doc["results"], markdown=True)
     if requests:
         parts += ["", "## S3 requests (client side, all ranks)", "", requests]

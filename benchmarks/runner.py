@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from . import counting, workload
+from . import counting, phases, workload
 from .writers import WRITERS
 
 
@@ -78,6 +80,11 @@ def run_rank(cfg: dict) -> list[dict]:
     writers = {w.name: w for w in WRITERS}
     _warm_up(cfg, writers, mesh)
     records = []
+    per_rank = workload.byte_counts(specs, tuple(cfg["mesh"]), cfg["data"])["unique_bytes"] // world
+    for target in cfg["targets"]:
+        if target["kind"] == "local":  # what the disk gives, for the writers to be measured against
+            raw = phases.raw_bandwidth(os.path.join(target["base"], "raw"), per_rank)
+            records.append({"raw_bandwidth": raw, "target": target["name"], "rank": rank})
     # Repeats outermost: every writer sees the same page-cache and writeback conditions.
     for rep in range(cfg["repeats"]):
         for target in cfg["targets"]:
@@ -102,18 +109,20 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
     }
     counting.take_counts()
     cpu = counting.cpu_seconds()
+    writer = phases.timed(spec.make_writer(url, options))
     with counting.PeakRSS() as rss:
-        record["save_s"] = _timed(
-            lambda: dcp.save(state, storage_writer=spec.make_writer(url, options), planner=spec.make_planner())
-        )
+        record["save_s"] = _timed(lambda: dcp.save(state, storage_writer=writer, planner=spec.make_planner()))
+    record["save_phases"] = writer.phases
     record["save_cpu_s"] = counting.cpu_seconds() - cpu
     record["save_requests"] = counting.take_counts()
     record["save_rss_bytes"] = rss.peak_delta
 
     loaded = workload.build_state(mesh, specs, compressible, rank, empty=True)
     cpu = counting.cpu_seconds()
+    reader = phases.timed(spec.make_reader(url, options))
     with counting.PeakRSS() as rss:
-        record["load_s"] = _timed(lambda: dcp.load(loaded, storage_reader=spec.make_reader(url, options)))
+        record["load_s"] = _timed(lambda: dcp.load(loaded, storage_reader=reader))
+    record["load_phases"] = reader.phases
     record["load_cpu_s"] = counting.cpu_seconds() - cpu
     record["load_requests"] = counting.take_counts()
     record["load_rss_bytes"] = rss.peak_delta

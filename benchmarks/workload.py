@@ -21,7 +21,9 @@ TRAIN_CONFIG = {"lr": 3e-4, "betas": [0.9, 0.95], "run": "bench"}
 #: What the tensors hold: normal fp32 values; bf16-precision values kept in fp32 (half of every
 #: value's bytes are zero); bf16 weights beside fp32 Adam moments, as mixed-precision training
 #: keeps them; uniformly random bytes (incompressible).
-DATA_KINDS = ("randn", "bf16-in-fp32", "bf16-weights", "random-bytes")
+DATA_KINDS = ("randn", "bf16-in-fp32", "bf16-weights", "adam-moments", "random-bytes")
+#: Kinds whose weights are bf16 (the moments stay fp32).
+BF16_WEIGHTS = ("bf16-weights", "adam-moments")
 
 
 def data_kind(data: str | bool) -> str:
@@ -40,9 +42,9 @@ class Spec:
 
 
 def tensor_specs(size_bytes: int, data: str | bool = "randn") -> list[Spec]:
-    """Parameters (fp32, or bf16 for ``bf16-weights``) plus exp_avg and exp_avg_sq of each (fp32),
+    """Parameters (fp32, or bf16 for ``BF16_WEIGHTS``) plus exp_avg and exp_avg_sq of each (fp32),
     about ``size_bytes`` in all."""
-    weights = torch.bfloat16 if data_kind(data) == "bf16-weights" else torch.float32
+    weights = torch.bfloat16 if data_kind(data) in BF16_WEIGHTS else torch.float32
     per_tensor_set = size_bytes / (weights.itemsize + 8) / COLS  # rows across all layers
     unit = per_tensor_set / sum(LAYER_SHAPE)
     specs = []
@@ -65,6 +67,8 @@ def rows_of(spec: Spec, start: int, stop: int, data: str | bool) -> torch.Tensor
         if kind == "random-bytes":
             values = torch.randint(0, 256, (b1 - b0, COLS * spec.dtype.itemsize), generator=gen, dtype=torch.uint8)
             values = values.view(spec.dtype)
+        elif kind == "adam-moments":
+            values = _adam_values(spec.name, torch.randn((b1 - b0, COLS), generator=gen)).to(spec.dtype)
         else:
             values = torch.randn((b1 - b0, COLS), generator=gen).to(spec.dtype)
         if kind == "bf16-in-fp32":  # bf16 precision stored in fp32: half of every value's bytes are zero
@@ -72,6 +76,27 @@ def rows_of(spec: Spec, start: int, stop: int, data: str | bool) -> torch.Tensor
         lo, hi = max(b0, start), min(b1, stop)
         out[lo - start : hi - start] = values[lo - b0 : hi - b0]
     return out
+
+
+def _adam_values(name: str, normal: torch.Tensor) -> torch.Tensor:
+    """What a trained model's tensors hold: weights ~0.02 N(0, 1) (bf16), AdamW's first moment ~1e-3
+    N(0, 1) and second moment its square (fp32, spanning many exponents)."""
+    if name.endswith(".exp_avg"):
+        return normal * 1e-3
+    if name.endswith(".exp_avg_sq"):
+        return (normal * 1e-3) ** 2
+    return normal * 0.02
+
+
+def step_keys(specs: list[Spec], data: str | bool) -> list[str]:
+    """The per-parameter ``step`` tensors an ``adam-moments`` state holds (AdamW keeps one per parameter)."""
+    if data_kind(data) != "adam-moments":
+        return []
+    return [
+        s.name.removeprefix("optim.state.").removesuffix(".exp_avg") + ".step"
+        for s in specs
+        if s.name.endswith(".exp_avg")
+    ]
 
 
 def shard_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
@@ -96,6 +121,8 @@ def build_state(mesh, specs: list[Spec], data: str | bool, rank: int, empty: boo
         head, rest = spec.name.split(".", 1)
         (state["model"] if head == "model" else state["optim"]["state"])[rest.removeprefix("state.")] = value
     state["optim"]["step"] = torch.tensor(0.0 if empty else 1000.0)
+    for key in step_keys(specs, data):
+        state["optim"]["state"][key] = torch.tensor(0.0 if empty else 1000.0)
     config, loader = dict(TRAIN_CONFIG), {"epoch": 3, "position": 17 + 1000 * rank}
     state["train_config"] = dict.fromkeys(config) if empty else config
     state[f"dataloader.rank{rank}"] = dict.fromkeys(loader) if empty else loader
@@ -114,6 +141,7 @@ def check_state(state: dict, specs: list[Spec], data: str | bool, rank: int) -> 
             bad.append(spec.name)
     if state["optim"]["step"].item() != 1000.0:
         bad.append("optim.step")
+    bad += [f"optim.state.{key}" for key in step_keys(specs, data) if state["optim"]["state"][key].item() != 1000.0]
     if state["train_config"] != TRAIN_CONFIG:
         bad.append("train_config")
     if state[f"dataloader.rank{rank}"] != {"epoch": 3, "position": 17 + 1000 * rank}:
@@ -121,16 +149,17 @@ def check_state(state: dict, specs: list[Spec], data: str | bool, rank: int) -> 
     return bad
 
 
-def byte_counts(specs: list[Spec], mesh_shape: tuple[int, int]) -> dict[str, int]:
+def byte_counts(specs: list[Spec], mesh_shape: tuple[int, int], data: str | bool = "randn") -> dict[str, int]:
     """Logical bytes (as all ranks hold them, replicas counted) and unique bytes of the state."""
     replicas, shards = mesh_shape
     world = replicas * shards
-    unique_tensors = sum(s.rows * COLS * s.dtype.itemsize for s in specs) + 4
+    scalars = 1 + len(step_keys(specs, data))  # optim.step, and the per-parameter steps
+    unique_tensors = sum(s.rows * COLS * s.dtype.itemsize for s in specs) + 4 * scalars
     # torch's planner flattens dicts: each value is pickled on its own
     shared = sum(len(_pickled(v)) for v in TRAIN_CONFIG.values())
     per_rank = sum(len(_pickled(3)) + len(_pickled(17 + 1000 * r)) for r in range(world))
     return {
-        "logical_bytes": unique_tensors * replicas + 4 * (world - replicas) + shared * world + per_rank,
+        "logical_bytes": unique_tensors * replicas + 4 * scalars * (world - replicas) + shared * world + per_rank,
         "unique_bytes": unique_tensors + shared + per_rank,
     }
 

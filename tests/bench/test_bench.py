@@ -122,15 +122,19 @@ def test_process_tree_memory_counts_a_child_process():
     assert 256 << 20 <= grown < 400 << 20  # the child's touched buffer plus its interpreter
 
 
-def _held_bytes_and_save(url: str, size: int) -> int:
+def _held_bytes_and_save(url: str, size: int, data: str = "randn") -> int:
     """Save the workload on a 2x2 mesh; return the bytes this rank holds (tensors + pickled objects)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    state = workload.build_state(mesh, workload.tensor_specs(size), False, dist.get_rank())
+    specs = workload.tensor_specs(size, data)
+    state = workload.build_state(mesh, specs, data, dist.get_rank())
     ckptio.save(state, url)
+    loaded = workload.build_state(mesh, specs, data, dist.get_rank(), empty=True)
+    ckptio.load(loaded, url)
+    assert workload.check_state(loaded, specs, data, dist.get_rank()) == []
 
     def held(value) -> int:
         if isinstance(value, dict):
@@ -144,15 +148,53 @@ def _held_bytes_and_save(url: str, size: int) -> int:
     return held(state)
 
 
-def test_workload_byte_counts_match_what_ranks_hold_and_ckptio_stores(tmp_path):
+@pytest.mark.parametrize("data", ["randn", "adam-moments"])
+def test_workload_byte_counts_match_what_ranks_hold_and_ckptio_stores(tmp_path, data):
     from tests.helpers.harness import spawn
 
     url = str(tmp_path / "w")
-    held = spawn(4, _held_bytes_and_save, url, 1 << 20)
-    sizes = workload.byte_counts(workload.tensor_specs(1 << 20), (2, 2))
+    held = spawn(4, _held_bytes_and_save, url, 1 << 20, data)
+    sizes = workload.byte_counts(workload.tensor_specs(1 << 20, data), (2, 2), data)
     assert sum(held) == sizes["logical_bytes"]
     stored = sum(i["logical_bytes"] for i in readable_metadata(url)["items"])
     assert stored == sizes["unique_bytes"]
+
+
+def test_the_adam_state_holds_a_trained_models_values():
+    specs = {s.name: s for s in workload.tensor_specs(4 << 20, "adam-moments")}
+    weight = specs["model.layers.0.weight"]
+    avg, sq = specs["optim.state.layers.0.weight.exp_avg"], specs["optim.state.layers.0.weight.exp_avg_sq"]
+    assert weight.dtype == torch.bfloat16 and avg.dtype == sq.dtype == torch.float32
+    w, m, v = (workload.rows_of(spec, 0, 64, "adam-moments").float() for spec in (weight, avg, sq))
+    assert 0.015 < w.std() < 0.025 and 0.5e-3 < m.std() < 1.5e-3 and v.min() >= 0 and v.max() < 1e-4
+    assert len(workload.step_keys(list(specs.values()), "adam-moments")) == len(specs) // 3
+
+
+def _phases_and_raw(url: str) -> tuple[dict, dict, dict]:
+    """One ckptio save and load through the phase timer, and the raw bandwidth of the folder."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from ckptio.bench import phases
+
+    writer = phases.timed(ckptio.Writer(url))
+    dcp.save({"w": torch.ones(1024), "rank": dist.get_rank()}, storage_writer=writer)
+    reader = phases.timed(ckptio.Reader(url))
+    out = {"w": torch.zeros(1024), "rank": -1}
+    dcp.load(out, storage_reader=reader)
+    assert torch.equal(out["w"], torch.ones(1024)) and out["rank"] == dist.get_rank()
+    return writer.phases, reader.phases, phases.raw_bandwidth(url + "-raw", 1 << 20)
+
+
+def test_phases_time_each_writer_method_and_the_raw_bandwidth_is_measured(tmp_path):
+    from tests.helpers.harness import spawn
+
+    ranks = spawn(2, _phases_and_raw, str(tmp_path / "c"))
+    for rank, (save, load, raw) in enumerate(ranks):
+        assert set(save) == {"plan", "write", "finish"} and set(load) == {"metadata", "plan", "read"}
+        assert min(save["plan"], save["write"], load["metadata"], load["plan"], load["read"]) > 0, (save, load)
+        assert (save["finish"] > 0) == (rank == 0)  # the coordinator's step
+        assert raw["bytes"] == 2 << 20 and raw["write_s"] > 0 and raw["read_s"] > 0
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("c-raw") and os.listdir(tmp_path / n)]
 
 
 @pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
