@@ -165,7 +165,7 @@ def test_the_adam_state_holds_a_trained_models_values():
     weight = specs["model.layers.0.weight"]
     avg, sq = specs["optim.state.layers.0.weight.exp_avg"], specs["optim.state.layers.0.weight.exp_avg_sq"]
     assert weight.dtype == torch.bfloat16 and avg.dtype == sq.dtype == torch.float32
-    w, m, v = (workload.rows_of(spec, 0, 64, "adam-moments").float() for spec in (weight, avg, sq))
+    w, m, v = (workload.rows_of(spec, 0, spec.rows, "adam-moments").float() for spec in (weight, avg, sq))
     assert 0.015 < w.std() < 0.025 and 0.5e-3 < m.std() < 1.5e-3 and v.min() >= 0 and v.max() < 1e-4
     assert len(workload.step_keys(list(specs.values()), "adam-moments")) == len(specs) // 3
 
@@ -177,11 +177,12 @@ def _phases_and_raw(url: str) -> tuple[dict, dict, dict]:
     from ckptio.bench import phases
 
     writer = phases.timed(ckptio.Writer(url))
-    dcp.save({"w": torch.ones(1024), "rank": dist.get_rank()}, storage_writer=writer)
+    own = f"loader.rank{dist.get_rank()}"
+    dcp.save({"w": torch.ones(1024), own: dist.get_rank()}, storage_writer=writer)
     reader = phases.timed(ckptio.Reader(url))
-    out = {"w": torch.zeros(1024), "rank": -1}
+    out = {"w": torch.zeros(1024), own: -1}
     dcp.load(out, storage_reader=reader)
-    assert torch.equal(out["w"], torch.ones(1024)) and out["rank"] == dist.get_rank()
+    assert torch.equal(out["w"], torch.ones(1024)) and out[own] == dist.get_rank()
     return writer.phases, reader.phases, phases.raw_bandwidth(url + "-raw", 1 << 20)
 
 
