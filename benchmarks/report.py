@@ -93,14 +93,22 @@ def _phases(recs: list[dict], reps: list[int], field: str) -> dict[str, list[flo
 
 
 def raw_bandwidth(records: list[dict]) -> dict[str, dict]:
-    """target -> the raw parallel write+fsync and read of ``phases.raw_bandwidth`` (MB/s)."""
-    out = {}
+    """target -> the raw parallel write+fsync and read of ``phases.raw_bandwidth`` (MB/s, the median
+    over repeats, and its min and max)."""
+    by_target: dict[str, list[dict]] = defaultdict(list)
     for r in records:
-        raw = r["raw_bandwidth"]
-        out[r["target"]] = {
-            "bytes": raw["bytes"],
-            "write_MBps": raw["bytes"] / raw["write_s"] / 1e6,
-            "read_MBps": raw["bytes"] / raw["read_s"] / 1e6,
+        if r["rank"] == 0:  # every rank holds the slowest rank's figures
+            by_target[r["target"]].append(r["raw_bandwidth"])
+    out = {}
+    for target, runs in by_target.items():
+        write = sorted(raw["bytes"] / raw["write_s"] / 1e6 for raw in runs)
+        read = sorted(raw["bytes"] / raw["read_s"] / 1e6 for raw in runs)
+        out[target] = {
+            "bytes": runs[0]["bytes"],
+            "write_MBps": statistics.median(write),
+            "write_MBps_range": [write[0], write[-1]],
+            "read_MBps": statistics.median(read),
+            "read_MBps_range": [read[0], read[-1]],
         }
     return out
 
@@ -145,7 +153,9 @@ def report_raw(doc: dict[str, Any], cfg: dict[str, Any]) -> str:
 
 def raw_lines(raw: dict[str, dict], world: int) -> str:
     return "\n".join(
-        f"{target}: write+fsync {r['write_MBps']:.0f} MB/s, read {r['read_MBps']:.0f} MB/s "
+        f"{target}: write+fsync {r['write_MBps']:.0f} MB/s ({r['write_MBps_range'][0]:.0f}-"
+        f"{r['write_MBps_range'][1]:.0f}), read {r['read_MBps']:.0f} MB/s ({r['read_MBps_range'][0]:.0f}-"
+        f"{r['read_MBps_range'][1]:.0f}) "
         f"({world} processes, {_mib(r['bytes'] / world)} MiB each in 8 MiB system calls; the page cache dropped "
         "before the read)"
         for target, r in raw.items()

@@ -81,12 +81,12 @@ def run_rank(cfg: dict) -> list[dict]:
     _warm_up(cfg, writers, mesh)
     records = []
     per_rank = workload.byte_counts(specs, tuple(cfg["mesh"]), cfg["data"])["unique_bytes"] // world
-    for target in cfg["targets"]:
-        if target["kind"] == "local":  # what the disk gives, for the writers to be measured against
-            raw = phases.raw_bandwidth(os.path.join(target["base"], "raw"), per_rank)
-            records.append({"raw_bandwidth": raw, "target": target["name"], "rank": rank})
     # Repeats outermost: every writer sees the same page-cache and writeback conditions.
     for rep in range(cfg["repeats"]):
+        for target in cfg["targets"]:
+            if target["kind"] == "local":  # what the disk gives in the same conditions, to compare with
+                raw = phases.raw_bandwidth(os.path.join(target["base"], "raw"), per_rank)
+                records.append({"raw_bandwidth": raw, "target": target["name"], "rank": rank, "repeat": rep})
         for target in cfg["targets"]:
             for name in cfg["writers"]:
                 if target["kind"] in cfg["writer_targets"][name]:
