@@ -14,9 +14,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from ckptio.config import LOCAL_READ_GAP_BYTES
+from ckptio.config import LOCAL_READ_GAP_BYTES, WRITEBACK_BYTES
 from ckptio.errors import StorageError
 from ckptio.storage.base import FsspecStore, ReadRequest
+from ckptio.storage.writeback import start_writeback
 
 #: Buffers one readv/preadv/writev call takes (POSIX IOV_MAX; Linux's is 1024).
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -189,6 +190,7 @@ def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
 class _LocalSink:
     def __init__(self, store: LocalStore, name: str, handle):
         self.store, self.name, self.handle = store, name, handle
+        self.written = self.flushed = 0  # bytes written, and those whose writeback was started
 
     def write(self, data: bytes | memoryview, crc: int | None = None) -> None:
         view = memoryview(data).cast("B")
@@ -196,6 +198,10 @@ class _LocalSink:
             piece = view[:MAX_SYSCALL_BYTES]
             written = self.store._guard(self.name, "write", lambda piece=piece: self.handle.write(piece))
             view = view[written:]
+            self.written += written
+        if self.written - self.flushed >= WRITEBACK_BYTES:
+            start_writeback(self.handle.fileno(), self.flushed, self.written - self.flushed)
+            self.flushed = self.written
 
     def close(self) -> None:
         def finish() -> None:
