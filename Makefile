@@ -33,9 +33,10 @@ test:
 	$(MAKE) --no-print-directory test-torch-newest
 
 # The tests marked `protocol` (plain dcp.save/load/async_save on gloo ranks, read-once, staging, resharding)
-# on the newest torch release pyproject.toml admits.
+# on the newest torch release pyproject.toml admits; property tests take 25 examples there (the main run
+# covers their input space with 100).
 test-torch-newest: $(NEWEST_VENV)/.installed
-	$(NEWEST_VENV)/bin/python -m pytest -q -m "protocol and not slow" $(ARGS)
+	CKPTIO_PROPERTY_EXAMPLES=25 $(NEWEST_VENV)/bin/python -m pytest -q -m "protocol and not slow" $(ARGS)
 
 # Ceph radosgw, the production S3 server the S3 tests also run against (Debian packages, ~15 s once).
 # Without root or apt-get, its tests skip and say so.

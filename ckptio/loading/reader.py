@@ -60,8 +60,9 @@ class Reader(CheckpointLocation, StorageReader):
     DCP calls it in this order (torch's ``StorageReader`` protocol):
 
     0. (all ranks) ``reset(checkpoint_id)``: the location of this load.
-    1. (all ranks) ``read_metadata()``: ``ckptio.json``, read by the lowest rank of the load's
-       process group and sent to the others (``read_once.py``), validated (``format/versions.py``).
+    1. (all ranks) ``read_metadata()``: ``ckptio.json``, on object stores and network filesystems read
+       by the lowest rank of the load's process group and sent to the others (``read_once.py``), on a
+       local disk read by each rank; validated (``format/versions.py``).
     2. (all ranks) ``set_up_storage_reader()``: keep the item records.
     3. (all ranks) ``prepare_local_plan()``: unchanged.
     4. (coordinator) ``prepare_global_plan()``: decide ``dedup_reads`` and, when reads are shared,
@@ -134,6 +135,8 @@ class Reader(CheckpointLocation, StorageReader):
 
     def _read_manifest(self, group: Any) -> Manifest:
         store = self._open_store()
+        if not reads_once(store):
+            group = DIRECT
         raw = read_once(lambda: read_metadata_bytes(store), group, store.url)
         return decode_metadata(raw, store.describe(METADATA_NAME))
 
@@ -256,6 +259,13 @@ class Reader(CheckpointLocation, StorageReader):
 def _log_choice(message: str) -> None:
     """Log each distinct choice once per process (a job loads many times)."""
     log.info(message)
+
+
+def reads_once(store: FsspecStore) -> bool:
+    """Whether one rank reads the metadata for all (``read_once``): on object stores and network
+    filesystems, where every rank's request counts against the server. On a local disk each rank reads
+    the page-cached file itself: 1-3 ms, where a gather and a broadcast over 4 gloo ranks took 12-22."""
+    return not isinstance(store, LocalStore) or on_network_filesystem(store.root)
 
 
 def read_manifest(store: FsspecStore) -> Manifest:

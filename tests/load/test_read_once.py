@@ -51,3 +51,15 @@ def test_safetensors_headers_are_read_once_per_plain_load(s3_proxy, s3):
     assert _gets(stats, "model.safetensors.index.json") == 1
     heads = sum(1 for r in stats.log if r.operation == "HEAD" and r.key.endswith(".safetensors"))
     assert heads == len(sizes)  # one size check per file, by the rank that reads the headers
+
+
+def test_a_local_disk_is_read_by_every_rank_and_remote_stores_once(tmp_path, s3):
+    from ckptio.loading.reader import reads_once
+    from ckptio.loading.shared_reads import on_network_filesystem
+    from ckptio.storage import open_store
+
+    assert reads_once(open_store(str(tmp_path))) is on_network_filesystem(str(tmp_path))
+    assert reads_once(open_store(f"{s3[0]}/ck", s3[1]))
+    url = str(tmp_path / "ck")  # and a load of four ranks from the local disk, each reading it
+    spawn(4, scenarios.save, url, (2, 2), "all_ranks", None)
+    assert spawn(4, scenarios.load, url, (1, 4), None) == [[]] * 4
