@@ -185,9 +185,9 @@ def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str]
     for i in (i for i, n in enumerate(volumes) if n * itemsizes[i] >= INT64_LIMIT or not n and sizes[i]):
         check_shape(sizes[i], itemsizes[i], f"{where}: key {names[i]!r:.80}")  # else within int64
     split = [i for i, n in enumerate(chunks) if n != 1]
-    if sum(chunks[i] * ndims[i] for i in split) > bound:
-        raise CheckpointFormatError(f"{where}: 'count' declares more chunks than the document could describe")
     box_entries = sum(chunks[i] * ndims[i] for i in split)
+    if sum(chunks) > bound or box_entries > bound:  # before any list of that length is made
+        raise CheckpointFormatError(f"{where}: 'count' declares more chunks than the document could describe")
     offsets_flat = decode_column(table.get("offsets", 0), box_entries, f"{where}: offsets")
     sizes_flat = decode_column(table.get("sizes", 0), box_entries, f"{where}: sizes")
     zeros = {n: torch.Size((0,) * n) for n in set(ndims)}

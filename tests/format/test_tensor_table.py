@@ -116,6 +116,13 @@ def test_crafted_table_columns_get_named_errors(change, match):
     _refused(doc, match)
 
 
+def test_chunk_counts_are_bounded_before_anything_is_allocated():
+    """A scalar key has no box entries: its declared chunk count is bounded by itself."""
+    doc = _doc()
+    doc["tensors"].update(ndim=encode_column([2, 0]), size=encode_column([8, 16]), count=encode_column([2, 10**15]))
+    _refused(doc, "'count' declares more chunks than the document could describe")
+
+
 def test_byte_planes_in_the_table_need_2_4_or_8_byte_elements():
     doc = _doc()
     doc["tensors"].update(codec=2, stored_lengths=encode_packed([128, 128, 128, 128, 128]))
