@@ -39,13 +39,16 @@ def load_group() -> Any:
     return DIRECT
 
 
-def read_once(read: Callable[[], T], group: Any, location: str) -> T:
+def read_once(read: Callable[[], T], group: Any, location: str, each_rank_reads: bool = False) -> T:
     """``read()`` on the lowest rank of ``group`` (``None``: the default group), its result, or the
     ``CheckpointError`` it raised, handed to every rank of the group. Ranks that name different
-    ``location``s each read their own, and a failure on any of them fails all. ``DIRECT``, a single
-    rank or no initialised process group: ``read()`` here."""
+    ``location``s each read their own, and a failure on any of them fails all; so do all ranks with
+    ``each_rank_reads`` (where a read costs less than sending its result). ``DIRECT``, a single rank or
+    no initialised process group: ``read()`` here."""
     if group is DIRECT or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return read()
+    if each_rank_reads:
+        return _each_reads(read, group)
     locations: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(locations, location, group=group)
     if len(set(locations)) > 1:
