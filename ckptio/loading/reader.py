@@ -262,8 +262,8 @@ def _log_choice(message: str) -> None:
 def reads_once(store: FsspecStore) -> bool:
     """Whether one rank reads the metadata for all (``read_once``): on object stores and network
     filesystems, where every rank's request counts against the server. On a local disk each rank reads
-    the page-cached file itself (1-3 ms, where the gather and broadcast over 4 gloo ranks took 12-22)
-    and the ranks only agree that every read succeeded."""
+    the page-cached file itself and the ranks only agree that every read succeeded (a load's metadata
+    phase on 4 gloo ranks: 9-10 ms, against 15-17 ms with the gather and the broadcast)."""
     return not isinstance(store, LocalStore) or on_network_filesystem(store.root)
 
 
