@@ -13,7 +13,7 @@ import binascii
 import dataclasses
 import math
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -98,7 +98,7 @@ def item_json(item: StoredItem) -> dict[str, Any]:
 def decode_version_1(doc: dict[str, Any], where: str) -> Manifest:
     """A version 1 or 2 document, checked."""
     header = Header.from_json(doc, where)
-    names = list(header.files)
+    files = _DataFiles.of(header)
     state = {
         fqn: _decode_state_entry(entry, fqn, where)
         for fqn, entry in FieldReader(doc, where).mapping("state", required=True).items()
@@ -114,9 +114,9 @@ def decode_version_1(doc: dict[str, Any], where: str) -> Manifest:
         )
         if not isinstance(index.fqn, str) or index in items:
             raise CheckpointFormatError(f"{where}: item {index.fqn!r:.80} at {offset} is listed twice or unnamed")
-        items[index] = _decode_item(raw, index.fqn, header, names, where)
+        items[index] = _decode_item(raw, index.fqn, header, files, where)
     per_rank = {
-        fqn: {_rank_of(rank, where): _decode_item(raw, fqn, header, names, where) for rank, raw in copies.items()}
+        fqn: {_rank_of(rank, where): _decode_item(raw, fqn, header, files, where) for rank, raw in copies.items()}
         for fqn, copies in (FieldReader(doc, where).mapping("per_rank_objects", nullable=True) or {}).items()
     }
     _check_items_match(state, items, per_rank, where)
@@ -188,7 +188,20 @@ def _rank_of(text: Any, where: str) -> int:
     return int(text)
 
 
-def _decode_item(raw: dict[str, Any], fqn: str, header: Header, names: list[str], where: str) -> StoredItem:
+class _DataFiles(NamedTuple):
+    """The header's data files as the rules take them (built once per document, not per item)."""
+
+    names: list[str]
+    numbers: dict[str, int]  # name -> 1-based number
+    sizes: list[int]
+
+    @classmethod
+    def of(cls, header: Header) -> "_DataFiles":
+        names = list(header.files)
+        return cls(names, {name: n for n, name in enumerate(names, 1)}, list(header.files.values()))
+
+
+def _decode_item(raw: dict[str, Any], fqn: str, header: Header, files: _DataFiles, where: str) -> StoredItem:
     key = f"{where}: item {fqn!r:.80}"
     try:
         kind, codec = ItemKind(raw["kind"]), Codec(raw["codec"])
@@ -197,7 +210,7 @@ def _decode_item(raw: dict[str, Any], fqn: str, header: Header, names: list[str]
             f"{key} has unknown kind {raw['kind']!r:.40} or codec {raw['codec']!r:.40}"
         ) from None
     file = raw["file"]
-    if not isinstance(file, str) or (file and file not in header.files):
+    if not isinstance(file, str) or (file and file not in files.numbers):
         raise CheckpointFormatError(f"{key} points at {file!r:.80}, which is not a data file of this checkpoint")
     offset = rules.require_count(raw["offset"], "offset", key)
     logical = rules.require_count(raw["logical_bytes"], "logical_bytes", key)
@@ -206,11 +219,11 @@ def _decode_item(raw: dict[str, Any], fqn: str, header: Header, names: list[str]
     itemsize = dtype_from_name(dtype).itemsize if kind == ItemKind.TENSOR else 0
     rules.check_codecs([_CODEC_NUMBERS[codec]], itemsize, header.format_version, key)
     rules.check_block_sizes([block_size], key)
-    file_number = names.index(file) + 1 if file else 0
-    rules.check_file_numbers([file_number], [offset], len(names), key)
+    file_number = files.numbers[file] if file else 0
+    rules.check_file_numbers([file_number], [offset], len(files.names), key)
     blocks = _decode_blocks(raw, logical, block_size, key)
     stored = rules.check_block_lengths([n for n, _ in blocks], logical, block_size, codec == Codec.RAW, key)
-    rules.check_spans([file_number], [offset], [stored], names, list(header.files.values()), key)
+    rules.check_spans([file_number], [offset], [stored], files.names, files.sizes, key)
     inline = rules.decode_inline(raw.get("inline"), key)
     if file_number == 0:
         rules.check_inline_bytes(inline, stored, key)

@@ -209,9 +209,9 @@ def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str]
             key.logical.append(volumes[i] * itemsize)
         else:
             c = chunks[i]
-            span = slice(at, at + c * n)
-            offset_columns = [offsets_flat[span][d::n] for d in range(n)]
-            size_columns = [sizes_flat[span][d::n] for d in range(n)]
+            key_offsets, key_sizes = offsets_flat[at : at + c * n], sizes_flat[at : at + c * n]
+            offset_columns = [key_offsets[d::n] for d in range(n)]
+            size_columns = [key_sizes[d::n] for d in range(n)]
             at += c * n
             starts, lengths, parts = check_chunks_tile(
                 size, c, offset_columns, size_columns, f"{where}: key {names[i]!r:.80}"

@@ -11,7 +11,6 @@ Where the call does not exist (not Linux) or a filesystem refuses it, nothing ha
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 
 _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of dirty pages in the range, do not wait
@@ -21,7 +20,8 @@ def _bind() -> object | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        call = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).sync_file_range
+        # the symbols the process already has (libc among them): no library search, no subprocess
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
     call.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
