@@ -81,6 +81,9 @@ def run_rank(cfg: dict) -> list[dict]:
     _warm_up(cfg, writers, mesh)
     records = []
     per_rank = workload.byte_counts(specs, tuple(cfg["mesh"]), cfg["data"])["unique_bytes"] // world
+    for target in cfg["targets"]:  # untimed, as the writers' warm-up: the first writes meet fresh memory
+        if target["kind"] == "local":
+            phases.raw_bandwidth(os.path.join(target["base"], "raw"), per_rank)
     # Repeats outermost: every writer sees the same page-cache and writeback conditions.
     for rep in range(cfg["repeats"]):
         for target in cfg["targets"]:
