@@ -119,7 +119,9 @@ def test_process_tree_memory_counts_a_child_process():
         grown = async_saves.process_tree_pss() - before
     finally:
         child.communicate(b"")
-    assert 256 << 20 <= grown < 400 << 20  # the child's touched buffer plus its interpreter
+    # The child's touched 256 MiB plus its interpreter, less what the parent's own PSS drops by as the
+    # child maps the same libraries (PSS splits shared pages between the processes that map them).
+    assert 224 << 20 <= grown < 400 << 20
 
 
 def _held_bytes_and_save(url: str, size: int, data: str = "randn") -> int:
