@@ -11,6 +11,7 @@ blocks are fetched, verified, decoded, and the requested part copied out.
 from __future__ import annotations
 
 import io
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -68,21 +69,23 @@ def load_jobs(
     size = 0
     actual_sizes = _ActualSizes(store)
     staging = StagingArea()
-    for job in jobs:
-        item = job.item
-        for window in job.windows(READ_BATCH_BYTES):
-            staged = 0 if window.direct else window.fetch_bytes
-            if staged > MAX_REQUEST_BYTES:
-                # Large buffers are allocated only for bytes the file really holds: the sizes in
-                # the metadata are claims, not facts.
-                actual_sizes.require(item, window.blocks[-1])
-            if batch and size + staged > READ_BATCH_BYTES:
-                _run_batch(store, batch, planner, verify, recorded_sizes, workers, staging)
-                batch, size = [], 0
-            batch.append(window)
-            size += staged
-    if batch:
-        _run_batch(store, batch, planner, verify, recorded_sizes, workers, staging)
+    with ThreadPoolExecutor(cpu_threads(workers)) as pool:
+        run = _BatchRun(store, planner, verify, recorded_sizes, pool, staging)
+        for job in jobs:
+            item = job.item
+            for window in job.windows(READ_BATCH_BYTES):
+                staged = 0 if window.direct else window.fetch_bytes
+                if staged > MAX_REQUEST_BYTES:
+                    # Large buffers are allocated only for bytes the file really holds: the sizes in
+                    # the metadata are claims, not facts.
+                    actual_sizes.require(item, window.blocks[-1])
+                if batch and size + staged > READ_BATCH_BYTES:
+                    run(batch)
+                    batch, size = [], 0
+                batch.append(window)
+                size += staged
+        if batch:
+            run(batch)
 
 
 def read_item_blocks(
@@ -222,12 +225,22 @@ class _Window:
         # The blocks a sub-box needs need not be consecutive (a column slice of a row-major chunk
         # skips whole blocks between rows): they are packed one after another in the staging area.
         area = staging.take(self.fetch_bytes)
-        at = 0
+        pieces, at = [], 0
         for b in self.blocks:
-            size = item.blocks[b][0]
-            self.stored[b] = area[at : at + size]
-            at += size
-        return [ReadPiece(item.file, item.block_offsets[b], self.stored[b]) for b in self.blocks]
+            pieces.append(self.piece(b, area[at : at + item.blocks[b][0]]))
+            at += item.blocks[b][0]
+        return pieces
+
+    @property
+    def reads_per_block(self) -> bool:
+        """Whether the window's stored blocks may be read one task at a time (``piece``): each is
+        decoded into the destination, so its stored bytes are dead once decoded."""
+        return not self.direct and self.job.dest is not None and self.job.item.inline is None
+
+    def piece(self, b: int, memory: memoryview) -> ReadPiece:
+        """The read that puts block ``b``'s stored bytes into ``memory``, where ``decode`` finds them."""
+        self.stored[b] = memory
+        return ReadPiece(self.job.item.file, self.job.item.block_offsets[b], memory)
 
     def _direct_pieces(self) -> list[ReadPiece]:
         item, (start, stop) = self.job.item, self.job.run
@@ -345,43 +358,76 @@ def _span(item: StoredItem, block: int) -> slice:
     return slice(item.block_offsets[block], item.block_offsets[block + 1])
 
 
-def _run_batch(
-    store: ByteSource,
-    windows: list[_Window],
-    planner: LoadPlanner,
-    verify: bool,
-    recorded_sizes: dict[str, int],
-    workers: int,
-    staging: StagingArea,
-) -> None:
-    read_pieces(store, [piece for w in windows for piece in w.pieces(staging)], recorded_sizes)
-    # Checksums and zstd release the GIL: check and decode all staged blocks on a few threads,
-    # in tasks of about DECODE_TASK_BYTES (one future per small block costs more than its decode).
-    tasks: list[list[tuple[_Window, int]]] = [[]]
-    size = 0
-    for w in windows:
-        for b in [] if w.direct else w.blocks:
-            if size >= DECODE_TASK_BYTES:
-                tasks.append([])
-                size = 0
-            tasks[-1].append((w, b))
-            size += w.job.item.blocks[b][0]
-    with ThreadPoolExecutor(max(1, min(cpu_threads(workers), len(tasks)))) as pool:
-        decoded = pool.map(lambda task: [w.decode(b, verify) for w, b in task], tasks)
+@dataclass
+class _BatchRun:
+    """Reads, checks, decodes and delivers batches of windows, on one thread pool for the whole load.
+
+    From a remote source a batch's reads go out together (the store spreads them over its
+    connections), then its blocks are checked and decoded. From a local one, a window decoded
+    straight into its destination is read by the thread that decodes it, a task's blocks at a time,
+    into memory that thread reuses: the bytes are checked and decoded while still in its cache, reads
+    overlap decodes, and no batch-sized buffer is touched (fresh memory costs a page fault per page).
+    """
+
+    store: ByteSource
+    planner: LoadPlanner
+    verify: bool
+    recorded_sizes: dict[str, int]
+    pool: ThreadPoolExecutor
+    staging: "StagingArea"
+
+    def __call__(self, windows: list[_Window]) -> None:
+        in_task = not self.store.remote
+        pieces = [p for w in windows if not (in_task and w.reads_per_block) for p in w.pieces(self.staging)]
+        read_pieces(self.store, pieces, self.recorded_sizes)
+        # Checksums and zstd release the GIL: check and decode all staged blocks on a few threads,
+        # in tasks of about DECODE_TASK_BYTES (one future per small block costs more than its decode).
+        tasks: list[list[tuple[_Window, int]]] = [[]]
+        size = 0
+        for w in windows:
+            for b in [] if w.direct else w.blocks:
+                if size >= DECODE_TASK_BYTES:
+                    tasks.append([])
+                    size = 0
+                tasks[-1].append((w, b))
+                size += w.job.item.blocks[b][0]
+        decoded = self.pool.map(lambda task: self._decode(task, in_task), tasks)
         by_window: dict[int, dict[int, Any]] = {}
         for task, results in zip(tasks, decoded, strict=True):
             for (w, b), data in zip(task, results, strict=True):
                 by_window.setdefault(id(w), {})[b] = data
-    for w in windows:
-        if w.direct:
-            if verify:
-                w.verify_direct()
-            w.job.commit(planner)
-        elif w.job.dest is None:
-            w.deliver(by_window.get(id(w), {}), planner)
-        elif w.last:
-            w.job.commit(planner)
-    staging.release()
+        for w in windows:
+            if w.direct:
+                if self.verify:
+                    w.verify_direct()
+                w.job.commit(self.planner)
+            elif w.job.dest is None:
+                w.deliver(by_window.get(id(w), {}), self.planner)
+            elif w.last:
+                w.job.commit(self.planner)
+        self.staging.release()
+
+    def _decode(self, task: list[tuple[_Window, int]], in_task: bool) -> list[Any]:
+        if in_task:
+            reads = [(w, b) for w, b in task if w.reads_per_block]
+            memory = _task_memory(sum(w.job.item.blocks[b][0] for w, b in reads))
+            pieces, at = [], 0
+            for w, b in reads:
+                pieces.append(w.piece(b, memory[at : at + w.job.item.blocks[b][0]]))
+                at += len(pieces[-1].buffer)
+            read_pieces(self.store, pieces, self.recorded_sizes)
+        return [w.decode(b, self.verify) for w, b in task]
+
+
+_thread_memory = threading.local()
+
+
+def _task_memory(n: int) -> memoryview:
+    """``n`` bytes this thread reuses for each task's stored blocks (decoded before the next task)."""
+    held = getattr(_thread_memory, "buffer", None)
+    if held is None or len(held) < n:
+        held = _thread_memory.buffer = memoryview(empty_bytes(max(n, DECODE_TASK_BYTES * 2)))
+    return held[:n]
 
 
 def _fetch_blocks(

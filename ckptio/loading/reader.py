@@ -36,13 +36,12 @@ from ckptio.loading.shared_reads import (
     load_shared,
     needed_blocks,
     needed_bytes,
-    on_network_filesystem,
     plan_shared_reads,
     worth_sharing,
 )
 from ckptio.loading.sources import ByteSource, Prepared
 from ckptio.state.keys import CanonicalKeyDict, canonical_index
-from ckptio.storage import FsspecStore, LocalStore
+from ckptio.storage import FsspecStore
 from ckptio.storage.location import CheckpointLocation
 
 log = logging.getLogger(__name__)
@@ -211,7 +210,7 @@ class Reader(CheckpointLocation, StorageReader):
             return None
         if self.dedup_reads == "auto":
             store = self._open_store()
-            remote = not isinstance(store, LocalStore) or on_network_filesystem(store.root)
+            remote = store.remote
             if not remote:  # never worth it from a local disk: skip planning the needs
                 return None
         needs = needed_blocks(plans, self._shareable)
@@ -264,7 +263,7 @@ def reads_once(store: FsspecStore) -> bool:
     filesystems, where every rank's request counts against the server. On a local disk each rank reads
     the page-cached file itself and the ranks only agree that every read succeeded (a load's metadata
     phase on 4 gloo ranks: 9-10 ms, against 15-17 ms with the gather and the broadcast)."""
-    return not isinstance(store, LocalStore) or on_network_filesystem(store.root)
+    return store.remote
 
 
 def read_manifest(store: FsspecStore) -> Manifest:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import os
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -216,6 +215,7 @@ class CachedBlocks:
     anything else is a planning bug, not a storage fault. Files are described and sized by the store."""
 
     read_gap_bytes = 0  # only what was planned is held: a bridged gap may not be
+    remote = False
 
     def __init__(self, store: ByteSource, held: dict[str, list[tuple[int, memoryview]]]):
         self._store, self.url = store, store.url
@@ -435,23 +435,3 @@ def _slices(buffer: Any, segments: list[Segment]) -> list[memoryview]:
         out.append(view[at : at + s.size])
         at += s.size
     return out
-
-
-_NETWORK_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph", "glusterfs", "9p")
-
-
-def on_network_filesystem(path: str) -> bool:
-    """Whether a local path lies on a network filesystem (NFS, Lustre, ...; ``/proc/mounts``)."""
-    try:
-        with open("/proc/mounts") as f:
-            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
-    except OSError:
-        return False
-    path = os.path.realpath(path)
-    best, kind = "", ""
-    for point, fstype in mounts:
-        point = point.replace("\\040", " ")
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) > len(best):
-            best, kind = point, fstype
-    return kind in _NETWORK_FILESYSTEMS or kind.startswith("fuse.")

@@ -30,6 +30,10 @@ class ByteSource(Protocol):
     url: str
     #: reads this close together are merged into one (0: never bridge a gap)
     read_gap_bytes: int
+    #: whether a request crosses a network (an object store, NFS): a load then batches its requests.
+    #: Else a read costs about its copy, and each decoding thread reads the blocks it decodes, into
+    #: memory it reuses, while they are still in its cache.
+    remote: bool
 
     def read_into(self, requests: list[ReadRequest]) -> list[int]:
         """Fill each request's buffers from its file; the bytes each got (short at a file's end)."""

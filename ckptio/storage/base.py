@@ -59,6 +59,8 @@ class FsspecStore:
 
     #: Reads of one file at most this many bytes apart are worth one request (``config.py``).
     read_gap_bytes = REMOTE_READ_GAP_BYTES
+    #: Whether requests cross a network (``sources.ByteSource.remote``).
+    remote = True
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
         self.fs = fs

@@ -8,6 +8,7 @@ carried by as many calls as these limits need.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import threading
@@ -66,6 +67,11 @@ def _pread_fully(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
 
 class LocalStore(FsspecStore):
     read_gap_bytes = LOCAL_READ_GAP_BYTES
+
+    @functools.cached_property
+    def remote(self) -> bool:  # type: ignore[override]
+        """A path on NFS, Lustre or a FUSE mount is as remote as an object store."""
+        return on_network_filesystem(self.root)
 
     def open_sink(self, name: str) -> "_LocalSink":
         path = self.path(name)
@@ -132,6 +138,8 @@ class LocalStore(FsspecStore):
                 groups[-1].append(request)
                 size += sum(len(b) for b in request.buffers)
             workers = max(1, min(len(groups), self.config.max_concurrency))
+            if workers == 1:  # a decoding thread reading its own blocks: no thread of its own for that
+                return fill_all(groups[0])
             with ThreadPoolExecutor(workers) as pool:
                 return [count for counts in pool.map(fill_all, groups) for count in counts]
         finally:
@@ -224,3 +232,23 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_NETWORK_FILESYSTEMS = ("nfs", "nfs4", "lustre", "gpfs", "cifs", "smb3", "beegfs", "ceph", "glusterfs", "9p")
+
+
+def on_network_filesystem(path: str) -> bool:
+    """Whether a local path lies on a network filesystem (NFS, Lustre, ...; ``/proc/mounts``)."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return False
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, fstype
+    return kind in _NETWORK_FILESYSTEMS or kind.startswith("fuse.")
