@@ -138,8 +138,8 @@ class LocalStore(FsspecStore):
                 groups[-1].append(request)
                 size += sum(len(b) for b in request.buffers)
             workers = max(1, min(len(groups), self.config.max_concurrency))
-            if workers == 1:  # a decoding thread reading its own blocks: no thread of its own for that
-                return fill_all(groups[0])
+            if workers == 1:  # one group (a decoding thread reading its own blocks), or one thread allowed
+                return [count for group in groups for count in fill_all(group)]
             with ThreadPoolExecutor(workers) as pool:
                 return [count for counts in pool.map(fill_all, groups) for count in counts]
         finally:

@@ -60,3 +60,23 @@ def test_start_writeback_is_a_hint_that_never_fails(tmp_path):
         f.flush()
         start_writeback(f.fileno(), 0, 4096)
         start_writeback(f.fileno(), 1 << 40, 4096)  # past the end: nothing to write back
+
+
+def test_reads_fill_every_request_whatever_the_threads_allowed(tmp_path):
+    """Requests spanning several of the store's read tasks (READ_TASK_BYTES each) are all filled, on one
+    thread (max_concurrency=1, read in the caller) as on several."""
+    from ckptio.storage import ReadRequest, open_store
+    from ckptio.storage.local import READ_TASK_BYTES
+
+    data = os.urandom(3 * READ_TASK_BYTES + 12345)
+    (tmp_path / "f").write_bytes(data)
+    spans = [(at, min(at + READ_TASK_BYTES // 3, len(data))) for at in range(0, len(data), READ_TASK_BYTES // 3)]
+    spans.append((len(data) - 10, len(data) + 90))  # short at the end of the file
+    for threads in (1, 2, 8):
+        store = open_store(str(tmp_path), config=ckptio.StorageConfig(max_concurrency=threads))
+        buffers = [memoryview(bytearray(stop - start)) for start, stop in spans]
+        counts = store.read_into([ReadRequest("f", start, (b,)) for (start, _), b in zip(spans, buffers, strict=True)])
+        assert counts == [len(data[start:stop]) for start, stop in spans]
+        assert all(
+            bytes(b[:n]) == data[start : start + n] for (start, _), b, n in zip(spans, buffers, counts, strict=True)
+        )
