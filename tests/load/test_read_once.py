@@ -55,8 +55,8 @@ def test_safetensors_headers_are_read_once_per_plain_load(s3_proxy, s3):
 
 def test_a_local_disk_is_read_by_every_rank_and_remote_stores_once(tmp_path, s3):
     from ckptio.loading.reader import reads_once
-    from ckptio.storage.local import on_network_filesystem
     from ckptio.storage import open_store
+    from ckptio.storage.local import on_network_filesystem
 
     assert reads_once(open_store(str(tmp_path))) is on_network_filesystem(str(tmp_path))
     assert reads_once(open_store(f"{s3[0]}/ck", s3[1]))
