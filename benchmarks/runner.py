@@ -130,6 +130,7 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
     record["load_requests"] = counting.take_counts()
     record["load_rss_bytes"] = rss.peak_delta
     record["load_mismatches"] = workload.check_state(loaded, specs, compressible, rank)
+    record["loaded_bytes"] = workload.held_tensor_bytes(loaded)
 
     if cfg.get("shared_reads"):  # every writer's checkpoint, torch's with torch's reader
         record["shared_reads"] = _shared_read_loads(spec, url, options, specs, cfg, rank)

@@ -196,7 +196,7 @@ def test_phases_time_each_writer_method_and_the_raw_bandwidth_is_measured(tmp_pa
         assert set(save) == {"plan", "write", "finish"} and set(load) == {"metadata", "plan", "read"}
         assert min(save["plan"], save["write"], load["metadata"], load["plan"], load["read"]) > 0, (save, load)
         assert (save["finish"] > 0) == (rank == 0)  # the coordinator's step
-        assert raw["bytes"] == 2 << 20 and raw["write_s"] > 0 and raw["read_s"] > 0
+        assert raw["bytes"] == 2 << 20 and min(raw["write_s"], raw["read_s"], raw["cached_read_s"]) > 0
     assert not [n for n in os.listdir(tmp_path) if n.startswith("c-raw") and os.listdir(tmp_path / n)]
 
 
