@@ -35,19 +35,20 @@ def _rank_main(
         # pools share the cores instead of each spinning on all of them, which every writer's CPU
         # figures would count.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(minutes=30),
-    )
+    join_group(backend, port, rank, world_size, datetime.timedelta(minutes=30))
     try:
         results.put((rank, fn(*args)))
     finally:
         dist.destroy_process_group()
+
+
+def join_group(backend: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """Join the process group that meets on 127.0.0.1:``port`` (with NCCL, on a GPU of this rank's own)."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 def redirect_output(log_path: str, who: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
@@ -12,6 +13,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as mp
 from ckptio.bench.launch import PRELOAD as BENCH_PRELOAD
+from ckptio.bench.launch import join_group
 
 
 def free_port() -> int:
@@ -32,17 +34,8 @@ def _entry(
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
         if world_size > 0:
-            if backend == "nccl":
-                import torch
-
-                torch.cuda.set_device(rank % torch.cuda.device_count())
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=__import__("datetime").timedelta(seconds=float(env.get("CKPTIO_TEST_PG_TIMEOUT", 120))),
-            )
+            timeout = datetime.timedelta(seconds=float(env.get("CKPTIO_TEST_PG_TIMEOUT", 120)))
+            join_group(backend, port, rank, world_size, timeout)
         value = fn(*args)
         with open(result_path, "wb") as f:
             pickle.dump(("ok", value), f)
