@@ -24,6 +24,8 @@ from ckptio.saving.planner import SavePlanner  # noqa: E402
 from ckptio.saving.staging import Stager, release_staging_buffers  # noqa: E402
 from ckptio.saving.writer import Writer  # noqa: E402
 from ckptio.state.per_rank import PerRank  # noqa: E402
+from ckptio.tiers.drain import DrainError, wait_for_uploads  # noqa: E402
+from ckptio.tiers.latest import latest  # noqa: E402
 from ckptio.version import __version__  # noqa: E402
 
 deprecated_paths.install()
@@ -39,6 +41,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "DrainError",
     "HFReader",
     "IncompleteCheckpointError",
     "LossyConversionError",
@@ -56,8 +59,10 @@ __all__ = [
     "WriterConfig",
     "__version__",
     "export_safetensors",
+    "latest",
     "load",
     "release_staging_buffers",
     "save",
     "unwrap",
+    "wait_for_uploads",
 ]

@@ -185,6 +185,20 @@ class WriterConfig:
     #: next, two at most; ``ckptio.release_staging_buffers()`` frees them). ``False``: a fresh copy
     #: per save, freed when the save is done, as torch's default stager does.
     reuse_staging_buffers: bool = True
+    #: A node-local path (NVMe, ``/dev/shm``) to save to first: each rank writes everything it holds
+    #: there (fsync'd) and the save returns; the checkpoint at the Writer's URL (the durable tier) is
+    #: filled and committed in the background (``ckptio.wait_for_uploads()``). Each node passes its own
+    #: path; ``Reader(url, local_tier=...)`` and ``ckptio.latest`` read from it first. ``None``: off.
+    local_tier: str | None = None
+    #: The local tier keeps this many newest checkpoints of a run, and never one whose durable copy
+    #: has not committed.
+    local_tier_keep: int = 2
+    #: Background uploads to the durable tier: at most this many bytes per second per process
+    #: (``None``: as fast as the store takes them).
+    drain_bandwidth: int | None = None
+    #: Background uploads: how long one may take, retries and waiting for the other ranks' uploads
+    #: included, before it fails (raised by ``ckptio.wait_for_uploads()`` or the next save).
+    drain_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
         for name, value in _environment_values(type(self)).items():
@@ -228,6 +242,21 @@ class WriterConfig:
             )
         if self.inline_limit < 0:
             raise ValueError(f"inline_limit must be >= 0, got {self.inline_limit}")
+        if self.local_tier is not None and not isinstance(self.local_tier, str | os.PathLike):
+            raise ValueError(f"local_tier must be a local path or None, got {self.local_tier!r}")
+        if self.local_tier is not None and "://" in os.fspath(self.local_tier):
+            raise ValueError(
+                f"local_tier must be a node-local path (NVMe, /dev/shm), not a URL: {self.local_tier!r}; the "
+                "durable tier is the Writer's own URL"
+            )
+        if self.local_tier_keep < 1:
+            raise ValueError(f"local_tier_keep must be at least 1, got {self.local_tier_keep}")
+        if self.drain_bandwidth is not None and self.drain_bandwidth < 1:
+            raise ValueError(
+                f"drain_bandwidth must be None or a positive number of bytes/s, got {self.drain_bandwidth}"
+            )
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
         if not 1 <= self.compression_level <= 22:
             raise ValueError(f"compression_level must be within 1..22, got {self.compression_level}")
 

@@ -26,6 +26,16 @@ class IncompleteCheckpointError(CheckpointError):
 class CorruptCheckpointError(CheckpointError):
     """Stored bytes do not match the checksum or size recorded at save time."""
 
+    #: the data file whose bytes failed, where one is known (a tiered load then reads it elsewhere)
+    file: str | None = None
+
+
+def damaged_file(message: str, file: str | None) -> CorruptCheckpointError:
+    """A ``CorruptCheckpointError`` that names the data file (``.file``) it is about."""
+    exc = CorruptCheckpointError(message)
+    exc.file = file
+    return exc
+
 
 class CheckpointFormatError(CheckpointError):
     """The metadata is not a valid ckptio document (garbage, future version, unsafe names)."""

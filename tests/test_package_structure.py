@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ckptio"
 LAYERS = [
     ("ckptio.version", "ckptio.config", "ckptio.errors", "ckptio.gc_pause", "ckptio.deprecated_paths"),
     ("ckptio.format", "ckptio.storage", "ckptio.state"),
-    ("ckptio.saving", "ckptio.loading"),
+    ("ckptio.saving", "ckptio.loading", "ckptio.tiers"),
     ("ckptio.hf",),
     ("ckptio.api",),
     ("ckptio.tools", "ckptio.integrations"),

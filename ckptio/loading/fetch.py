@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ckptio.config import DECODE_TASK_BYTES, MAX_REQUEST_BYTES, READ_BATCH_BYTES, cpu_threads
-from ckptio.errors import CorruptCheckpointError
+from ckptio.errors import damaged_file
 from ckptio.format.codec import BlockSizeError, checksum, decode_block
 from ckptio.format.names import METADATA_NAME, Codec, ItemKind, dtype_from_name
 from ckptio.format.records import StoredItem
@@ -112,10 +112,11 @@ def verify_block(item: StoredItem, block: int, pieces: list, where: str) -> None
         crc = checksum(piece, crc)
     expected = item.blocks[block][1]
     if crc != expected:
-        raise CorruptCheckpointError(
+        raise damaged_file(
             f"checksum mismatch for {where}, block {block} at byte offset {item.block_offsets[block]}: crc32c "
             f"recorded {expected:08x}, read {crc:08x}. The data file is damaged; "
-            "restore it or load an earlier checkpoint"
+            "restore it or load an earlier checkpoint",
+            item.file or None,
         )
 
 
@@ -129,9 +130,9 @@ def decode_verified(
     try:
         return decode_block(stored, item.block_logical_len(block), item.codec, item.itemsize, out)
     except BlockSizeError as exc:
-        raise CorruptCheckpointError(f"{where}, block {block}: {exc}; the checkpoint is damaged") from None
+        raise damaged_file(f"{where}, block {block}: {exc}; the checkpoint is damaged", item.file or None) from None
     except Exception as exc:  # zstd raises its own error type
-        raise CorruptCheckpointError(f"cannot decompress {where}, block {block}: {exc}") from None
+        raise damaged_file(f"cannot decompress {where}, block {block}: {exc}", item.file or None) from None
 
 
 @dataclass
@@ -327,9 +328,10 @@ class _ActualSizes:
         end = item.block_offsets[last_block + 1]
         if self.sizes[item.file] < end:
             held = "is missing" if self.sizes[item.file] < 0 else f"holds {self.sizes[item.file]} bytes"
-            raise CorruptCheckpointError(
+            raise damaged_file(
                 f"{self.store.describe(item.file)} {held}, but the metadata places stored bytes up to offset {end} "
-                "in it (truncated, or the metadata is not trustworthy). Restore the file or load an earlier checkpoint"
+                "in it (truncated, or the metadata is not trustworthy). Restore the file or load an earlier checkpoint",
+                item.file,
             )
 
 
@@ -451,15 +453,17 @@ def read_pieces(
         counts = store.read_into(requests)
     except FileNotFoundError as exc:
         missing = sorted({r.name for r in requests if not store.exists(r.name)}) or [str(exc)]
-        raise CorruptCheckpointError(
+        raise damaged_file(
             f"data file(s) {missing} listed in {store.describe(METADATA_NAME)} are missing; the checkpoint was "
-            "damaged after it was written: restore the files or load an earlier checkpoint"
+            "damaged after it was written: restore the files or load an earlier checkpoint",
+            missing[0],
         ) from None
     for request, count in zip(requests, counts, strict=True):
         if count != request.length:
-            raise CorruptCheckpointError(
+            raise damaged_file(
                 f"{store.describe(request.name)} is truncated: bytes "
                 f"{request.offset}..{request.offset + request.length} were needed but only {count} could be read "
                 f"(the metadata records a {recorded_sizes.get(request.name, '?')}-"
-                "byte file). Restore the file or load an earlier checkpoint"
+                "byte file). Restore the file or load an earlier checkpoint",
+                request.name,
             )

@@ -41,8 +41,11 @@ from ckptio.loading.shared_reads import (
 )
 from ckptio.loading.sources import ByteSource, Prepared
 from ckptio.state.keys import CanonicalKeyDict, canonical_index
-from ckptio.storage import FsspecStore
+from ckptio.storage import FsspecStore, open_store
 from ckptio.storage.location import CheckpointLocation
+from ckptio.tiers.held_index import LocalCopies, local_copies
+from ckptio.tiers.paths import local_step_path
+from ckptio.tiers.reading import TieredSource, tiered_metadata_bytes
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,10 @@ class Reader(CheckpointLocation, StorageReader):
     5. (all ranks) ``read_data()``: fetch, check and deliver this rank's items (``fetch.py``); shared
        ones in rounds, exchanged over the process group (``shared_reads.load_shared``).
 
+    ``local_tier`` (default: ``CKPTIO_LOCAL_TIER``): the node-local path a tiered save
+    (``WriterConfig.local_tier``) wrote to; each byte is then read from the nearest tier that holds a
+    verified copy (``tiers/reading.py``), and ``bytes_read`` tells how many bytes each tier served.
+
     Both kinds of read load from the reader as an item source (``sources.ItemSource``: ``item_for``,
     ``stored_record``, ``prepare``, ``deliver``), which ``HFReader`` implements for safetensors files.
     """
@@ -85,6 +92,7 @@ class Reader(CheckpointLocation, StorageReader):
         dedup_reads: bool | str = "auto",
         dedup_round_bytes: int = SHARED_READ_ROUND_BYTES,
         allow_rounding: bool = False,
+        local_tier: str | os.PathLike | None = None,
     ):
         super().__init__()
         if dedup_reads not in (True, False, "auto"):
@@ -97,6 +105,11 @@ class Reader(CheckpointLocation, StorageReader):
         self.dedup_round_bytes = dedup_round_bytes
         self.allow_rounding = allow_rounding
         self.storage_config = storage_config if storage_config is not None else StorageConfig.from_environment()
+        if local_tier is None:
+            local_tier = os.environ.get("CKPTIO_LOCAL_TIER") or None
+        self.local_tier = os.fspath(local_tier) if local_tier is not None else None
+        #: bytes the last load read from each tier ({"local": ..., "durable": ...}) with a local tier
+        self.bytes_read: dict[str, int] = {}
         self.checkpoint_id: str | None = None
         self.manifest: Manifest | None = None
         self.reset(checkpoint_id)
@@ -107,6 +120,7 @@ class Reader(CheckpointLocation, StorageReader):
         self._store: FsspecStore | None = None
         self.manifest = None
         self._prefetched: Manifest | None = None
+        self._local_copies = LocalCopies()
 
     # No **kwargs: torch would then retry a failed read as "rank-local metadata" and hide our error.
     def read_metadata(self, *args: Any) -> Metadata:
@@ -134,11 +148,19 @@ class Reader(CheckpointLocation, StorageReader):
 
     def _read_manifest(self, group: Any) -> Manifest:
         store = self._open_store()
-        raw = read_once(lambda: read_metadata_bytes(store), group, store.url, each_rank_reads=not reads_once(store))
+        if self.local_tier:
+            raw = tiered_metadata_bytes(self._tier_store(), lambda: read_metadata_bytes(store), group, DIRECT)
+        else:
+            raw = read_once(lambda: read_metadata_bytes(store), group, store.url, each_rank_reads=not reads_once(store))
         return decode_metadata(raw, store.describe(METADATA_NAME))
+
+    def _tier_store(self) -> FsspecStore:
+        return open_store(local_step_path(self.local_tier, self.checkpoint_id), None, self.storage_config)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._items: dict[MetadataIndex, StoredItem] = metadata.storage_data
+        if self.local_tier and self.manifest is not None:
+            self._local_copies = local_copies(self._tier_store(), self.manifest)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -150,6 +172,8 @@ class Reader(CheckpointLocation, StorageReader):
         return [dataclasses.replace(plan, storage_data=shared) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self.local_tier:
+            return self._read_tiered(plan, planner)
         store = self._open_store()
         restore_objects_under_held_keys(planner, plan)
         shared = plan.storage_data if isinstance(plan.storage_data, SharedReadPlan) else None
@@ -169,6 +193,48 @@ class Reader(CheckpointLocation, StorageReader):
         future.set_result(None)
         return future
 
+    def _read_tiered(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read from the nearest tier; a fast-tier file that fails a check is dropped and its items
+        read again from the durable tier."""
+        restore_objects_under_held_keys(planner, plan)
+        local, durable = self._tier_store(), self._open_store()
+        self.bytes_read = {"local": 0, "durable": 0}
+        while True:
+            pairs = [(read_item, self.item_for(read_item)) for read_item in plan.items]
+            names = self._local_copies.local_files
+            reads_durable = any(item.file and item.file not in names for _, item in pairs)
+            source = TieredSource(local, durable, names, reads_durable)
+            try:
+                self.deliver(source, self.prepare(pairs, planner, places=False), planner)
+                break
+            except CorruptCheckpointError as exc:
+                if exc.file not in names:
+                    raise
+                log.warning(
+                    "ckptio: the fast-tier copy %s failed its check (%s); reading it from %s instead",
+                    local.describe(exc.file),
+                    exc,
+                    durable.url,
+                )
+                self._drop_local(exc.file)
+            finally:
+                for tier, count in source.bytes_read.items():
+                    self.bytes_read[tier] += count
+        log.info(
+            "ckptio: loaded %s: %d bytes from the fast tier, %d from the durable tier",
+            self.checkpoint_id,
+            self.bytes_read["local"],
+            self.bytes_read["durable"],
+        )
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _drop_local(self, name: str) -> None:
+        copies = self._local_copies
+        copies.files.discard(name)
+        copies.relocated = {key: item for key, item in copies.relocated.items() if item.file != name}
+
     # --- the item source (``sources.ItemSource``) that plain and shared reads load from -----------
     def file_sizes(self) -> dict[str, int]:
         return self.manifest.files if self.manifest else {}
@@ -182,12 +248,15 @@ class Reader(CheckpointLocation, StorageReader):
         if copies:
             return self._own_copy(index.fqn, copies)
         try:
-            return self._items[index]
+            item = self._items[index]
         except KeyError:
             raise CheckpointError(
                 f"key {read_item.storage_index.fqn!r} (chunk at {tuple(read_item.storage_index.offset or ())}) "
                 f"is not stored in {self.checkpoint_id}"
             ) from None
+        if self.local_tier and item.file not in self._local_copies.files:
+            return self._local_copies.relocated.get(index, item)
+        return item
 
     def prepare(self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner, *, places: bool) -> Prepared:
         """``fetch`` jobs, their destinations resolved as delivery reaches them; with ``places``, all
@@ -204,6 +273,8 @@ class Reader(CheckpointLocation, StorageReader):
     def _shared_read_plan(self, plans: list[LoadPlan]) -> SharedReadPlan | None:
         """Coordinator: whether the ranks share reads (``dedup_reads``), and who reads what."""
         world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.local_tier:  # each node reads what it holds from its own fast tier
+            return None
         if self.dedup_reads is False or world == 1 or len(plans) != world:
             if self.dedup_reads is True and world > 1:
                 log.warning("ckptio: dedup_reads needs dcp.load over the default process group; reading directly")

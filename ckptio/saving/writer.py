@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptio.config import StorageConfig, WriterConfig
-from ckptio.errors import CheckpointError, CheckpointFormatError
+from ckptio.errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, StorageError
 from ckptio.format.names import METADATA_NAME, ItemKind, data_file_name
 from ckptio.format.records import Header, MeshRecord, SavedConfig, StoredItem
 from ckptio.format.versions import decode_metadata, encode_metadata
@@ -44,6 +44,8 @@ from ckptio.saving.data_file import encode_items, item_bytes, pickled_objects
 from ckptio.saving.planning import Holdings, assign_writers
 from ckptio.state.keys import canonical_planner_data, canonical_write_items
 from ckptio.storage.location import CheckpointLocation
+from ckptio.tiers import writing as tiers
+from ckptio.tiers.drain import drain_queue
 from ckptio.version import __version__
 
 log = logging.getLogger(__name__)
@@ -157,6 +159,8 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
                 "dcp.save with the default use_collectives=True"
             )
         self.is_coordinator = is_coordinator
+        if self.config.local_tier:  # a failed background upload of an earlier save is raised here
+            drain_queue().raise_failure()
         self._ticket = ordering.begin(self._ticket)  # waits for this process's previous save to return
         rank = kwargs.get("rank")
         if rank is None:
@@ -177,7 +181,17 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
     @paused_gc()
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         _check_same_location(plans)
-        self._superseded = check_target(self._open_store(), self.config.overwrite)
+        if self.config.local_tier:
+            self._superseded = self._check_tiered_target()
+        else:
+            self._superseded = check_target(self._open_store(), self.config.overwrite)
+        if self.config.local_tier and not self.config.overwrite:
+            found = tiers.local_commit_exists(self.config, self.checkpoint_id, self.storage_config)
+            if found:
+                raise CheckpointExistsError(
+                    f"the fast tier already holds a committed copy of {self.checkpoint_id} ({found}) that has not "
+                    "reached the durable tier; save to a new step, or pass overwrite=True to replace it"
+                )
         assigned = assign_writers(plans, self.config.mode)
         return [
             dataclasses.replace(plan, items=a.items, storage_data=RankAssignment(a.private_only, self.config.mode))
@@ -208,15 +222,20 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             self.rank, value_digests(held, planner, objects), mesh=MeshRecord.of(getattr(planner, "state_dict", None))
         )
         extras = own_copies(held, assigned, self.config.differing_objects)
+        replicas = {k: v for k, v in held.items() if k not in assigned and k not in extras}
+        private = isinstance(plan.storage_data, RankAssignment) and plan.storage_data.private_only
+        inline_limit = self.config.inline_limit if private and not extras else 0
         stored: dict = {}
-        if assigned or extras:
+        if self.config.local_tier and (assigned or extras or replicas):
+            stored = self._write_tiered(file, {**assigned, **extras}, replicas, planner, objects, inline_limit)
+        elif assigned or extras:
             store = self._open_store()
             store.prepare_directory()
-            private = isinstance(plan.storage_data, RankAssignment) and plan.storage_data.private_only
-            inline_limit = self.config.inline_limit if private and not extras else 0
             stored = encode_items(
                 store, file, item_bytes({**assigned, **extras}, planner, objects), self.config, inline_limit
             )
+        elif self.config.local_tier and not self.is_coordinator:
+            tiers.queue_prune(self._drain_key(), self._durable(), self.config)
             if self.config.differing_objects == "keep_per_rank":
                 report.copies = {idx.fqn: rec for idx, rec in stored.items() if rec.kind == ItemKind.BYTES}
         results = [WriteResult(it.index, stored[it.index].stored_bytes, stored[it.index]) for it in plan.items]
@@ -233,8 +252,57 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         metadata.planner_data = canonical_planner_data(metadata.planner_data)
         document = encode_metadata(metadata, items, header, per_rank)
         refuse_unloadable(document, self._open_store().describe(METADATA_NAME))
-        publish(self._open_store(), document, header.files, self._superseded, self.config.overwrite)
+        if self.config.local_tier:
+            tiers.commit_locally(tiers.tier_store(self.config, self.checkpoint_id, self.storage_config), document)
+            tiers.queue_commit(
+                self._drain_key(), self._durable(), document, header.files, writers, self._superseded, self.config
+            )
+        else:
+            publish(self._open_store(), document, header.files, self._superseded, self.config.overwrite)
         metadata.storage_meta = self.storage_meta()
+
+    # --- tiered saves (``WriterConfig.local_tier``, ``ckptio/tiers``) ------------------------------
+    def _write_tiered(
+        self,
+        file: str,
+        durable_items: dict[MetadataIndex, WriteItem],
+        replicas: dict[MetadataIndex, WriteItem],
+        planner: SavePlanner,
+        objects: dict[MetadataIndex, memoryview],
+        inline_limit: int,
+    ) -> dict:
+        """Write everything this rank holds to the fast tier and queue the upload of its durable part;
+        the records of ``durable_items`` (their offsets are those of the durable file)."""
+        local = tiers.tier_store(self.config, self.checkpoint_id, self.storage_config)
+        stored = tiers.write_rank_copy(
+            local, file, durable_items, replicas, planner, objects, self.config, inline_limit
+        )
+        if stored is None:  # the fast tier is full: straight to the durable tier
+            store = self._open_store()
+            store.prepare_directory()
+            stored = encode_items(store, file, item_bytes(durable_items, planner, objects), self.config, inline_limit)
+            nbytes = 0
+        else:
+            nbytes = tiers.durable_bytes(stored, durable_items)
+        tiers.queue_rank_drain(
+            self._drain_key(), self._durable(), local, file, nbytes, self.config, self.is_coordinator
+        )
+        return {k: stored[k] for k in durable_items}
+
+    def _check_tiered_target(self) -> list[str]:
+        """``check_target`` on the durable tier, which a tiered save does not need to reach: when it is
+        unreachable the save goes on to the fast tier (its commit there stays create-only)."""
+        try:
+            return check_target(self._open_store(), self.config.overwrite)
+        except StorageError as exc:
+            log.warning("ckptio: cannot check the durable tier before a tiered save; saving to the fast tier: %s", exc)
+            return []
+
+    def _durable(self) -> "tiers.Durable":
+        return tiers.durable_of(self.checkpoint_id, self.storage_options, self.storage_config)
+
+    def _drain_key(self) -> str:
+        return f"{self.checkpoint_id}#{self._save_id}"
 
 
 def refuse_unloadable(document: bytes, where: str) -> None:

@@ -103,7 +103,7 @@ class FsspecStore:
         """Names directly under the root, or ``None`` when the root does not exist. A failed listing
         is ``None`` too (diagnostics), or ``StorageError`` when ``strict``."""
         try:
-            entries = self.fs.ls(self.root, detail=False)
+            entries = self.fs.ls(self.root, detail=False, refresh=True)  # not a cached listing: others write too
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001 - listing is diagnostic unless strict
@@ -112,6 +112,21 @@ class FsspecStore:
             log.debug("listing %s failed: %r", self.url, exc)
             return None
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    def list_sizes(self) -> dict[str, int] | None:
+        """Name -> size of the objects directly under the root, listed afresh (not from a cache:
+        another process may have written since); ``None`` when the root does not exist."""
+        try:
+            entries = self._guard(
+                "", "list", lambda: self.fs.ls(self.root, detail=True, refresh=True), passthrough=(FileNotFoundError,)
+            )
+        except FileNotFoundError:
+            return None
+        return {
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") != "directory"
+        }
 
     def open_uploads(self) -> list[tuple[str, str]]:
         """``(name, upload id)`` of unfinished multipart uploads under the root (object stores only)."""

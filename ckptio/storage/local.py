@@ -104,6 +104,11 @@ class LocalStore(FsspecStore):
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
+    def rename(self, name: str, new_name: str) -> None:
+        """Move ``name`` to ``new_name`` atomically and durably (replacing it)."""
+        self._guard(new_name, "rename", lambda: os.replace(self.path(name), self.path(new_name)))
+        _fsync_dir(self.root)
+
     def size(self, name: str) -> int:
         fd = self._open_regular(name)
         try:

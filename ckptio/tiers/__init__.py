@@ -1,0 +1,1 @@
+"""Tiered checkpoints: a node-local fast tier written first, the durable tier filled behind it."""

@@ -1,0 +1,322 @@
+"""Background uploads from the fast tier to the durable tier: one thread per process, jobs in order.
+
+A tiered save queues, on every rank that wrote durable bytes, an ``Upload`` of its file's durable
+part; then on the coordinator a ``Commit`` (wait until every rank's file is on the durable tier,
+then publish ``ckptio.json`` create-only, as a direct save does) and on the others an
+``AwaitCommit``; last, on every rank, a ``Prune`` of the node's fast tier. Jobs run one at a time
+in the order they were queued: a save made while an earlier one drains queues behind it, never
+replacing it. A job failing with a storage error is retried with backoff until the save's
+``drain_timeout_s``; one that still fails becomes this process's drain failure, which
+``wait_for_uploads()`` and the next tiered save raise, and the rest of that save's jobs are
+skipped (its durable checkpoint never commits, the previous one stays loadable, the fast-tier copy
+stays until a later ``ckptio.latest`` finishes its drain).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import random
+import shutil
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from ckptio.config import StorageConfig
+from ckptio.errors import CheckpointError, CheckpointExistsError, StorageError
+from ckptio.format.names import METADATA_NAME
+from ckptio.format.versions import decode_metadata
+from ckptio.saving.commit import publish
+from ckptio.storage import FsspecStore, LocalStore, open_store
+from ckptio.tiers.paths import step_order
+
+log = logging.getLogger(__name__)
+
+#: Bytes read from the fast tier per write to the durable sink (fresh memory each: an S3 sink sends
+#: pieces from where they are, so at most a part and the parts in flight are held at once).
+UPLOAD_PIECE_BYTES = 8 << 20
+#: Waits between polls of the durable tier (a commit waiting for other ranks' files): doubling.
+POLL_FIRST_S, POLL_MAX_S = 0.05, 2.0
+#: Waits between retries of a failed job: doubling, with jitter.
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0
+
+
+class DrainError(CheckpointError):
+    """A background upload to the durable tier failed; the fast-tier copy is kept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Durable:
+    """The durable checkpoint a job works on."""
+
+    url: str
+    storage_options: dict[str, Any]
+    storage_config: StorageConfig
+
+    def store(self) -> FsspecStore:
+        return open_store(self.url, self.storage_options, self.storage_config)
+
+
+@dataclasses.dataclass
+class Upload:
+    """Copy the first ``nbytes`` of the fast-tier file ``path`` to the durable file ``name``."""
+
+    durable: Durable
+    path: str
+    name: str
+    nbytes: int
+    bandwidth: int | None = None
+
+    def run(self, deadline: float) -> None:
+        store = self.durable.store()
+        store.prepare_directory()
+        pace = _Pace(self.bandwidth)
+        local_durable = isinstance(store, LocalStore)
+        # A POSIX durable tier gets a temporary name renamed at the end, so a file the commit finds
+        # at its final name is whole; objects appear whole anyway.
+        target = f"{self.name}.partial-{os.getpid()}" if local_durable else self.name
+        sink = store.open_sink(target)
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                done = 0
+                while done < self.nbytes:
+                    piece = bytearray(min(UPLOAD_PIECE_BYTES, self.nbytes - done))
+                    got = f.readinto(piece)
+                    if got != len(piece):
+                        raise DrainError(
+                            f"the fast-tier file {self.path} ended at byte {done + got}, before the {self.nbytes} "
+                            f"bytes of {store.describe(self.name)}: it was truncated after the save"
+                        )
+                    sink.write(piece)
+                    done += got
+                    pace.after(got)
+            sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+        if local_durable:
+            store.rename(target, self.name)
+
+
+@dataclasses.dataclass
+class Commit:
+    """Publish ``document`` once every data file it names is on the durable tier at its size."""
+
+    durable: Durable
+    document: bytes
+    files: dict[str, int]
+    writers: dict[str, int]
+    superseded: list[str]
+    overwrite: bool
+
+    def run(self, deadline: float) -> None:
+        store = self.durable.store()
+        wait = POLL_FIRST_S
+        while True:
+            present = store.list_sizes() or {}
+            missing = sorted(n for n, size in self.files.items() if present.get(n) != size)
+            if not missing:
+                break
+            if time.monotonic() + wait > deadline:
+                shown = ", ".join(f"{n} (rank {self.writers.get(n, '?')})" for n in missing[:8])
+                raise DrainError(
+                    f"{len(missing)} data file(s) of {self.durable.url} did not reach the durable tier in time: "
+                    f"{shown}{' ...' if len(missing) > 8 else ''}. Those ranks' uploads failed or were cut off; "
+                    "their fast-tier copies are kept and ckptio.latest(...) finishes the drain on the next start"
+                )
+            time.sleep(wait)
+            wait = min(wait * 2, POLL_MAX_S)
+        publish(store, self.document, self.files, self.superseded, self.overwrite)
+
+
+@dataclasses.dataclass
+class AwaitCommit:
+    """Wait until the durable checkpoint naming this rank's file ``name`` has committed."""
+
+    durable: Durable
+    name: str
+
+    def run(self, deadline: float) -> None:
+        store = self.durable.store()
+        wait = POLL_FIRST_S
+        while True:
+            try:
+                if self.name in decode_metadata(store.read(METADATA_NAME), store.describe(METADATA_NAME)).files:
+                    return
+            except FileNotFoundError:
+                pass
+            if time.monotonic() + wait > deadline:
+                raise DrainError(
+                    f"{store.describe(METADATA_NAME)} was not committed in time after this rank uploaded {self.name}: "
+                    "the coordinator's drain failed or was cut off (see its log); the fast-tier copies are kept"
+                )
+            time.sleep(wait)
+            wait = min(wait * 2, POLL_MAX_S)
+
+
+@dataclasses.dataclass
+class Prune:
+    """Keep a run's ``keep`` newest fast-tier checkpoints, and every one not committed durably."""
+
+    local_run: str
+    durable_run: Durable
+    keep: int
+
+    def run(self, deadline: float) -> None:
+        try:
+            steps = sorted((e.name for e in os.scandir(self.local_run) if e.is_dir()), key=step_order)
+        except FileNotFoundError:
+            return
+        for step in steps[: -self.keep]:
+            durable = dataclasses.replace(self.durable_run, url=f"{self.durable_run.url}/{step}").store()
+            try:
+                durable.read(METADATA_NAME)
+            except (FileNotFoundError, CheckpointError):
+                continue  # not (yet) durable: kept
+            shutil.rmtree(os.path.join(self.local_run, step), ignore_errors=True)
+            log.info("ckptio: removed the fast-tier copy of %s (committed on the durable tier)", durable.url)
+
+
+class _Pace:
+    """At most ``rate`` bytes per second, on average since the first byte."""
+
+    def __init__(self, rate: int | None):
+        self.rate, self.start, self.sent = rate, time.monotonic(), 0
+
+    def after(self, nbytes: int) -> None:
+        if self.rate is None:
+            return
+        self.sent += nbytes
+        ahead = self.sent / self.rate - (time.monotonic() - self.start)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+@dataclasses.dataclass
+class _Queued:
+    save: str  # the durable URL of the save the job belongs to
+    job: Any
+    deadline: float
+
+
+class DrainQueue:
+    """This process's background uploads, run in order by one thread."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[_Queued] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._failure: DrainError | None = None
+        self._failed_saves: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, save: str, job: Any, timeout_s: float) -> None:
+        with self._cond:
+            self._jobs.append(_Queued(save, job, time.monotonic() + timeout_s))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ckptio-drain", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued job has finished; raise the first failure since the last raise."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._jobs or self._busy:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise DrainError(f"background uploads still running after {timeout} s ({len(self._jobs)} queued)")
+                self._cond.wait(left)
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        with self._cond:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._jobs) + self._busy
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs:
+                    self._cond.wait()
+                queued = self._jobs.popleft()
+                self._busy = True
+            try:
+                if queued.save not in self._failed_saves or isinstance(queued.job, Prune):
+                    _run_with_retries(queued)
+            except Exception as exc:  # noqa: BLE001 - kept for wait_for_uploads / the next save
+                failure = _as_drain_error(exc, queued.save)
+                log.error("ckptio: %s", failure)
+                with self._cond:
+                    self._failed_saves.add(queued.save)
+                    self._failure = self._failure or failure
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+def _as_drain_error(exc: Exception, save: str) -> DrainError:
+    if isinstance(exc, DrainError):
+        return exc
+    failure = DrainError(
+        f"background upload to {save.partition('#')[0]} failed: {type(exc).__name__}: {exc}. The fast-tier copy "
+        "is kept; the durable tier holds its previous checkpoint"
+    )
+    failure.__cause__ = exc
+    return failure
+
+
+def _run_with_retries(queued: _Queued) -> None:
+    wait = RETRY_FIRST_S
+    while True:
+        try:
+            queued.job.run(queued.deadline)
+            return
+        except (DrainError, CheckpointExistsError):
+            raise
+        except (StorageError, OSError) as exc:
+            if time.monotonic() + wait > queued.deadline:
+                raise
+            log.warning("ckptio: background upload to %s failed, retrying in %.1f s: %s", queued.save, wait, exc)
+            time.sleep(wait * random.uniform(0.75, 1.25))
+            wait = min(wait * 2, RETRY_MAX_S)
+
+
+_QUEUE = DrainQueue()
+
+
+def drain_queue() -> DrainQueue:
+    return _QUEUE
+
+
+def wait_for_uploads(timeout: float | None = None) -> None:
+    """Block until this process's background uploads (tiered saves, ``WriterConfig.local_tier``)
+    have committed on the durable tier; raise ``DrainError`` if one failed (its fast-tier copy is
+    kept, and the durable tier still holds its previous checkpoint)::
+
+        dcp.save(state, storage_writer=ckptio.Writer("s3://bucket/run/step-200", cfg))
+        ckptio.wait_for_uploads()
+    """
+    _QUEUE.wait(timeout)
+
+
+def _drain_at_exit() -> None:
+    if _QUEUE.pending:
+        log.warning("ckptio: waiting for %d background upload job(s) before exiting", _QUEUE.pending)
+        try:
+            _QUEUE.wait()
+        except DrainError as exc:
+            log.error("ckptio: %s", exc)
+
+
+atexit.register(_drain_at_exit)

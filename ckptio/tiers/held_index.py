@@ -1,0 +1,182 @@
+"""What a rank's fast-tier data file holds, and which of a checkpoint's items a node can read locally.
+
+A rank's fast-tier file holds everything the rank held at save time: first the items it was
+assigned (byte for byte its durable data file, which the drain uploads), then the items other
+ranks wrote for the durable tier (replicas), which it keeps so that it can restart on its own.
+Its *held index* (``<file>.held.json``) records the file's sizes and, for each of those extra
+items, where it lies and its blocks' lengths and CRC32Cs. An extra item stands in for the
+checkpoint's record of the same key only when every block's length and checksum agree, so a
+stale or foreign index can never make a load read other bytes than the checkpoint's.
+
+The index is a cache: an unreadable one is ignored (with a warning) and the durable tier serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from ckptio.format.names import parse_data_file_name
+from ckptio.format.records import Manifest, StoredItem
+from ckptio.format.v1 import pack_counts
+from ckptio.storage import FsspecStore
+from ckptio.tiers.paths import HELD_SUFFIX
+
+log = logging.getLogger(__name__)
+
+FORMAT = "ckptio-held-index"
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldItem:
+    fqn: str
+    chunk_offset: tuple[int, ...] | None
+    offset: int
+    crc32c: str  # packed, as the metadata's version 1 schema packs them
+    stored_lengths: str
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldIndex:
+    file: str
+    local_bytes: int
+    durable_bytes: int  # the file's first bytes are its durable data file; 0: nothing is uploaded
+    extras: tuple[HeldItem, ...]
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "version": 1,
+                "file": self.file,
+                "local_bytes": self.local_bytes,
+                "durable_bytes": self.durable_bytes,
+                "extras": [
+                    [
+                        i.fqn,
+                        list(i.chunk_offset) if i.chunk_offset is not None else None,
+                        i.offset,
+                        i.crc32c,
+                        i.stored_lengths,
+                    ]
+                    for i in self.extras
+                ],
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def of(cls, file: str, records: dict[MetadataIndex, StoredItem], durable: set[MetadataIndex]) -> "HeldIndex":
+        """The index of ``file`` written with ``records``, those of ``durable`` first."""
+        durable_bytes = max((r.offset + r.stored_bytes for k, r in records.items() if k in durable), default=0)
+        local_bytes = max((r.offset + r.stored_bytes for r in records.values()), default=0)
+        extras = tuple(
+            HeldItem(k.fqn, tuple(k.offset) if k.offset is not None else None, r.offset, *_fingerprint(r))
+            for k, r in records.items()
+            if k not in durable
+        )
+        return cls(file, local_bytes, durable_bytes, extras)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "HeldIndex":
+        """Parse an index; ``ValueError`` when it is not one (the caller ignores it)."""
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("version") != 1:
+            raise ValueError("not a ckptio held index of version 1")
+        file, local, durable, extras = doc["file"], doc["local_bytes"], doc["durable_bytes"], doc["extras"]
+        if parse_data_file_name(file) is None or not _count(local) or not _count(durable) or durable > local:
+            raise ValueError("bad file name or sizes")
+        if not isinstance(extras, list):
+            raise ValueError("'extras' is not a list")
+        items = []
+        for entry in extras:
+            fqn, chunk, at, crc, lengths = entry
+            if not (isinstance(fqn, str) and _count(at) and isinstance(crc, str) and isinstance(lengths, str)):
+                raise ValueError("bad extra item")
+            if chunk is not None and not (isinstance(chunk, list) and all(_count(c) for c in chunk)):
+                raise ValueError("bad chunk offset")
+            items.append(HeldItem(fqn, tuple(chunk) if chunk is not None else None, at, crc, lengths))
+        return cls(file, local, durable, tuple(items))
+
+
+def _count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 63
+
+
+def _fingerprint(record: StoredItem) -> tuple[str, str]:
+    return pack_counts([crc for _, crc in record.blocks]), pack_counts([n for n, _ in record.blocks])
+
+
+@dataclasses.dataclass
+class LocalCopies:
+    """What of one checkpoint a node's fast tier holds, checked against its metadata."""
+
+    #: the checkpoint's data files held whole (a fast-tier file whose first bytes are it)
+    files: set[str] = dataclasses.field(default_factory=set)
+    #: items held as replicas in another fast-tier file: the checkpoint's record, relocated there
+    relocated: dict[MetadataIndex, StoredItem] = dataclasses.field(default_factory=dict)
+    #: fast-tier file -> its size
+    sizes: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: the saving ranks whose whole file and index are here and agree with the metadata
+    complete_ranks: set[int] = dataclasses.field(default_factory=set)
+
+    @property
+    def local_files(self) -> set[str]:
+        """Every file name a load reads from the fast tier."""
+        return self.files | {record.file for record in self.relocated.values()}
+
+
+def local_copies(local: FsspecStore, manifest: Manifest) -> LocalCopies:
+    """What ``local`` (a node's fast-tier folder of the checkpoint) holds of ``manifest``'s items."""
+    found = LocalCopies()
+    for name in local.list_names() or []:
+        if not name.endswith(HELD_SUFFIX):
+            continue
+        try:
+            index = HeldIndex.decode(local.read(name))
+            if index.file + HELD_SUFFIX != name:
+                raise ValueError(f"it describes {index.file}")
+            size = local.size(index.file)
+        except (ValueError, KeyError, TypeError, OSError, json.JSONDecodeError) as exc:
+            log.warning("ckptio: ignoring the fast-tier index %s: %s", local.describe(name), exc)
+            continue
+        except Exception as exc:  # noqa: BLE001 - a cache: the durable tier serves instead
+            log.warning("ckptio: cannot read the fast-tier copy %s: %s", local.describe(name), exc)
+            continue
+        if size != index.local_bytes:
+            log.warning(
+                "ckptio: the fast-tier file %s holds %d bytes, its index records %d; reading it from the durable tier",
+                local.describe(index.file),
+                size,
+                index.local_bytes,
+            )
+            continue
+        _add(found, index, manifest)
+    return found
+
+
+def _add(found: LocalCopies, index: HeldIndex, manifest: Manifest) -> None:
+    files = manifest.header.files
+    whole = index.file in files and files[index.file] == index.durable_bytes
+    if index.durable_bytes and not whole:
+        return  # a file of another save
+    if whole:
+        found.files.add(index.file)
+    found.sizes[index.file] = index.local_bytes
+    matched = 0
+    for extra in index.extras:
+        key = MetadataIndex(extra.fqn, torch.Size(extra.chunk_offset) if extra.chunk_offset is not None else None)
+        record = manifest.items.get(key)
+        if record is None or record.inline is not None or _fingerprint(record) != (extra.crc32c, extra.stored_lengths):
+            continue
+        if extra.offset + record.stored_bytes > index.local_bytes:
+            continue
+        found.relocated.setdefault(key, dataclasses.replace(record, file=index.file, offset=extra.offset))
+        matched += 1
+    if (whole or index.durable_bytes == 0) and matched == len(index.extras) and (whole or matched):
+        found.complete_ranks.add(parse_data_file_name(index.file).rank)

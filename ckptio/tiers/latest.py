@@ -1,0 +1,178 @@
+"""``ckptio.latest``: the newest checkpoint of a run that every rank can load in full, agreed by all.
+
+One rank lists the durable tier (one listing per job, not per rank); every rank lists its node's
+fast tier. Steps are ordered by the last number in their name (``paths.step_order``). The newest
+step wins that is either committed on the durable tier, or committed on some node's fast tier and
+loadable now, which it is when
+
+- every rank of a job of the saving world size holds its own saving rank's whole fast-tier copy
+  (a restart on the same nodes): it loads locally, and the part of its drain the crash cut off is
+  queued in the background (the lowest rank holding each missing file uploads it, the rank holding
+  the metadata commits); or
+- every data file missing from the durable tier survives on some node's fast tier: those ranks upload
+  them now, the durable checkpoint commits, then every rank loads (replaced nodes read the durable
+  tier).
+
+A step whose files are lost on both tiers is passed over for the next older one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+from ckptio.config import StorageConfig
+from ckptio.errors import CheckpointError
+from ckptio.format.names import METADATA_NAME
+from ckptio.format.versions import decode_metadata
+from ckptio.loading.together import fail_together
+from ckptio.storage import open_store
+from ckptio.tiers.drain import Commit, Durable, Upload, drain_queue
+from ckptio.tiers.held_index import local_copies
+from ckptio.tiers.paths import local_run_path, normalized_url, step_order
+
+T = TypeVar("T")
+
+#: How long a resumed drain (background or not) may take.
+RESUME_TIMEOUT_S = 3600.0
+
+
+def latest(
+    run_url: str | os.PathLike,
+    *,
+    local_tier: str | os.PathLike | None = None,
+    storage_options: dict[str, Any] | None = None,
+    storage_config: StorageConfig | None = None,
+    process_group: Any = None,
+) -> str | None:
+    """The URL of the newest checkpoint under ``run_url`` that every rank can load in full (``None``
+    if there is none). Every rank of ``process_group`` (``None``: the default group, or one process)
+    calls it and gets the same answer. ``local_tier`` (default: ``CKPTIO_LOCAL_TIER``): this node's
+    fast tier, which may hold newer steps than the durable tier (see the module's rules)::
+
+        url = ckptio.latest("s3://bucket/run", local_tier="/local/nvme/ckpt")
+        if url:
+            dcp.load(state, storage_reader=ckptio.Reader(url, local_tier="/local/nvme/ckpt"))
+    """
+    if local_tier is None:
+        local_tier = os.environ.get("CKPTIO_LOCAL_TIER") or None
+    run = normalized_url(run_url)
+    options = dict(storage_options or {})
+    config = storage_config if storage_config is not None else StorageConfig.from_environment()
+    group = _Group(process_group)
+    newest = group.one_rank(lambda: _newest_durable(run, options, config))
+    if local_tier is None:
+        return f"{run}/{newest}" if newest else None
+    local_run = local_run_path(local_tier, run)
+    views = group.all(_local_steps(local_run, newer_than=newest))
+    for step in sorted({s for view in views for s in view}, key=step_order, reverse=True):
+        holders = [rank for rank, view in enumerate(views) if view.get(step)]
+        if holders and _resume(group, run, step, holders[0], local_run, options, config):
+            return f"{run}/{step}"
+    return f"{run}/{newest}" if newest else None
+
+
+def _newest_durable(run: str, options: dict[str, Any], config: StorageConfig) -> str | None:
+    store = open_store(run, options, config)
+    for step in sorted(store.list_names() or [], key=step_order, reverse=True):
+        try:
+            open_store(f"{run}/{step}", options, config).read(METADATA_NAME)
+            return step
+        except (FileNotFoundError, CheckpointError):
+            continue
+    return None
+
+
+def _local_steps(local_run: str, newer_than: str | None) -> dict[str, bool]:
+    """This node's fast-tier steps newer than ``newer_than`` -> whether it holds their metadata."""
+    try:
+        entries = [e for e in os.scandir(local_run) if e.is_dir()]
+    except FileNotFoundError:
+        return {}
+    floor = step_order(newer_than) if newer_than else None
+    return {
+        e.name: os.path.exists(os.path.join(e.path, METADATA_NAME))
+        for e in entries
+        if floor is None or step_order(e.name) > floor
+    }
+
+
+def _resume(
+    group: "_Group", run: str, step: str, holder: int, local_run: str, options: dict[str, Any], config: StorageConfig
+) -> bool:
+    """Whether ``step`` (its metadata on rank ``holder``'s fast tier) loads now; finishes or queues its drain."""
+    local = open_store(os.path.join(local_run, step), None, config)
+    document = group.one_rank(lambda: local.read(METADATA_NAME), source=holder)
+    manifest = decode_metadata(document, local.describe(METADATA_NAME))
+    copies = local_copies(local, manifest)
+    reports = group.all((group.rank in copies.complete_ranks, sorted(copies.files)))
+    durable = Durable(f"{run}/{step}", options, config)
+    present = group.one_rank(lambda: durable.store().list_sizes() or {})
+    missing = sorted(name for name, size in manifest.files.items() if present.get(name) != size)
+    uploader = {}
+    for name in missing:
+        uploader[name] = next((rank for rank, (_, files) in enumerate(reports) if name in files), None)
+    restarts_locally = group.size == manifest.header.world_size and all(own for own, _ in reports)
+    every_file_survives = all(rank is not None for rank in uploader.values())
+    if not (restarts_locally or every_file_survives):
+        return False
+    mine = [Upload(durable, local.path(n), n, manifest.files[n]) for n in missing if uploader[n] == group.rank]
+    commit = Commit(durable, document, manifest.files, dict(manifest.header.writer_ranks), [], overwrite=False)
+    if restarts_locally:  # load now, finish the drain behind it
+        for job in mine + ([commit] if group.rank == holder else []):
+            drain_queue().submit(durable.url + "#resumed", job, RESUME_TIMEOUT_S)
+        return True
+    deadline = time.monotonic() + RESUME_TIMEOUT_S
+    group.together(lambda: [job.run(deadline) for job in mine])
+    group.together(lambda: commit.run(deadline) if group.rank == holder else None)
+    return True
+
+
+class _Group:
+    """The collectives ``latest`` needs, over a process group or within one process."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.on = dist.is_initialized() and dist.get_world_size(group) > 1
+        self.size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+
+    def one_rank(self, fn: Callable[[], T], source: int = 0) -> T:
+        """``fn()`` on ``source``; its value or its error on every rank."""
+        if not self.on:
+            return fn()
+        box: list = [None]
+        if self.rank == source:
+            try:
+                box[0] = (True, fn())
+            except CheckpointError as exc:
+                box[0] = (False, exc)
+            except Exception as exc:  # noqa: BLE001 - the others wait for the broadcast
+                box[0] = (False, CheckpointError(f"rank {self.rank}: {type(exc).__name__}: {exc}"))
+        dist.broadcast_object_list(box, group=self.group, group_src=source)
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def all(self, value: T) -> list[T]:
+        if not self.on:
+            return [value]
+        out: list = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def together(self, fn: Callable[[], Any]) -> None:
+        """``fn()`` on every rank; if it fails on any, every rank raises."""
+        failure = None
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            failure = exc
+        if self.on:
+            fail_together(failure, self.group, "finishing a checkpoint's drain")
+        elif failure is not None:
+            raise failure

@@ -1,0 +1,152 @@
+"""A tiered save's fast-tier part: each rank's copy of everything it holds, and its drain jobs.
+
+A rank writes one fast-tier file: the items it was assigned for the durable tier first (so the
+file's first bytes *are* its durable data file, uploaded as they are), then the items it holds
+that other ranks write (replicas, so that the node restarts from its own copy), then its held
+index (``held_index.py``); all fsync'd before the save goes on. When the fast tier is full (ENOSPC,
+a quota, a file-size limit) the rank writes its durable items straight to the durable tier, with one
+warning, and the save goes on.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import itertools
+import logging
+import os
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+
+from ckptio.config import StorageConfig, WriterConfig
+from ckptio.format.names import METADATA_NAME
+from ckptio.format.records import StoredItem
+from ckptio.saving.data_file import encode_items, item_bytes
+from ckptio.storage import FsspecStore, open_store
+from ckptio.tiers.drain import AwaitCommit, Commit, Durable, Prune, Upload, drain_queue
+from ckptio.tiers.held_index import HeldIndex
+from ckptio.tiers.paths import HELD_SUFFIX, local_run_path, local_step_path, split_step
+
+log = logging.getLogger(__name__)
+
+#: What a full fast tier raises: no space, a quota, a file-size limit.
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def tier_store(config: WriterConfig, durable_url: str, storage: StorageConfig) -> FsspecStore:
+    """The node's fast-tier folder of the checkpoint at ``durable_url``."""
+    return open_store(local_step_path(config.local_tier, durable_url), None, storage)
+
+
+def tier_full(exc: BaseException) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in FULL_ERRNOS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@functools.lru_cache(maxsize=8)
+def _warn_full(where: str) -> None:
+    log.warning(
+        "ckptio: the fast tier %s is full; this save goes straight to the durable tier (free space there, or "
+        "lower local_tier_keep)",
+        where,
+    )
+
+
+def write_rank_copy(
+    local: FsspecStore,
+    file: str,
+    durable_items: dict[MetadataIndex, WriteItem],
+    replicas: dict[MetadataIndex, WriteItem],
+    planner: SavePlanner,
+    objects: dict[MetadataIndex, memoryview],
+    config: WriterConfig,
+    inline_limit: int,
+) -> dict[MetadataIndex, StoredItem] | None:
+    """Write this rank's fast-tier file and index; the records of every item written, or ``None`` when
+    the fast tier is full (nothing of this save is left on it)."""
+    items = itertools.chain(item_bytes(durable_items, planner, objects), item_bytes(replicas, planner, objects))
+    try:
+        local.prepare_directory()
+        stored = encode_items(local, file, items, config, inline_limit if not replicas else 0)
+        if any(record.file for record in stored.values()):
+            local.put_atomic(file + HELD_SUFFIX, HeldIndex.of(file, stored, set(durable_items)).encode())
+        return stored
+    except Exception as exc:
+        if not tier_full(exc):
+            raise
+        local.delete_best_effort([file, file + HELD_SUFFIX])
+        _warn_full(local.url)
+        return None
+
+
+def durable_bytes(stored: dict[MetadataIndex, StoredItem], durable_items: dict[MetadataIndex, Any]) -> int:
+    return max((r.offset + r.stored_bytes for k, r in stored.items() if k in durable_items and r.file), default=0)
+
+
+def durable_of(url: str, storage_options: dict[str, Any], storage: StorageConfig) -> Durable:
+    return Durable(url, dict(storage_options), storage)
+
+
+def queue_rank_drain(
+    save: str, durable: Durable, local: FsspecStore, file: str, nbytes: int, config: WriterConfig, coordinator: bool
+) -> None:
+    """This rank's jobs: upload its durable bytes; a rank other than the coordinator then awaits the
+    commit (the coordinator's ``Commit`` is queued by ``queue_commit``) and prunes its fast tier."""
+    queue = drain_queue()
+    if nbytes:
+        queue.submit(
+            save, Upload(durable, local.path(file), file, nbytes, config.drain_bandwidth), config.drain_timeout_s
+        )
+        if not coordinator:
+            queue.submit(save, AwaitCommit(durable, file), config.drain_timeout_s)
+    if not coordinator:
+        queue_prune(save, durable, config)
+
+
+def queue_commit(
+    save: str,
+    durable: Durable,
+    document: bytes,
+    files: dict[str, int],
+    writers: dict[str, int],
+    superseded: list[str],
+    config: WriterConfig,
+) -> None:
+    drain_queue().submit(
+        save, Commit(durable, document, files, writers, superseded, config.overwrite), config.drain_timeout_s
+    )
+    queue_prune(save, durable, config)
+
+
+def queue_prune(save: str, durable: Durable, config: WriterConfig) -> None:
+    run, _ = split_step(durable.url)
+    prune = Prune(
+        local_run_path(config.local_tier, run),
+        Durable(run, durable.storage_options, durable.storage_config),
+        config.local_tier_keep,
+    )
+    drain_queue().submit(save, prune, config.drain_timeout_s)
+
+
+def commit_locally(local: FsspecStore, document: bytes) -> None:
+    """The fast tier's copy commits on the coordinator's node (its ``ckptio.json``); when the fast tier
+    is full, the durable commit alone makes the checkpoint loadable."""
+    try:
+        local.prepare_directory()
+        local.put_atomic(METADATA_NAME, document)
+    except Exception as exc:
+        if not tier_full(exc):
+            raise
+        local.delete_best_effort([METADATA_NAME])
+        _warn_full(local.url)
+
+
+def local_commit_exists(config: WriterConfig, durable_url: str, storage: StorageConfig) -> str | None:
+    """The fast-tier ``ckptio.json`` of this checkpoint on this node, if one exists."""
+    path = os.path.join(local_step_path(config.local_tier, durable_url), METADATA_NAME)
+    return path if os.path.exists(path) else None

@@ -1,0 +1,78 @@
+"""Per-rank bodies of the tiered-checkpoint tests: two "nodes" of two ranks each, each node with its
+own fast-tier folder, the durable tier on S3 (moto) or a path."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import ckptio
+from tests.helpers import scenarios
+
+
+def node_tier(tier_base: str) -> str:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return os.path.join(tier_base, f"node{rank // 2}")
+
+
+def state(mesh_shape, step: int, empty: bool = False) -> dict:
+    value = scenarios.make_state(scenarios.make_mesh(mesh_shape), empty=empty)
+    value["marker"] = torch.tensor([0 if empty else step], dtype=torch.int64)
+    return value
+
+
+def problems(value: dict, step: int) -> list[str]:
+    return scenarios.mismatches(value) + ([] if int(value["marker"]) == step else [f"marker {int(value['marker'])}"])
+
+
+def save_steps(run: str, tier_base: str, mesh_shape, steps, options, config: dict | None = None) -> int:
+    config = config or {}
+    for step in steps:
+        writer = ckptio.Writer(
+            f"{run}/step-{step}",
+            ckptio.WriterConfig(local_tier=node_tier(tier_base), **config),
+            storage_options=options,
+        )
+        dcp.save(state(mesh_shape, step), storage_writer=writer)
+    ckptio.wait_for_uploads()
+    return dist.get_rank()
+
+
+def save_then_die(run: str, tier_base: str, mesh_shape, options, victim: int, config: dict) -> str:
+    """Save step 1 (drained), then step 2, after which rank ``victim`` is killed (SIGKILL) as its drain
+    starts; the other ranks' drains time out. Returns what ``wait_for_uploads`` raised."""
+    save_steps(run, tier_base, mesh_shape, [1], options, {"mode": config.get("mode", "all_ranks")})
+    writer = ckptio.Writer(
+        f"{run}/step-2", ckptio.WriterConfig(local_tier=node_tier(tier_base), **config), storage_options=options
+    )
+    dcp.save(state(mesh_shape, 2), storage_writer=writer)
+    if dist.get_rank() == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        ckptio.wait_for_uploads()
+    except ckptio.DrainError as exc:
+        return str(exc)
+    return "drained"
+
+
+def restart(run: str, tier_base: str, mesh_shape, options, finish_drain: bool = True) -> tuple:
+    """What a restarted job does: agree on the newest step, load it from the nearest tier."""
+    url = ckptio.latest(run, local_tier=node_tier(tier_base), storage_options=options)
+    step = int(url.rsplit("-", 1)[1])
+    value = state(mesh_shape, 0, empty=True)
+    reader = ckptio.Reader(url, storage_options=options, local_tier=node_tier(tier_base))
+    dcp.load(value, storage_reader=reader)
+    if finish_drain:
+        ckptio.wait_for_uploads()
+    return url, problems(value, step), reader.bytes_read
+
+
+def load_durable(url: str, mesh_shape, options, step: int) -> list[str]:
+    """A plain ``dcp.load`` of the durable copy alone."""
+    value = state(mesh_shape, 0, empty=True)
+    dcp.load(value, storage_reader=ckptio.Reader(url, storage_options=options))
+    return problems(value, step)
