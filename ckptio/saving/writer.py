@@ -159,9 +159,9 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
                 "dcp.save with the default use_collectives=True"
             )
         self.is_coordinator = is_coordinator
+        self._ticket = ordering.begin(self._ticket)  # waits for this process's previous save to return
         if self.config.local_tier:  # a failed background upload of an earlier save is raised here
             drain_queue().raise_failure()
-        self._ticket = ordering.begin(self._ticket)  # waits for this process's previous save to return
         rank = kwargs.get("rank")
         if rank is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

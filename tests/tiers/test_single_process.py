@@ -1,0 +1,179 @@
+"""Tiered checkpoints in one process: faults, queued saves, retention, config, and the durable copy
+as an ordinary checkpoint. The durable tier is a moto S3 server (through the fault proxy where a
+fault is injected) or a local path."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import resource
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckptio
+from ckptio.tiers.drain import drain_queue
+from tests.conftest import s3_objects
+from tests.helpers.faultproxy import Fault
+from tests.helpers.harness import spawn
+
+
+def _state(step: int) -> dict:
+    gen = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 128, generator=gen), "b": torch.arange(64) * step, "meta": {"step": step}}
+
+
+def _empty() -> dict:
+    return {"w": torch.zeros(256, 128), "b": torch.zeros(64, dtype=torch.int64), "meta": {"step": None}}
+
+
+def _same(loaded: dict, step: int) -> bool:
+    want = _state(step)
+    return (
+        torch.equal(loaded["w"], want["w"]) and torch.equal(loaded["b"], want["b"]) and loaded["meta"] == want["meta"]
+    )
+
+
+def _save(url: str, tier, options=None, **config) -> None:
+    config.setdefault("max_block_size", 16 << 10)
+    writer = ckptio.Writer(url, ckptio.WriterConfig(local_tier=str(tier), **config), storage_options=options)
+    dcp.save(_state(int(url.rsplit("-", 1)[1])), storage_writer=writer)
+
+
+def _load(url: str, options=None, tier=None) -> tuple[dict, ckptio.Reader]:
+    value = _empty()
+    reader = ckptio.Reader(url, storage_options=options, local_tier=str(tier) if tier else None)
+    dcp.load(value, storage_reader=reader)
+    return value, reader
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_drains():
+    yield
+    try:
+        ckptio.wait_for_uploads(timeout=60)
+    except ckptio.DrainError:
+        pass
+
+
+def test_a_flipped_byte_in_a_fast_tier_file_is_read_from_the_durable_tier(tmp_path, caplog):
+    url = str(tmp_path / "durable" / "run" / "step-1")
+    _save(url, tmp_path / "fast")
+    ckptio.wait_for_uploads()
+    (data,) = glob.glob(str(tmp_path / "fast" / "*" / "step-1" / "*.ckio"))
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        loaded, reader = _load(url, tier=tmp_path / "fast")
+    assert _same(loaded, 1)
+    assert reader.bytes_read["durable"] > 0 and "failed its check" in caplog.text
+    os.remove(data)  # a missing fast-tier file: the durable tier serves it all
+    loaded, reader = _load(url, tier=tmp_path / "fast")
+    assert _same(loaded, 1) and reader.bytes_read["local"] == 0
+
+
+def test_the_durable_tier_failing_during_a_drain_is_retried_then_raised_and_nothing_is_lost(s3_proxy, tmp_path):
+    proxy, base, options = s3_proxy
+    options = {**options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    puts = Fault(lambda r: r.operation in ("PUT", "PutObject", "UploadPart") or r.method == "PUT", 503, times=3)
+    proxy.faults.append(puts)
+    _save(f"{base}/run/step-1", tmp_path / "fast", options, retry_attempts=1)
+    ckptio.wait_for_uploads()  # three 503s, retried with backoff
+    assert puts.hits == 3
+    loaded, _ = _load(f"{base}/run/step-1", options)
+    assert _same(loaded, 1)
+
+    proxy.faults[:] = [Fault(lambda r: r.method == "PUT", 503)]  # unreachable for good
+    _save(f"{base}/run/step-2", tmp_path / "fast", options, retry_attempts=1, drain_timeout_s=2)
+    with pytest.raises(ckptio.DrainError, match="step-2"):
+        ckptio.wait_for_uploads()
+    assert "run/step-2/ckptio.json" not in {k.split("/", 1)[1] for k in s3_objects(options, f"{base}/run/")}
+    proxy.faults.clear()
+    # the fast-tier copy is whole, and the next start finishes its drain
+    assert ckptio.latest(f"{base}/run", local_tier=str(tmp_path / "fast"), storage_options=options).endswith("step-2")
+    ckptio.wait_for_uploads()
+    loaded, _ = _load(f"{base}/run/step-2", options)
+    assert _same(loaded, 2)
+
+
+def test_a_failed_drain_is_raised_by_the_next_tiered_save(tmp_path):
+    blocked = tmp_path / "durable-file"
+    blocked.write_text("not a folder")  # the durable tier cannot be created
+    _save(str(blocked / "run" / "step-1"), tmp_path / "fast", drain_timeout_s=1)
+    while drain_queue().pending:  # the drain gives up after its timeout
+        time.sleep(0.05)
+    with pytest.raises(CheckpointException) as raised:  # plain dcp.save wraps what a rank raised
+        _save(str(tmp_path / "ok" / "run" / "step-2"), tmp_path / "fast")
+    assert isinstance(ckptio.unwrap(raised.value), ckptio.DrainError) and "step-1" in str(raised.value)
+    assert glob.glob(str(tmp_path / "fast" / "*" / "step-1" / "ckptio.json"))  # kept
+
+
+def test_saves_faster_than_the_drain_queue_in_order_and_all_commit(s3, tmp_path):
+    base, options = s3
+    for step in (1, 2, 3):
+        _save(f"{base}/run/step-{step}", tmp_path / "fast", options, drain_bandwidth=400_000)
+    assert "run/step-3/ckptio.json" not in {k.split("/", 1)[1] for k in s3_objects(options, f"{base}/run/")}
+    ckptio.wait_for_uploads()
+    for step in (1, 2, 3):
+        loaded, _ = _load(f"{base}/run/step-{step}", options)
+        assert _same(loaded, step)
+    assert ckptio.latest(f"{base}/run", storage_options=options) == f"{base}/run/step-3"
+
+
+def test_the_fast_tier_keeps_the_newest_k_and_only_what_has_drained(tmp_path):
+    durable = tmp_path / "durable" / "run"
+    for step in (8, 9, 10):
+        _save(str(durable / f"step-{step}"), tmp_path / "fast", local_tier_keep=2)
+    ckptio.wait_for_uploads()
+    (run,) = os.listdir(tmp_path / "fast")
+    assert sorted(os.listdir(tmp_path / "fast" / run)) == ["step-10", "step-9"]
+    os.remove(durable / "step-9" / "ckptio.json")  # as if step 9 had never drained: it is kept
+    _save(str(durable / "step-11"), tmp_path / "fast", local_tier_keep=1)
+    ckptio.wait_for_uploads()
+    assert sorted(os.listdir(tmp_path / "fast" / run)) == ["step-11", "step-9"]
+    assert ckptio.latest(str(durable)) == str(durable / "step-11")
+
+
+def test_a_full_fast_tier_sends_that_save_straight_to_the_durable_tier(tmp_path, s3):
+    base, options = s3
+    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
+    url = f"{base}/run/step-1"
+    (records,) = spawn(0, _save_with_a_full_fast_tier_s3, url, str(tmp_path / "fast"), options)
+    assert sum("is full" in message for message in records) == 1
+    assert not glob.glob(str(tmp_path / "fast" / "*" / "step-1" / "*.ckio"))
+    loaded, _ = _load(url, options)
+    assert _same(loaded, 1)
+
+
+def _save_with_a_full_fast_tier_s3(url: str, fast: str, options: dict) -> list[str]:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("ckptio").addHandler(handler)
+    _save(url, fast, options)
+    ckptio.wait_for_uploads()
+    return records
+
+
+def test_async_save_to_a_tier_and_the_settings_from_the_environment(tmp_path, monkeypatch, clean_env):
+    with pytest.raises(ValueError, match="node-local path"):
+        ckptio.WriterConfig(local_tier="s3://bucket/fast")
+    monkeypatch.setenv("CKPTIO_LOCAL_TIER", str(tmp_path / "fast"))
+    monkeypatch.setenv("CKPTIO_DRAIN_BANDWIDTH", "none")
+    config = ckptio.WriterConfig.from_dict({"mode": "all_ranks"})
+    assert config.local_tier == str(tmp_path / "fast") and config.drain_bandwidth is None
+    url = str(tmp_path / "durable" / "run" / "step-4")
+    dcp.async_save(_state(4), storage_writer=ckptio.Writer(url, config)).result()
+    ckptio.wait_for_uploads()
+    loaded, reader = _load(url)  # the Reader takes CKPTIO_LOCAL_TIER too
+    assert _same(loaded, 4) and reader.bytes_read == {"local": reader.bytes_read["local"], "durable": 0}
