@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import re
 import threading
@@ -46,6 +47,8 @@ from ckptio.loading.reader import Reader
 from ckptio.saving.planner import SavePlanner
 from ckptio.saving.writer import Writer
 from ckptio.storage import open_store
+from ckptio.tiers.latest import latest
+from ckptio.tiers.paths import local_step_path
 from ckptio.tools.cleanup import checkpoint_format, delete_checkpoint
 from ckptio.tools.convert import torch_dcp_reader
 
@@ -186,9 +189,13 @@ class CheckpointManager(TorchtitanCheckpointManager):
         if from_hf:
             self._load_hf(state_dict, checkpoint_id)
             return
-        found = checkpoint_format(open_store(checkpoint_id, self.storage_options))
+        tier = self.writer_config.local_tier
+        if tier and os.path.exists(os.path.join(local_step_path(tier, checkpoint_id), METADATA_NAME)):
+            found = "ckptio"  # a tiered save, perhaps not yet drained: the fast tier holds its metadata
+        else:
+            found = checkpoint_format(open_store(checkpoint_id, self.storage_options))
         if found == "ckptio":
-            reader = Reader(checkpoint_id, storage_options=self.storage_options)
+            reader = Reader(checkpoint_id, storage_options=self.storage_options, local_tier=tier)
         elif found == "torch_dcp":
             log.info("ckptio: %s was written by torch DCP; loading it with torch's reader", checkpoint_id)
             reader = torch_dcp_reader(checkpoint_id, self.storage_options)
@@ -257,6 +264,10 @@ class CheckpointManager(TorchtitanCheckpointManager):
         """The newest ``step-N`` that holds a committed checkpoint (ckptio, torch DCP or Hugging
         Face), or -1. Checks newest first, so a resume costs one listing and a few existence checks."""
         folder = folder or self.folder
+        tier = self.writer_config.local_tier
+        if tier:  # the newest step every rank can load from either tier, agreed by all ranks
+            url = latest(folder, local_tier=tier, storage_options=self.storage_options)
+            return int(url.rsplit("step-", 1)[1]) if url else -1
         steps = self._step_folders(folder)
         for step in steps:
             if checkpoint_format(open_store(self._create_checkpoint_id(step, folder), self.storage_options)):

@@ -204,7 +204,7 @@ class Reader(CheckpointLocation, StorageReader):
             names = self._local_copies.local_files
             reads_durable = any(item.file and item.file not in names for _, item in pairs)
             source = TieredSource(local, durable, names, reads_durable)
-            try:
+            try:  # a failure before any read leaves the counts at 0
                 self.deliver(source, self.prepare(pairs, planner, places=False), planner)
                 break
             except CorruptCheckpointError as exc:

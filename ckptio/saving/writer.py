@@ -236,8 +236,8 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             )
         elif self.config.local_tier and not self.is_coordinator:
             tiers.queue_prune(self._drain_key(), self._durable(), self.config)
-            if self.config.differing_objects == "keep_per_rank":
-                report.copies = {idx.fqn: rec for idx, rec in stored.items() if rec.kind == ItemKind.BYTES}
+        if self.config.differing_objects == "keep_per_rank":
+            report.copies = {idx.fqn: rec for idx, rec in stored.items() if rec.kind == ItemKind.BYTES}
         results = [WriteResult(it.index, stored[it.index].stored_bytes, stored[it.index]) for it in plan.items]
         future: Future[list[WriteResult]] = Future()
         future.set_result(attach_report(results, report))
