@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import re
 import threading
@@ -48,7 +47,7 @@ from ckptio.saving.planner import SavePlanner
 from ckptio.saving.writer import Writer
 from ckptio.storage import open_store
 from ckptio.tiers.latest import latest
-from ckptio.tiers.paths import local_step_path
+from ckptio.tiers.writing import local_commit_exists
 from ckptio.tools.cleanup import checkpoint_format, delete_checkpoint
 from ckptio.tools.convert import torch_dcp_reader
 
@@ -190,7 +189,7 @@ class CheckpointManager(TorchtitanCheckpointManager):
             self._load_hf(state_dict, checkpoint_id)
             return
         tier = self.writer_config.local_tier
-        if tier and os.path.exists(os.path.join(local_step_path(tier, checkpoint_id), METADATA_NAME)):
+        if tier and local_commit_exists(self.writer_config, checkpoint_id):
             found = "ckptio"  # a tiered save, perhaps not yet drained: the fast tier holds its metadata
         else:
             found = checkpoint_format(open_store(checkpoint_id, self.storage_options))

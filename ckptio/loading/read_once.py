@@ -53,10 +53,16 @@ def read_once(read: Callable[[], T], group: Any, location: str, each_rank_reads:
     dist.all_gather_object(locations, location, group=group)
     if len(set(locations)) > 1:
         return _each_reads(read, group)
+    return read_on(read, group, 0)
+
+
+def read_on(read: Callable[[], T], group: Any, source: int) -> T:
+    """``read()`` on rank ``source`` of ``group``; its result, or the ``CheckpointError`` it raised,
+    on every rank of the group (which all call this)."""
     box: list = [None]
-    if dist.get_rank(group) == 0:
+    if dist.get_rank(group) == source:
         box[0] = _outcome(read)
-    dist.broadcast_object_list(box, group=group, group_src=0)
+    dist.broadcast_object_list(box, group=group, group_src=source)
     return _result(box[0])
 
 

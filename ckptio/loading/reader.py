@@ -41,10 +41,10 @@ from ckptio.loading.shared_reads import (
 )
 from ckptio.loading.sources import ByteSource, Prepared
 from ckptio.state.keys import CanonicalKeyDict, canonical_index
-from ckptio.storage import FsspecStore, open_store
+from ckptio.storage import FsspecStore
 from ckptio.storage.location import CheckpointLocation
 from ckptio.tiers.held_index import LocalCopies, local_copies
-from ckptio.tiers.paths import local_step_path
+from ckptio.tiers.paths import local_step_store
 from ckptio.tiers.reading import TieredSource, tiered_metadata_bytes
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ class Reader(CheckpointLocation, StorageReader):
         return decode_metadata(raw, store.describe(METADATA_NAME))
 
     def _tier_store(self) -> FsspecStore:
-        return open_store(local_step_path(self.local_tier, self.checkpoint_id), None, self.storage_config)
+        return local_step_store(self.local_tier, self.checkpoint_id, self.storage_config)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._items: dict[MetadataIndex, StoredItem] = metadata.storage_data
@@ -173,7 +173,14 @@ class Reader(CheckpointLocation, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self.local_tier:
-            return self._read_tiered(plan, planner)
+            self._read_tiered(plan, planner)
+        else:
+            self._read_direct(plan, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_direct(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         store = self._open_store()
         restore_objects_under_held_keys(planner, plan)
         shared = plan.storage_data if isinstance(plan.storage_data, SharedReadPlan) else None
@@ -189,11 +196,8 @@ class Reader(CheckpointLocation, StorageReader):
             load_shared(store, shared, [t for t in triples if t[0] in keys], self, planner, failure)
             pairs = [(ri, item) for key, ri, item in triples if key not in keys]
         self.deliver(store, self.prepare(pairs, planner, places=False), planner)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
 
-    def _read_tiered(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+    def _read_tiered(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Read from the nearest tier; a fast-tier file that fails a check is dropped and its items
         read again from the durable tier."""
         restore_objects_under_held_keys(planner, plan)
@@ -204,7 +208,7 @@ class Reader(CheckpointLocation, StorageReader):
             names = self._local_copies.local_files
             reads_durable = any(item.file and item.file not in names for _, item in pairs)
             source = TieredSource(local, durable, names, reads_durable)
-            try:  # a failure before any read leaves the counts at 0
+            try:
                 self.deliver(source, self.prepare(pairs, planner, places=False), planner)
                 break
             except CorruptCheckpointError as exc:
@@ -226,9 +230,6 @@ class Reader(CheckpointLocation, StorageReader):
             self.bytes_read["local"],
             self.bytes_read["durable"],
         )
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
 
     def _drop_local(self, name: str) -> None:
         copies = self._local_copies

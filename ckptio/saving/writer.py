@@ -45,7 +45,8 @@ from ckptio.saving.planning import Holdings, assign_writers
 from ckptio.state.keys import canonical_planner_data, canonical_write_items
 from ckptio.storage.location import CheckpointLocation
 from ckptio.tiers import writing as tiers
-from ckptio.tiers.drain import drain_queue
+from ckptio.tiers.drain import Durable, drain_queue
+from ckptio.tiers.paths import local_step_store
 from ckptio.version import __version__
 
 log = logging.getLogger(__name__)
@@ -186,7 +187,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         else:
             self._superseded = check_target(self._open_store(), self.config.overwrite)
         if self.config.local_tier and not self.config.overwrite:
-            found = tiers.local_commit_exists(self.config, self.checkpoint_id, self.storage_config)
+            found = tiers.local_commit_exists(self.config, self.checkpoint_id)
             if found:
                 raise CheckpointExistsError(
                     f"the fast tier already holds a committed copy of {self.checkpoint_id} ({found}) that has not "
@@ -222,20 +223,22 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             self.rank, value_digests(held, planner, objects), mesh=MeshRecord.of(getattr(planner, "state_dict", None))
         )
         extras = own_copies(held, assigned, self.config.differing_objects)
-        replicas = {k: v for k, v in held.items() if k not in assigned and k not in extras}
         private = isinstance(plan.storage_data, RankAssignment) and plan.storage_data.private_only
         inline_limit = self.config.inline_limit if private and not extras else 0
-        stored: dict = {}
-        if self.config.local_tier and (assigned or extras or replicas):
-            stored = self._write_tiered(file, {**assigned, **extras}, replicas, planner, objects, inline_limit)
-        elif assigned or extras:
+        stored = None
+        if self.config.local_tier:
+            replicas = {k: v for k, v in held.items() if k not in assigned and k not in extras}
+            if assigned or extras or replicas:
+                stored = self._write_tiered(file, {**assigned, **extras}, replicas, planner, objects, inline_limit)
+            elif not self.is_coordinator:
+                tiers.queue_prune(self._drain_key(), self._durable(), self.config)
+        if stored is None and (assigned or extras):  # not tiered, or the fast tier is full
             store = self._open_store()
             store.prepare_directory()
             stored = encode_items(
                 store, file, item_bytes({**assigned, **extras}, planner, objects), self.config, inline_limit
             )
-        elif self.config.local_tier and not self.is_coordinator:
-            tiers.queue_prune(self._drain_key(), self._durable(), self.config)
+        stored = stored or {}
         if self.config.differing_objects == "keep_per_rank":
             report.copies = {idx.fqn: rec for idx, rec in stored.items() if rec.kind == ItemKind.BYTES}
         results = [WriteResult(it.index, stored[it.index].stored_bytes, stored[it.index]) for it in plan.items]
@@ -253,7 +256,9 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         document = encode_metadata(metadata, items, header, per_rank)
         refuse_unloadable(document, self._open_store().describe(METADATA_NAME))
         if self.config.local_tier:
-            tiers.commit_locally(tiers.tier_store(self.config, self.checkpoint_id, self.storage_config), document)
+            tiers.commit_locally(
+                local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_config), document
+            )
             tiers.queue_commit(
                 self._drain_key(), self._durable(), document, header.files, writers, self._superseded, self.config
             )
@@ -270,24 +275,19 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         planner: SavePlanner,
         objects: dict[MetadataIndex, memoryview],
         inline_limit: int,
-    ) -> dict:
+    ) -> dict | None:
         """Write everything this rank holds to the fast tier and queue the upload of its durable part;
-        the records of ``durable_items`` (their offsets are those of the durable file)."""
-        local = tiers.tier_store(self.config, self.checkpoint_id, self.storage_config)
-        stored = tiers.write_rank_copy(
+        the records of ``durable_items`` (their offsets are those of the durable file), or ``None``
+        when the fast tier is full (the caller then writes them to the durable tier)."""
+        local = local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_config)
+        written = tiers.write_rank_copy(
             local, file, durable_items, replicas, planner, objects, self.config, inline_limit
         )
-        if stored is None:  # the fast tier is full: straight to the durable tier
-            store = self._open_store()
-            store.prepare_directory()
-            stored = encode_items(store, file, item_bytes(durable_items, planner, objects), self.config, inline_limit)
-            nbytes = 0
-        else:
-            nbytes = tiers.durable_bytes(stored, durable_items)
+        nbytes = written[1] if written else 0
         tiers.queue_rank_drain(
             self._drain_key(), self._durable(), local, file, nbytes, self.config, self.is_coordinator
         )
-        return {k: stored[k] for k in durable_items}
+        return {k: written[0][k] for k in durable_items} if written else None
 
     def _check_tiered_target(self) -> list[str]:
         """``check_target`` on the durable tier, which a tiered save does not need to reach: when it is
@@ -298,8 +298,8 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             log.warning("ckptio: cannot check the durable tier before a tiered save; saving to the fast tier: %s", exc)
             return []
 
-    def _durable(self) -> "tiers.Durable":
-        return tiers.durable_of(self.checkpoint_id, self.storage_options, self.storage_config)
+    def _durable(self) -> Durable:
+        return Durable(self.checkpoint_id, dict(self.storage_options), self.storage_config)
 
     def _drain_key(self) -> str:
         return f"{self.checkpoint_id}#{self._save_id}"

@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError, CheckpointExistsError, StorageError
@@ -114,21 +114,22 @@ class Commit:
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
-        wait = POLL_FIRST_S
-        while True:
+        missing: list[str] = []
+
+        def arrived() -> bool:
             present = store.list_sizes() or {}
-            missing = sorted(n for n, size in self.files.items() if present.get(n) != size)
-            if not missing:
-                break
-            if time.monotonic() + wait > deadline:
-                shown = ", ".join(f"{n} (rank {self.writers.get(n, '?')})" for n in missing[:8])
-                raise DrainError(
-                    f"{len(missing)} data file(s) of {self.durable.url} did not reach the durable tier in time: "
-                    f"{shown}{' ...' if len(missing) > 8 else ''}. Those ranks' uploads failed or were cut off; "
-                    "their fast-tier copies are kept and ckptio.latest(...) finishes the drain on the next start"
-                )
-            time.sleep(wait)
-            wait = min(wait * 2, POLL_MAX_S)
+            missing[:] = sorted(n for n, size in self.files.items() if present.get(n) != size)
+            return not missing
+
+        def late() -> DrainError:
+            shown = ", ".join(f"{n} (rank {self.writers.get(n, '?')})" for n in missing[:8])
+            return DrainError(
+                f"{len(missing)} data file(s) of {self.durable.url} did not reach the durable tier in time: "
+                f"{shown}{' ...' if len(missing) > 8 else ''}. Those ranks' uploads failed or were cut off; "
+                "their fast-tier copies are kept and ckptio.latest(...) finishes the drain on the next start"
+            )
+
+        _poll(arrived, deadline, late)
         publish(store, self.document, self.files, self.superseded, self.overwrite)
 
 
@@ -141,20 +142,32 @@ class AwaitCommit:
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
-        wait = POLL_FIRST_S
-        while True:
+
+        def committed() -> bool:
             try:
-                if self.name in decode_metadata(store.read(METADATA_NAME), store.describe(METADATA_NAME)).files:
-                    return
+                return self.name in decode_metadata(store.read(METADATA_NAME), store.describe(METADATA_NAME)).files
             except FileNotFoundError:
-                pass
-            if time.monotonic() + wait > deadline:
-                raise DrainError(
-                    f"{store.describe(METADATA_NAME)} was not committed in time after this rank uploaded {self.name}: "
-                    "the coordinator's drain failed or was cut off (see its log); the fast-tier copies are kept"
-                )
-            time.sleep(wait)
-            wait = min(wait * 2, POLL_MAX_S)
+                return False
+
+        _poll(
+            committed,
+            deadline,
+            lambda: DrainError(
+                f"{store.describe(METADATA_NAME)} was not committed in time after this rank uploaded {self.name}: "
+                "the coordinator's drain failed or was cut off (see its log); the fast-tier copies are kept"
+            ),
+        )
+
+
+def _poll(done: Callable[[], bool], deadline: float, late: Callable[[], DrainError]) -> None:
+    """Ask ``done()`` with doubling waits until it is true; raise ``late()`` when the next wait would
+    pass ``deadline``."""
+    wait = POLL_FIRST_S
+    while not done():
+        if time.monotonic() + wait > deadline:
+            raise late()
+        time.sleep(wait)
+        wait = min(wait * 2, POLL_MAX_S)
 
 
 @dataclasses.dataclass

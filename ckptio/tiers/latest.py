@@ -28,6 +28,7 @@ from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError
 from ckptio.format.names import METADATA_NAME
 from ckptio.format.versions import decode_metadata
+from ckptio.loading.read_once import read_on
 from ckptio.loading.together import fail_together
 from ckptio.storage import open_store
 from ckptio.tiers.drain import Commit, Durable, Upload, drain_queue
@@ -142,21 +143,7 @@ class _Group:
 
     def one_rank(self, fn: Callable[[], T], source: int = 0) -> T:
         """``fn()`` on ``source``; its value or its error on every rank."""
-        if not self.on:
-            return fn()
-        box: list = [None]
-        if self.rank == source:
-            try:
-                box[0] = (True, fn())
-            except CheckpointError as exc:
-                box[0] = (False, exc)
-            except Exception as exc:  # noqa: BLE001 - the others wait for the broadcast
-                box[0] = (False, CheckpointError(f"rank {self.rank}: {type(exc).__name__}: {exc}"))
-        dist.broadcast_object_list(box, group=self.group, group_src=source)
-        ok, value = box[0]
-        if not ok:
-            raise value
-        return value
+        return read_on(fn, self.group, source) if self.on else fn()
 
     def all(self, value: T) -> list[T]:
         if not self.on:

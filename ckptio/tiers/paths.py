@@ -14,6 +14,9 @@ import re
 
 from fsspec.core import split_protocol
 
+from ckptio.config import StorageConfig
+from ckptio.storage import FsspecStore, open_store
+
 #: A rank's record of what its fast-tier data file holds, beside the file (``held_index.py``).
 HELD_SUFFIX = ".held.json"
 
@@ -52,6 +55,13 @@ def local_run_path(local_tier: str | os.PathLike, run_url: str | os.PathLike) ->
 def local_step_path(local_tier: str | os.PathLike, checkpoint_url: str | os.PathLike) -> str:
     run, step = split_step(checkpoint_url)
     return os.path.join(local_run_path(local_tier, run), step)
+
+
+def local_step_store(
+    local_tier: str | os.PathLike, checkpoint_url: str | os.PathLike, config: StorageConfig
+) -> FsspecStore:
+    """The node's fast-tier folder of the checkpoint at ``checkpoint_url``, as a store."""
+    return open_store(local_step_path(local_tier, checkpoint_url), None, config)
 
 
 def step_order(name: str) -> tuple[int, str]:

@@ -13,15 +13,12 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from ckptio.errors import CheckpointError
 from ckptio.format.names import METADATA_NAME
+from ckptio.loading.read_once import read_on
 from ckptio.storage import FsspecStore, ReadRequest
 
-#: ``group`` for a load without collectives (``read_once.DIRECT``).
-Group = Any
 
-
-def tiered_metadata_bytes(local: FsspecStore, read_durable: Callable[[], bytes], group: Group, direct: Any) -> bytes:
+def tiered_metadata_bytes(local: FsspecStore, read_durable: Callable[[], bytes], group: Any, direct: Any) -> bytes:
     """``ckptio.json`` from the lowest rank of ``group`` whose fast tier holds it, else read from the
     durable tier by the group's lowest rank; every rank gets the bytes or the error."""
     has_local = local.exists(METADATA_NAME)
@@ -30,19 +27,7 @@ def tiered_metadata_bytes(local: FsspecStore, read_durable: Callable[[], bytes],
     flags: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(flags, has_local, group=group)
     source = flags.index(True) if True in flags else 0
-    box: list = [None]
-    if dist.get_rank(group) == source:
-        try:
-            box[0] = (True, local.read(METADATA_NAME) if has_local else read_durable())
-        except CheckpointError as exc:
-            box[0] = (False, exc)
-        except Exception as exc:  # noqa: BLE001 - the other ranks wait for this broadcast
-            box[0] = (False, CheckpointError(f"rank {dist.get_rank()} failed reading: {type(exc).__name__}: {exc}"))
-    dist.broadcast_object_list(box, group=group, group_src=source)
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
+    return read_on(lambda: local.read(METADATA_NAME) if has_local else read_durable(), group, source)
 
 
 class TieredSource:

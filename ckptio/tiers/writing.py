@@ -15,16 +15,15 @@ import functools
 import itertools
 import logging
 import os
-from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
-from ckptio.config import StorageConfig, WriterConfig
+from ckptio.config import WriterConfig
 from ckptio.format.names import METADATA_NAME
 from ckptio.format.records import StoredItem
 from ckptio.saving.data_file import encode_items, item_bytes
-from ckptio.storage import FsspecStore, open_store
+from ckptio.storage import FsspecStore
 from ckptio.tiers.drain import AwaitCommit, Commit, Durable, Prune, Upload, drain_queue
 from ckptio.tiers.held_index import HeldIndex
 from ckptio.tiers.paths import HELD_SUFFIX, local_run_path, local_step_path, split_step
@@ -33,11 +32,6 @@ log = logging.getLogger(__name__)
 
 #: What a full fast tier raises: no space, a quota, a file-size limit.
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-
-
-def tier_store(config: WriterConfig, durable_url: str, storage: StorageConfig) -> FsspecStore:
-    """The node's fast-tier folder of the checkpoint at ``durable_url``."""
-    return open_store(local_step_path(config.local_tier, durable_url), None, storage)
 
 
 def tier_full(exc: BaseException) -> bool:
@@ -66,30 +60,25 @@ def write_rank_copy(
     objects: dict[MetadataIndex, memoryview],
     config: WriterConfig,
     inline_limit: int,
-) -> dict[MetadataIndex, StoredItem] | None:
-    """Write this rank's fast-tier file and index; the records of every item written, or ``None`` when
-    the fast tier is full (nothing of this save is left on it)."""
+) -> tuple[dict[MetadataIndex, StoredItem], int] | None:
+    """Write this rank's fast-tier file and index; the records of every item written and how many of
+    the file's first bytes are its durable data file, or ``None`` when the fast tier is full (nothing
+    of this save is left on it)."""
     items = itertools.chain(item_bytes(durable_items, planner, objects), item_bytes(replicas, planner, objects))
     try:
         local.prepare_directory()
         stored = encode_items(local, file, items, config, inline_limit if not replicas else 0)
-        if any(record.file for record in stored.values()):
-            local.put_atomic(file + HELD_SUFFIX, HeldIndex.of(file, stored, set(durable_items)).encode())
-        return stored
+        if not any(record.file for record in stored.values()):  # all inline in the metadata
+            return stored, 0
+        index = HeldIndex.of(file, stored, set(durable_items))
+        local.put_atomic(file + HELD_SUFFIX, index.encode())
+        return stored, index.durable_bytes
     except Exception as exc:
         if not tier_full(exc):
             raise
         local.delete_best_effort([file, file + HELD_SUFFIX])
         _warn_full(local.url)
         return None
-
-
-def durable_bytes(stored: dict[MetadataIndex, StoredItem], durable_items: dict[MetadataIndex, Any]) -> int:
-    return max((r.offset + r.stored_bytes for k, r in stored.items() if k in durable_items and r.file), default=0)
-
-
-def durable_of(url: str, storage_options: dict[str, Any], storage: StorageConfig) -> Durable:
-    return Durable(url, dict(storage_options), storage)
 
 
 def queue_rank_drain(
@@ -146,7 +135,7 @@ def commit_locally(local: FsspecStore, document: bytes) -> None:
         _warn_full(local.url)
 
 
-def local_commit_exists(config: WriterConfig, durable_url: str, storage: StorageConfig) -> str | None:
+def local_commit_exists(config: WriterConfig, durable_url: str) -> str | None:
     """The fast-tier ``ckptio.json`` of this checkpoint on this node, if one exists."""
     path = os.path.join(local_step_path(config.local_tier, durable_url), METADATA_NAME)
     return path if os.path.exists(path) else None

@@ -29,15 +29,16 @@ def problems(value: dict, step: int) -> list[str]:
     return scenarios.mismatches(value) + ([] if int(value["marker"]) == step else [f"marker {int(value['marker'])}"])
 
 
+def tiered_writer(run: str, step: int, tier_base: str, options, config: dict) -> ckptio.Writer:
+    """A Writer of ``<run>/step-<step>`` with this rank's node tier."""
+    return ckptio.Writer(
+        f"{run}/step-{step}", ckptio.WriterConfig(local_tier=node_tier(tier_base), **config), storage_options=options
+    )
+
+
 def save_steps(run: str, tier_base: str, mesh_shape, steps, options, config: dict | None = None) -> int:
-    config = config or {}
     for step in steps:
-        writer = ckptio.Writer(
-            f"{run}/step-{step}",
-            ckptio.WriterConfig(local_tier=node_tier(tier_base), **config),
-            storage_options=options,
-        )
-        dcp.save(state(mesh_shape, step), storage_writer=writer)
+        dcp.save(state(mesh_shape, step), storage_writer=tiered_writer(run, step, tier_base, options, config or {}))
     ckptio.wait_for_uploads()
     return dist.get_rank()
 
@@ -46,10 +47,7 @@ def save_then_die(run: str, tier_base: str, mesh_shape, options, victim: int, co
     """Save step 1 (drained), then step 2, after which rank ``victim`` is killed (SIGKILL) as its drain
     starts; the other ranks' drains time out. Returns what ``wait_for_uploads`` raised."""
     save_steps(run, tier_base, mesh_shape, [1], options, {"mode": config.get("mode", "all_ranks")})
-    writer = ckptio.Writer(
-        f"{run}/step-2", ckptio.WriterConfig(local_tier=node_tier(tier_base), **config), storage_options=options
-    )
-    dcp.save(state(mesh_shape, 2), storage_writer=writer)
+    dcp.save(state(mesh_shape, 2), storage_writer=tiered_writer(run, 2, tier_base, options, config))
     if dist.get_rank() == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     try:
