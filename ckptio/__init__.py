@@ -24,7 +24,7 @@ from ckptio.saving.planner import SavePlanner  # noqa: E402
 from ckptio.saving.staging import Stager, release_staging_buffers  # noqa: E402
 from ckptio.saving.writer import Writer  # noqa: E402
 from ckptio.state.per_rank import PerRank  # noqa: E402
-from ckptio.tiers.drain import DrainError, wait_for_uploads  # noqa: E402
+from ckptio.tiers.drain import DrainError, uploads_pending, wait_for_uploads  # noqa: E402
 from ckptio.tiers.latest import latest  # noqa: E402
 from ckptio.version import __version__  # noqa: E402
 
@@ -64,5 +64,6 @@ __all__ = [
     "release_staging_buffers",
     "save",
     "unwrap",
+    "uploads_pending",
     "wait_for_uploads",
 ]

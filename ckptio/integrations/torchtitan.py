@@ -189,7 +189,7 @@ class CheckpointManager(TorchtitanCheckpointManager):
             self._load_hf(state_dict, checkpoint_id)
             return
         tier = self.writer_config.local_tier
-        if tier and local_commit_exists(self.writer_config, checkpoint_id):
+        if tier and local_commit_exists(self.writer_config, checkpoint_id, self.storage_options):
             found = "ckptio"  # a tiered save, perhaps not yet drained: the fast tier holds its metadata
         else:
             found = checkpoint_format(open_store(checkpoint_id, self.storage_options))

@@ -155,7 +155,7 @@ class Reader(CheckpointLocation, StorageReader):
         return decode_metadata(raw, store.describe(METADATA_NAME))
 
     def _tier_store(self) -> FsspecStore:
-        return local_step_store(self.local_tier, self.checkpoint_id, self.storage_config)
+        return local_step_store(self.local_tier, self.checkpoint_id, self.storage_options, self.storage_config)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._items: dict[MetadataIndex, StoredItem] = metadata.storage_data

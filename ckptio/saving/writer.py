@@ -187,7 +187,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         else:
             self._superseded = check_target(self._open_store(), self.config.overwrite)
         if self.config.local_tier and not self.config.overwrite:
-            found = tiers.local_commit_exists(self.config, self.checkpoint_id)
+            found = tiers.local_commit_exists(self.config, self.checkpoint_id, self.storage_options)
             if found:
                 raise CheckpointExistsError(
                     f"the fast tier already holds a committed copy of {self.checkpoint_id} ({found}) that has not "
@@ -257,7 +257,8 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         refuse_unloadable(document, self._open_store().describe(METADATA_NAME))
         if self.config.local_tier:
             tiers.commit_locally(
-                local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_config), document
+                local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_options, self.storage_config),
+                document,
             )
             tiers.queue_commit(
                 self._drain_key(), self._durable(), document, header.files, writers, self._superseded, self.config
@@ -279,15 +280,22 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         """Write everything this rank holds to the fast tier and queue the upload of its durable part;
         the records of ``durable_items`` (their offsets are those of the durable file), or ``None``
         when the fast tier is full (the caller then writes them to the durable tier)."""
-        local = local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_config)
+        local = local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_options, self.storage_config)
         written = tiers.write_rank_copy(
             local, file, durable_items, replicas, planner, objects, self.config, inline_limit
         )
-        nbytes = written[1] if written else 0
+        durable = {k: written[0][k] for k in durable_items} if written else None
         tiers.queue_rank_drain(
-            self._drain_key(), self._durable(), local, file, nbytes, self.config, self.is_coordinator
+            self._drain_key(),
+            self._durable(),
+            local,
+            file,
+            (durable or {}).values(),
+            written[1] if written else 0,
+            self.config,
+            self.is_coordinator,
         )
-        return {k: written[0][k] for k in durable_items} if written else None
+        return durable
 
     def _check_tiered_target(self) -> list[str]:
         """``check_target`` on the durable tier, which a tiered save does not need to reach: when it is

@@ -23,11 +23,13 @@ import shutil
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError, CheckpointExistsError, StorageError
+from ckptio.format.codec import checksum
 from ckptio.format.names import METADATA_NAME
+from ckptio.format.records import StoredItem
 from ckptio.format.versions import decode_metadata
 from ckptio.saving.commit import publish
 from ckptio.storage import FsspecStore, LocalStore, open_store
@@ -62,13 +64,20 @@ class Durable:
 
 @dataclasses.dataclass
 class Upload:
-    """Copy the first ``nbytes`` of the fast-tier file ``path`` to the durable file ``name``."""
+    """Copy the first bytes of the fast-tier file ``path`` to the durable file ``name``: the runs of
+    ``segments``, ``(length, CRC32C)`` each (a block of the save's records; ``None``: bytes between
+    blocks, unchecked). Every block is checked against its record on the way, so a file damaged
+    after the save never reaches the durable tier (and its commit): the drain fails instead."""
 
     durable: Durable
     path: str
     name: str
-    nbytes: int
+    segments: tuple[tuple[int, int | None], ...]
     bandwidth: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for length, _ in self.segments)
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
@@ -82,15 +91,26 @@ class Upload:
         try:
             with open(self.path, "rb", buffering=0) as f:
                 done = 0
-                while done < self.nbytes:
-                    piece = bytearray(min(UPLOAD_PIECE_BYTES, self.nbytes - done))
+                for run in _runs(self.segments, UPLOAD_PIECE_BYTES):
+                    piece = memoryview(bytearray(sum(length for length, _ in run)))
                     got = f.readinto(piece)
                     if got != len(piece):
                         raise DrainError(
                             f"the fast-tier file {self.path} ended at byte {done + got}, before the {self.nbytes} "
                             f"bytes of {store.describe(self.name)}: it was truncated after the save"
                         )
-                    sink.write(piece)
+                    at = 0
+                    for length, expected in run:
+                        block = piece[at : at + length]
+                        crc = checksum(block)
+                        if expected is not None and crc != expected:
+                            raise DrainError(
+                                f"the fast-tier file {self.path} changed after the save: the block at byte {done + at} "
+                                f"of {store.describe(self.name)} fails its CRC32C, so this save is not uploaded (the "
+                                "durable tier keeps its previous checkpoint; check the node's disk)"
+                            )
+                        sink.write(block, crc)
+                        at += length
                     done += got
                     pace.after(got)
             sink.close()
@@ -99,6 +119,45 @@ class Upload:
             raise
         if local_durable:
             store.rename(target, self.name)
+
+
+def durable_segments(records: Iterable[StoredItem], file: str, nbytes: int) -> tuple[tuple[int, int | None], ...]:
+    """``(length, CRC32C)`` of the runs that make up the first ``nbytes`` of ``file``: each block the
+    records place there, and any bytes between blocks (``None``: nothing to check them against)."""
+    blocks = sorted(
+        (offset, length, crc)
+        for record in records
+        if record.file == file
+        for offset, (length, crc) in zip(record.block_offsets[:-1], record.blocks, strict=True)
+    )
+    segments: list[tuple[int, int | None]] = []
+    at = 0
+    for offset, length, crc in [*blocks, (nbytes, 0, None)]:
+        if offset < at:
+            raise CheckpointError(
+                f"internal error: the blocks of {file} overlap or pass its durable part ({nbytes} bytes) at byte "
+                f"{offset}; please report this (the save's fast-tier copy is kept)"
+            )
+        for gap in range(at, offset, UPLOAD_PIECE_BYTES):  # unchecked bytes, in pieces of bounded size
+            segments.append((min(UPLOAD_PIECE_BYTES, offset - gap), None))
+        if length:
+            segments.append((length, crc))
+        at = offset + length
+    return tuple(segments)
+
+
+def _runs(segments: tuple[tuple[int, int | None], ...], size: int) -> Iterator[list[tuple[int, int | None]]]:
+    """``segments`` in consecutive runs of about ``size`` bytes (a longer segment alone)."""
+    run: list[tuple[int, int | None]] = []
+    bytes_in_run = 0
+    for segment in segments:
+        if run and bytes_in_run + segment[0] > size:
+            yield run
+            run, bytes_in_run = [], 0
+        run.append(segment)
+        bytes_in_run += segment[0]
+    if run:
+        yield run
 
 
 @dataclasses.dataclass
@@ -321,6 +380,13 @@ def wait_for_uploads(timeout: float | None = None) -> None:
         ckptio.wait_for_uploads()
     """
     _QUEUE.wait(timeout)
+
+
+def uploads_pending() -> int:
+    """How many background upload jobs of this process are queued or running (0: every tiered save
+    so far has committed on the durable tier, or failed, which ``wait_for_uploads`` raises). Lets a
+    training loop check on the drain without blocking."""
+    return _QUEUE.pending
 
 
 def _drain_at_exit() -> None:

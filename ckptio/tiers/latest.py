@@ -31,7 +31,7 @@ from ckptio.format.versions import decode_metadata
 from ckptio.loading.read_once import read_on
 from ckptio.loading.together import fail_together
 from ckptio.storage import open_store
-from ckptio.tiers.drain import Commit, Durable, Upload, drain_queue
+from ckptio.tiers.drain import Commit, Durable, Upload, drain_queue, durable_segments
 from ckptio.tiers.held_index import local_copies
 from ckptio.tiers.paths import local_run_path, normalized_url, step_order
 
@@ -67,7 +67,7 @@ def latest(
     newest = group.one_rank(lambda: _newest_durable(run, options, config))
     if local_tier is None:
         return f"{run}/{newest}" if newest else None
-    local_run = local_run_path(local_tier, run)
+    local_run = local_run_path(local_tier, run, options)
     views = group.all(_local_steps(local_run, newer_than=newest))
     for step in sorted({s for view in views for s in view}, key=step_order, reverse=True):
         holders = [rank for rank, view in enumerate(views) if view.get(step)]
@@ -120,7 +120,12 @@ def _resume(
     every_file_survives = all(rank is not None for rank in uploader.values())
     if not (restarts_locally or every_file_survives):
         return False
-    mine = [Upload(durable, local.path(n), n, manifest.files[n]) for n in missing if uploader[n] == group.rank]
+    records = [*manifest.items.values(), *(c for copies in manifest.per_rank.values() for c in copies.values())]
+    mine = [
+        Upload(durable, local.path(n), n, durable_segments(records, n, manifest.files[n]))
+        for n in missing
+        if uploader[n] == group.rank
+    ]
     commit = Commit(durable, document, manifest.files, dict(manifest.header.writer_ranks), [], overwrite=False)
     if restarts_locally:  # load now, finish the drain behind it
         for job in mine + ([commit] if group.rank == holder else []):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from typing import Any
 
 from fsspec.core import split_protocol
 
@@ -42,26 +43,43 @@ def split_step(checkpoint_url: str | os.PathLike) -> tuple[str, str]:
     return run, step
 
 
-def run_key(run_url: str | os.PathLike) -> str:
+def run_key(run_url: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> str:
+    """The run's folder name: its URL, readably, and a hash of the URL and of the endpoint it is on
+    (``s3://bucket/run`` on two S3 services are two runs)."""
     url = normalized_url(run_url)
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", url).strip("_.")[-80:]
-    return f"{readable}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+    endpoint = _endpoint(storage_options or {})
+    identity = url if endpoint is None else f"{url} at {endpoint}"
+    return f"{readable}-{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
 
 
-def local_run_path(local_tier: str | os.PathLike, run_url: str | os.PathLike) -> str:
-    return os.path.join(os.path.abspath(os.fspath(local_tier)), run_key(run_url))
+def _endpoint(storage_options: dict[str, Any]) -> str | None:
+    endpoint = storage_options.get("endpoint_url") or (storage_options.get("client_kwargs") or {}).get("endpoint_url")
+    return str(endpoint).rstrip("/") if endpoint else None
 
 
-def local_step_path(local_tier: str | os.PathLike, checkpoint_url: str | os.PathLike) -> str:
+def local_run_path(
+    local_tier: str | os.PathLike, run_url: str | os.PathLike, storage_options: dict[str, Any] | None = None
+) -> str:
+    return os.path.join(os.path.abspath(os.fspath(local_tier)), run_key(run_url, storage_options))
+
+
+def local_step_path(
+    local_tier: str | os.PathLike, checkpoint_url: str | os.PathLike, storage_options: dict[str, Any] | None = None
+) -> str:
     run, step = split_step(checkpoint_url)
-    return os.path.join(local_run_path(local_tier, run), step)
+    return os.path.join(local_run_path(local_tier, run, storage_options), step)
 
 
 def local_step_store(
-    local_tier: str | os.PathLike, checkpoint_url: str | os.PathLike, config: StorageConfig
+    local_tier: str | os.PathLike,
+    checkpoint_url: str | os.PathLike,
+    storage_options: dict[str, Any] | None,
+    config: StorageConfig,
 ) -> FsspecStore:
-    """The node's fast-tier folder of the checkpoint at ``checkpoint_url``, as a store."""
-    return open_store(local_step_path(local_tier, checkpoint_url), None, config)
+    """The node's fast-tier folder of the checkpoint at ``checkpoint_url`` (with the durable tier's
+    ``storage_options``), as a store."""
+    return open_store(local_step_path(local_tier, checkpoint_url, storage_options), None, config)
 
 
 def step_order(name: str) -> tuple[int, str]:

@@ -15,6 +15,7 @@ import functools
 import itertools
 import logging
 import os
+from typing import Any, Iterable
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
@@ -24,7 +25,7 @@ from ckptio.format.names import METADATA_NAME
 from ckptio.format.records import StoredItem
 from ckptio.saving.data_file import encode_items, item_bytes
 from ckptio.storage import FsspecStore
-from ckptio.tiers.drain import AwaitCommit, Commit, Durable, Prune, Upload, drain_queue
+from ckptio.tiers.drain import AwaitCommit, Commit, Durable, Prune, Upload, drain_queue, durable_segments
 from ckptio.tiers.held_index import HeldIndex
 from ckptio.tiers.paths import HELD_SUFFIX, local_run_path, local_step_path, split_step
 
@@ -82,15 +83,24 @@ def write_rank_copy(
 
 
 def queue_rank_drain(
-    save: str, durable: Durable, local: FsspecStore, file: str, nbytes: int, config: WriterConfig, coordinator: bool
+    save: str,
+    durable: Durable,
+    local: FsspecStore,
+    file: str,
+    records: Iterable[StoredItem],
+    nbytes: int,
+    config: WriterConfig,
+    coordinator: bool,
 ) -> None:
-    """This rank's jobs: upload its durable bytes; a rank other than the coordinator then awaits the
-    commit (the coordinator's ``Commit`` is queued by ``queue_commit``) and prunes its fast tier."""
+    """This rank's jobs: upload its durable bytes (the first ``nbytes`` of ``file``, holding the blocks
+    of ``records``); a rank other than the coordinator then awaits the commit (the coordinator's
+    ``Commit`` is queued by ``queue_commit``) and prunes its fast tier."""
     queue = drain_queue()
     if nbytes:
-        queue.submit(
-            save, Upload(durable, local.path(file), file, nbytes, config.drain_bandwidth), config.drain_timeout_s
+        upload = Upload(
+            durable, local.path(file), file, durable_segments(records, file, nbytes), config.drain_bandwidth
         )
+        queue.submit(save, upload, config.drain_timeout_s)
         if not coordinator:
             queue.submit(save, AwaitCommit(durable, file), config.drain_timeout_s)
     if not coordinator:
@@ -115,7 +125,7 @@ def queue_commit(
 def queue_prune(save: str, durable: Durable, config: WriterConfig) -> None:
     run, _ = split_step(durable.url)
     prune = Prune(
-        local_run_path(config.local_tier, run),
+        local_run_path(config.local_tier, run, durable.storage_options),
         Durable(run, durable.storage_options, durable.storage_config),
         config.local_tier_keep,
     )
@@ -135,7 +145,7 @@ def commit_locally(local: FsspecStore, document: bytes) -> None:
         _warn_full(local.url)
 
 
-def local_commit_exists(config: WriterConfig, durable_url: str) -> str | None:
+def local_commit_exists(config: WriterConfig, durable_url: str, storage_options: dict[str, Any]) -> str | None:
     """The fast-tier ``ckptio.json`` of this checkpoint on this node, if one exists."""
-    path = os.path.join(local_step_path(config.local_tier, durable_url), METADATA_NAME)
+    path = os.path.join(local_step_path(config.local_tier, durable_url, storage_options), METADATA_NAME)
     return path if os.path.exists(path) else None

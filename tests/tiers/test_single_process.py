@@ -61,16 +61,20 @@ def _no_leftover_drains():
         pass
 
 
+def _flip_a_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
 def test_a_flipped_byte_in_a_fast_tier_file_is_read_from_the_durable_tier(tmp_path, caplog):
     url = str(tmp_path / "durable" / "run" / "step-1")
     _save(url, tmp_path / "fast")
     ckptio.wait_for_uploads()
     (data,) = glob.glob(str(tmp_path / "fast" / "*" / "step-1" / "*.ckio"))
-    with open(data, "r+b") as f:
-        f.seek(os.path.getsize(data) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
+    _flip_a_byte(data)
     with caplog.at_level(logging.WARNING, logger="ckptio"):
         loaded, reader = _load(url, tier=tmp_path / "fast")
     assert _same(loaded, 1)
@@ -78,6 +82,21 @@ def test_a_flipped_byte_in_a_fast_tier_file_is_read_from_the_durable_tier(tmp_pa
     os.remove(data)  # a missing fast-tier file: the durable tier serves it all
     loaded, reader = _load(url, tier=tmp_path / "fast")
     assert _same(loaded, 1) and reader.bytes_read["local"] == 0
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_byte_flipped_before_the_upload_fails_that_drain_and_never_commits(tmp_path, s3, compression):
+    base, options = s3
+    run = f"{base}/run-{compression}"
+    _save(f"{run}/step-1", tmp_path / "fast", options, drain_bandwidth=50_000, compression=compression)
+    _save(f"{run}/step-2", tmp_path / "fast", options, compression=compression)  # queued behind step 1's drain
+    (data,) = glob.glob(str(tmp_path / "fast" / "*" / "step-2" / "*.ckio"))
+    _flip_a_byte(data)
+    with pytest.raises(ckptio.DrainError, match="changed after the save: the block at byte .* fails its CRC32C"):
+        ckptio.wait_for_uploads()
+    assert ckptio.latest(run, storage_options=options) == f"{run}/step-1"  # step 2 never committed on S3
+    loaded, _ = _load(f"{run}/step-1", options)
+    assert _same(loaded, 1)
 
 
 def test_the_durable_tier_failing_during_a_drain_is_retried_then_raised_and_nothing_is_lost(s3_proxy, tmp_path):
