@@ -37,10 +37,15 @@ def check_output(output: str, *, is_directory: bool) -> None:
         raise CheckpointError(f"the directory of output {output} ({parent}) does not exist; create it first")
 
 
+def _local_tier(args: argparse.Namespace) -> str | None:
+    """``--local-tier``, else ``CKPTIO_LOCAL_TIER``."""
+    return args.local_tier or os.environ.get("CKPTIO_LOCAL_TIER") or None
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from ckptio.tools.inspection import describe, format_description
 
-    desc = describe(args.url, _storage_options(args))
+    desc = describe(args.url, _storage_options(args), local_tier=_local_tier(args))
     print(json.dumps(desc, indent=2) if args.json else format_description(desc))
     return 0
 
@@ -76,6 +81,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    if _local_tier(args):
+        return _gc_local_tier(args, _local_tier(args))
     from ckptio.storage import open_store
     from ckptio.tools.cleanup import collect_garbage, find_garbage
 
@@ -103,6 +110,39 @@ def cmd_gc(args: argparse.Namespace) -> int:
     else:
         print("run again with --delete to remove them (only while no save to this location is running)")
     return 0
+
+
+def _gc_local_tier(args: argparse.Namespace, local_tier: str) -> int:
+    from ckptio.config import WriterConfig
+    from ckptio.tools.tier_status import node_steps, remove_node_steps
+
+    keep = WriterConfig(local_tier=local_tier).local_tier_keep if args.keep is None else args.keep
+    if keep < 1:
+        raise ValueError(f"--keep must be at least 1, got {keep}")
+    steps = node_steps(args.url, local_tier, _storage_options(args), keep)
+    if not steps:
+        print(f"{local_tier}: holds no step of the run {args.url}")
+        return 0
+    width = max(len(s.step) for s in steps)
+    for s in steps:
+        verdict = "removable" if s.removable else "kept     "
+        print(f"{s.step.ljust(width)}  {_mib(s.size):>10}  {verdict}  {s.why}")
+    removable = [s for s in steps if s.removable]
+    if not removable:
+        print(f"nothing to remove (the newest {keep} and every step not yet on the durable tier are kept)")
+    elif args.delete:
+        failed = remove_node_steps(removable)
+        print(f"removed {len(removable) - len(failed)} of {len(removable)} step(s) from {local_tier}")
+        for path, cause in failed.items():
+            print(f"could not remove {path}: {cause}", file=sys.stderr)
+        return 1 if failed else 0
+    else:
+        print("run again with --delete to remove them (only while no save of this run is running on this node)")
+    return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -153,12 +193,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json", action="store_true", help="machine-readable output, with the metadata as a JSON object per item"
     )
+    p.add_argument(
+        "--local-tier",
+        help="also show this node's fast-tier copy of a tiered checkpoint (default: CKPTIO_LOCAL_TIER); a "
+        "checkpoint not yet committed on the durable tier is described from the node's copy",
+    )
     p.set_defaults(func=cmd_inspect)
     p = with_url(sub.add_parser("verify", help="read every block and check every checksum"))
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
     p = with_url(sub.add_parser("gc", help="list (or --delete) files and uploads of saves that never committed"))
     p.add_argument("--delete", action="store_true", help="delete the files and abort the uploads")
+    p.add_argument(
+        "--local-tier",
+        help="instead, this node's fast tier (default: CKPTIO_LOCAL_TIER): URL then names the run (the folder of "
+        "steps, as for ckptio.latest); lists each step held here and removes (--delete) those safe to go",
+    )
+    p.add_argument(
+        "--keep", type=int, help="with --local-tier: newest steps to keep (default: CKPTIO_LOCAL_TIER_KEEP, else 2)"
+    )
     p.set_defaults(func=cmd_gc)
     p = with_url(
         sub.add_parser(

@@ -4,21 +4,37 @@ JSON-ready dict and as text."""
 from __future__ import annotations
 
 import datetime
+import os
 from collections import defaultdict
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ckptio.format.names import ItemKind, dtype_name, parse_data_file_name
+from ckptio.errors import CheckpointNotFoundError, StorageError
+from ckptio.format.names import METADATA_NAME, ItemKind, dtype_name, parse_data_file_name
 from ckptio.format.records import Manifest, StoredItem
 from ckptio.format.v1 import legacy_document
 from ckptio.loading.reader import read_manifest
 from ckptio.storage import FsspecStore, open_store
+from ckptio.tiers.paths import local_step_path
+from ckptio.tools.tier_status import node_copy
 
 
-def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything ``ckptio inspect`` prints, as one JSON-ready dict."""
-    _, manifest = open_checkpoint(url, storage_options)
+def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier: str | None = None) -> dict[str, Any]:
+    """Everything ``ckptio inspect`` prints, as one JSON-ready dict; with ``local_tier``, also this
+    node's fast-tier copy (``tiers``), which describes a checkpoint not yet committed durably."""
+    tiers = None
+    try:
+        _, manifest = open_checkpoint(url, storage_options)
+        durable: bool | str = True
+    except (CheckpointNotFoundError, StorageError) as exc:
+        node_copy_path = local_step_path(local_tier, url, storage_options) if local_tier else None
+        if node_copy_path is None or not os.path.exists(os.path.join(node_copy_path, METADATA_NAME)):
+            raise
+        _, manifest = open_checkpoint(node_copy_path)
+        durable = False if isinstance(exc, CheckpointNotFoundError) else f"unreachable ({exc})"
+    if local_tier is not None:
+        tiers = {"durable_committed": durable, "node": node_copy(url, local_tier, storage_options)}
     header = manifest.header
     by_key: dict[str, list[StoredItem]] = defaultdict(list)
     for index, item in every_item(manifest):
@@ -60,6 +76,7 @@ def describe(url: str, storage_options: dict[str, Any] | None = None) -> dict[st
         "logical_bytes": logical_total,
         "compression_ratio": round(logical_total / stored_total, 3) if stored_total else 1.0,
         "keys": keys,
+        "tiers": tiers,
         # the metadata itself, one JSON object per item (version 3 stores it as packed columns)
         "metadata": legacy_document(manifest),
     }
@@ -86,6 +103,8 @@ def format_description(desc: dict[str, Any]) -> str:
     ]
     for name, size in sorted(desc["files"].items()):
         lines.append(f"  {name}  {_size(size)}  written by rank {desc['writer_ranks'].get(name, '?')}")
+    if desc.get("tiers"):
+        lines += _tier_lines(desc["tiers"])
     header = ("key", "dtype", "shape", "chunks", "stored", "logical", "ratio", "files")
     rows = [
         (
@@ -105,6 +124,31 @@ def format_description(desc: dict[str, Any]) -> str:
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return "\n".join(lines)
+
+
+def _tier_lines(tiers: dict[str, Any]) -> list[str]:
+    node = tiers["node"]
+    durable = tiers["durable_committed"]
+    if durable is True:
+        durable = "committed"
+    else:
+        durable = f"{durable or 'NOT committed yet'} (described from this node's copy)"
+    lines = [f"durable tier {durable}"]
+    if not node["present"]:
+        return lines + [f"fast tier    this node holds no copy ({node['path']})"]
+    here = "holds the metadata" if node["committed_here"] else "holds no metadata (another node's coordinator does)"
+    lines.append(f"fast tier    {node['path']}: {len(node['files'])} file(s), {here}")
+    uploaded = {True: "uploaded", False: "NOT uploaded", None: "durable tier unreachable"}
+    for f in node["files"]:
+        if "local_bytes" not in f:
+            lines.append(f"  {f['file']}  {f['problem']}")
+            continue
+        lines.append(
+            f"  {f['file']}  {_size(f['local_bytes'])} here, {_size(f['durable_bytes'])} for the durable tier "
+            f"({uploaded[f['on_durable']] if f['durable_bytes'] else 'nothing to upload'}), "
+            f"{f['replicas']} replica item(s)" + (f"; {f['problem']}" if "problem" in f else "")
+        )
+    return lines
 
 
 def open_checkpoint(url: str, storage_options: dict[str, Any] | None = None) -> tuple[FsspecStore, Manifest]:
