@@ -106,6 +106,14 @@ def _parser() -> argparse.ArgumentParser:
         "with a training-step loop running beside them: blocking time, steps/s, host memory (default 8; 0: skip)",
     )
     p.add_argument(
+        "--tiered",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on each S3 target, tiered saves (a node-local fast tier drained to S3) against direct and local-only "
+        "saves: blocking time (sync and dcp.async_save), drain time and training speed during it, restart load "
+        "from the fast tier vs from S3, S3 bytes with one rank's fast tier emptied (default on; --no-tiered skips)",
+    )
+    p.add_argument(
         "--all-stagers",
         action="store_true",
         help="async section: also ckptio + ckptio.Stager and ckptio + torch's DefaultStager (default: ckptio's "
@@ -173,6 +181,7 @@ def targets_for(args: argparse.Namespace):
                     "base": f"s3://ckptio-bench/{run_id}",
                     "storage_options": {"client_kwargs": {"endpoint_url": endpoint}},
                     "embedded": True,
+                    "server_pids": [os.getpid()],  # moto serves from a thread of this process
                 }
             )
         yield targets
@@ -193,6 +202,7 @@ def _radosgw_target(stack: contextlib.ExitStack, run_id: str) -> dict:
         "base": f"s3://ckptio-bench/{run_id}",
         "storage_options": gateway.storage_options,
         "embedded": True,
+        "server_pids": [p.pid for p in gateway.processes],  # monitor, OSD and gateway
     }
 
 
@@ -234,6 +244,7 @@ def run(args: argparse.Namespace) -> dict:
             state_records = _spawn_with_progress(args, runner.run_rank, state_cfg, progress_file, state_steps, backend)
             by_state[state_cfg["data"]] = [r for r in state_records if "raw_bandwidth" not in r]
         async_rows, plan_rows = _async_and_plan_sections(args, cfg, targets, progress_file, backend)
+        tiered_rows = _tiered_section(args, cfg, targets, progress_file, backend)
         listings = {r["url"]: r["listing"] for rows in by_state.values() for r in rows if "listing" in r}
         results = []
         for data, rows in by_state.items():  # each state's byte counts are its own
@@ -266,6 +277,7 @@ def run(args: argparse.Namespace) -> dict:
         "raw_bandwidth": raw,
         "shared_reads": shared_reads,
         "async_saves": async_rows,
+        "tiered": tiered_rows,
         "plan_time": plan_rows,
         "scale": _scale_section(args),
     }
@@ -338,6 +350,27 @@ def _async_and_plan_sections(args, cfg: dict, targets: list[dict], progress_file
             records = _spawn_with_progress(args, plan_time.run_rank, section, progress_file, steps, backend)
         plan_rows = plan_time.summarize(records)
     return async_rows, plan_rows
+
+
+def _tiered_section(args, cfg: dict, targets: list[dict], progress_file: str, backend: str) -> list[dict]:
+    """``--tiered`` on every S3 target, the fast tier on the local target's disk (else a temp dir)."""
+    from . import tiered
+
+    s3_targets = [t for t in targets if t["kind"] == "s3"]
+    if not args.tiered or not s3_targets:
+        return []
+    local = next((t for t in targets if t["kind"] == "local"), None)
+    with contextlib.ExitStack() as stack:
+        fast = (
+            f"{local['base']}/tiers"
+            if local
+            else stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptio-tier-"))
+        )
+        section = {**cfg, "targets": s3_targets, "tiered_fast_base": fast}
+        records = _spawn_with_progress(
+            args, tiered.run_rank, section, progress_file, args.repeats * len(s3_targets), backend
+        )
+    return tiered.summarize(records)
 
 
 @contextlib.contextmanager
@@ -429,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     asynchronous = report.async_table(doc["async_saves"])
     if asynchronous:
         print("\nAsynchronous saves (training-step loop beside each; blocking = time in async_save):\n" + asynchronous)
+    tiers = report.tiered_table(doc["tiered"])
+    if tiers:
+        print("\nTiered saves (fast tier on the local disk, drained to S3; slowest rank, median (min-max)):\n" + tiers)
     plans = report.plan_table(doc["plan_time"])
     if plans:
         print("\nPlan time (dcp.save until write_data; torch's plan cache on):\n" + plans)
@@ -454,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in doc["async_saves"]
         if not r["bit_exact"]
     ]
+    bad += [{"writer": "ckptio tiered", "target": r["target"]} for r in doc["tiered"] if not r["bit_exact"]]
     if bad:
         print("LOAD MISMATCH for: " + ", ".join(f"{r['writer']} on {r['target']}" for r in bad), file=sys.stderr)
         return 1

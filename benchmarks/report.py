@@ -276,6 +276,66 @@ def async_table(rows: list[dict], markdown: bool = False) -> str:
     return _grid(header, cells, markdown)
 
 
+def tiered_table(rows: list[dict], markdown: bool = False) -> str:
+    """``--tiered``: one column per S3 target; times are the slowest rank's, median (min-max) over
+    repeats, ratios per repeat."""
+    if not rows:
+        return ""
+
+    def seconds(row: dict, field: str) -> str:
+        v = row[field]
+        return f"{v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})"
+
+    def ratio(row: dict, field: str) -> str:
+        v = row[field]
+        return f"{v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})"
+
+    lines = [
+        ("direct S3 save, s", lambda r: seconds(r, "direct_save_s")),
+        ("local-only save (fast tier's disk), s", lambda r: seconds(r, "local_save_s")),
+        ("tiered save (blocking), s", lambda r: seconds(r, "tiered_save_s")),
+        ("  tiered / direct S3", lambda r: ratio(r, "tiered_over_direct")),
+        ("  tiered / local-only", lambda r: ratio(r, "tiered_over_local")),
+        ("drain until committed on S3, s", lambda r: seconds(r, "commit_s")),
+        ("drain, slowest rank (its wait for the commit), s", lambda r: seconds(r, "drain_s")),
+        (
+            "CPU of a tiered async save + drain: ranks / S3 server, s",
+            lambda r: (
+                f"{r['save_and_drain_cpu_s']['median']:.2f} / "
+                + (
+                    f"{r['save_and_drain_server_cpu_s']['median']:.2f}"
+                    if r["save_and_drain_server_cpu_s"]["median"]
+                    else "remote"
+                )
+            ),
+        ),
+        ("training speed during the drain / without", lambda r: ratio(r, "training_speed_during_drain")),
+        ("dcp.async_save blocking, direct S3, s", lambda r: seconds(r, "direct_async_blocking_s")),
+        ("dcp.async_save blocking, tiered, s", lambda r: seconds(r, "tiered_async_blocking_s")),
+        ("ckptio.latest, s", lambda r: seconds(r, "latest_s")),
+        ("restart load from the fast tier, s", lambda r: seconds(r, "load_fast_s")),
+        ("load of the same checkpoint from S3, s", lambda r: seconds(r, "load_s3_s")),
+        ("  fast tier / S3", lambda r: ratio(r, "load_fast_over_s3")),
+        (
+            "one rank's tier emptied: S3 bytes / its need",
+            lambda r: (
+                f"{r['emptied_s3_bytes'] / max(r['emptied_needed_bytes'], 1):.4f}x "
+                f"(others: {r['emptied_others_s3_bytes']} B)"
+            ),
+        ),
+        (
+            f"RSS growth over {rows[0]['rss_growth_saves']} tiered saves in a row",
+            lambda r: f"{r['rss_growth_bytes'] / (1 << 20):+.0f} MiB ({r['rss_growth_over_payload']:+.2f}x payload)",
+        ),
+        (
+            "bit-exact, latest agreed",
+            lambda r: f"{'yes' if r['bit_exact'] else 'NO'}, {'yes' if r['latest_agreed'] else 'NO'}",
+        ),
+    ]
+    header = ["", *(f"{r['target']} ({r['repeats']} repeats)" for r in rows)]
+    return _grid(header, [[name, *(fn(r) for r in rows)] for name, fn in lines], markdown)
+
+
 def plan_table(rows: list[dict], markdown: bool = False) -> str:
     """``--plan-tensors``: plan time (dcp.save until write_data) of save 1 and of the later saves."""
     if not rows:
@@ -470,6 +530,18 @@ def markdown_report(doc: dict[str, Any]) -> str:
             "tree (torch's PROCESS executor included), largest growth over the ranks.",
             "",
             asynchronous,
+        ]
+    tiers = tiered_table(doc.get("tiered", []), markdown=True)
+    if tiers:
+        parts += [
+            "",
+            "## Tiered saves (a node-local fast tier drained to S3 in the background)",
+            "",
+            "Slowest rank per repeat, median (min-max); ratios per repeat. Nodes are simulated: one replica group "
+            "each, sharing a fast-tier directory on the local disk. Training speed: steps/s of a training-step loop "
+            "while the drain runs against the same loop with no save. Memory: largest per-rank RSS growth.",
+            "",
+            tiers,
         ]
     plans = plan_table(doc.get("plan_time", []), markdown=True)
     if plans:

@@ -12,6 +12,7 @@ from ckptio.bench import counting, report, workload
 from ckptio.bench.__main__ import main as bench_main
 
 import ckptio
+from ckptio.config import REMOTE_READ_GAP_BYTES
 from tests.conftest import S3_SERVERS
 from tests.helpers.metadata_view import readable_metadata
 
@@ -286,13 +287,22 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
         ("ckptio all_ranks", 10),
         ("torch FileSystemWriter", 10),
     }
-    assert "Asynchronous saves" in printed and "Plan time" in printed
+    assert "Asynchronous saves" in printed and "Plan time" in printed and "Tiered saves" in printed
+    (tiered,) = doc["tiered"]  # the embedded S3 server, fast tiers in the temp dir
+    assert tiered["target"] == "s3 (moto)" and tiered["bit_exact"] and tiered["latest_agreed"]
+    assert tiered["fast_load_durable_bytes"] == 0 and tiered["emptied_others_s3_bytes"] == 0
+    # what the emptied rank needs, and at most one merged gap more (read_gap_bytes on S3: a small
+    # scalar at the end of rank 0's 1 MiB file is read with the objects at its start in one GET)
+    needed = tiered["emptied_needed_bytes"]
+    assert needed <= tiered["emptied_s3_bytes"] <= needed + REMOTE_READ_GAP_BYTES
+    assert tiered["rss_growth_saves"] == 8 and tiered["save_and_drain_cpu_s"]["median"] > 0
     for made in (".md", ".png", "-async.png"):
         assert os.path.exists(path.replace(".json", made))
-    skip_sections = ["--async-saves", "0", "--plan-tensors", "none"]
+    skip_sections = ["--async-saves", "0", "--plan-tensors", "none", "--no-tiered"]
     assert bench_main(args + ["--compare", path, "--no-charts", *skip_sections]) == 0
     printed = capsys.readouterr().out
     assert "against" in printed and "Asynchronous saves" not in printed and "Plan time" not in printed
+    assert "Tiered saves" not in printed
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp", "fsdp_tp"])

@@ -1,0 +1,340 @@
+"""The tiered section: a node-local fast tier drained to S3, against direct saves of the same state.
+
+On each S3 target, per repeat and rank: a direct sync save to S3, a local-only save to the fast
+tier's disk, a tiered sync save (its blocking time, then the drain with a training-step loop
+running beside it), the plain ``dcp.async_save`` of a direct and of a tiered save (blocking time),
+``ckptio.latest`` and a restart load from the fast tier against a load of the same checkpoint
+from S3. After the repeats, one load with the last rank's fast tier empty (how many bytes S3 served
+to it and to the others) and tiered saves in a row (memory). Ranks are grouped into simulated nodes
+of one replica group each (the ranks of a node share its fast-tier path, as on a real node).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import ckptio
+from ckptio.tiers.paths import local_step_path
+
+from . import counting, workload
+from .async_saves import TrainingStep
+from .runner import mesh_of, report_progress
+
+#: The save mode of every save here: the one the README recommends for S3 (only the first replica
+#: group uploads; on a tiered save, every rank still keeps all it holds on its node).
+MODE = "replica_group"
+#: Before each measurement the S3 server (when it runs here) must have used less than IDLE_SHARE of
+#: a core over a window of SETTLE_WINDOW_S, or SETTLE_MAX_S have passed.
+SETTLE_WINDOW_S, IDLE_SHARE, SETTLE_MAX_S = 0.1, 0.05, 5.0
+#: Seconds of the training-step loop with no save, before each tiered save and after its drain.
+BASELINE_S = 1.0
+#: Longest wait for a drain (an S3 server that stops answering fails the run instead of hanging it).
+DRAIN_TIMEOUT_S = 600.0
+#: Tiered saves in a row whose memory is followed (growth from after the first to after the last).
+MEMORY_SAVES = 8
+
+
+def run_rank(cfg: dict) -> list[dict]:
+    """Per target, one record per repeat of this rank's figures, one of the emptied-tier load and
+    one of the memory over saves in a row."""
+    rank = dist.get_rank()
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = mesh_of(tuple(cfg["mesh"]), cfg["device"])
+    specs = workload.tensor_specs(cfg["size_bytes"], cfg["data"])
+    state = workload.build_state(mesh, specs, cfg["data"], rank)
+    node_tier = os.path.join(cfg["tiered_fast_base"], f"node{rank // cfg['mesh'][1]}")
+    step = TrainingStep()
+    records = []
+    for target in cfg["targets"]:
+        if target["kind"] != "s3":
+            continue
+        run = _Run(cfg, target, node_tier, rank)
+        run.warm_up(state)
+        for rep in range(cfg["repeats"]):
+            records.append(run.repeat(rep, state, mesh, specs, step))
+            report_progress(cfg, "tiered", target["name"], rep)
+        records.append(run.emptied_tier_load(cfg["repeats"] - 1, mesh, specs))
+        records.append(run.memory_over_saves(state, MEMORY_SAVES))
+        run.remove_all()
+    return records
+
+
+class _Run:
+    """One target's tiered runs: its URLs and the configs of the three writers compared."""
+
+    def __init__(self, cfg: dict, target: dict, node_tier: str, rank: int):
+        self.cfg, self.target, self.node_tier, self.rank = cfg, target, node_tier, rank
+        self.options = target.get("storage_options") or {}
+        self.base = f"{target['base']}/tiered"
+        self.local_base = os.path.join(cfg["tiered_fast_base"], "local-only", target["name"].replace(" ", "_"))
+        self.direct = ckptio.WriterConfig(mode=MODE)
+        self.tiered = ckptio.WriterConfig(mode=MODE, local_tier=node_tier)
+
+    def _writer(self, url: str, config: ckptio.WriterConfig | None = None) -> ckptio.Writer:
+        return ckptio.Writer(url, config or self.direct, storage_options=self.options)
+
+    def warm_up(self, state: dict) -> None:
+        """One untimed save of each kind: clients, sessions, the drain thread, the executor of
+        ``dcp.async_save`` and imports start here."""
+        dcp.save(state, storage_writer=self._writer(f"{self.base}/warmup/direct"))
+        dcp.save(state, storage_writer=self._writer(f"{self.base}/warmup/run/step-0", self.tiered))
+        self._async_blocking(state, self._writer(f"{self.base}/warmup/direct-async"))
+        self._async_blocking(state, self._writer(f"{self.base}/warmup/run/step-1", self.tiered))
+        ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)
+        self._remove_on_rank0(f"{self.base}/warmup", self.options)
+
+    def repeat(self, rep: int, state: dict, mesh, specs, step: TrainingStep) -> dict:
+        record = {"target": self.target["name"], "repeat": rep, "rank": self.rank}
+        direct_url = f"{self.base}/direct/rep{rep}"
+        record["direct_save_s"] = self._timed(lambda: dcp.save(state, storage_writer=self._writer(direct_url)))
+        local_url = os.path.join(self.local_base, f"rep{rep}")
+        record["local_save_s"] = self._timed(
+            lambda: dcp.save(state, storage_writer=ckptio.Writer(local_url, self.direct))
+        )
+
+        before = self._steps_per_s(step)
+        url = f"{self.base}/run/step-{2 * rep + 1}"
+        record["tiered_save_s"] = self._timed(lambda: dcp.save(state, storage_writer=self._writer(url, self.tiered)))
+        steps, drain_s = step.run_until(lambda: ckptio.uploads_pending() == 0)
+        ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)  # raises a failed drain
+        record["drain_s"], record["steps_per_s_during_drain"] = drain_s, steps / max(drain_s, 1e-9)
+        record["steps_per_s_without"] = (before + self._steps_per_s(step)) / 2  # before the save and after its drain
+
+        record["direct_async_blocking_s"] = self._async_blocking(state, self._writer(f"{direct_url}-async"))
+        async_url = f"{self.base}/run/step-{2 * rep + 2}"
+        # a tiered async save and its drain with nothing beside them: the CPU they cost this process
+        # and the S3 server (when it runs on this machine)
+        client, server = counting.cpu_seconds(), _processes_cpu_s(self.target.get("server_pids", []))
+        record["tiered_async_blocking_s"] = self._async_blocking(state, self._writer(async_url, self.tiered))
+        ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)
+        record["async_save_and_drain_cpu_s"] = counting.cpu_seconds() - client
+        record["async_save_and_drain_server_cpu_s"] = _processes_cpu_s(self.target.get("server_pids", [])) - server
+
+        latest, record["latest_s"] = _timed_value(lambda: ckptio.latest(f"{self.base}/run", **self._tier_options()))
+        record["latest_is_newest"] = latest == async_url
+        record |= self._load(url, "fast", mesh, specs, local_tier=self.node_tier)
+        record |= self._load(url, "s3", mesh, specs, local_tier=None)
+        record["payload_bytes"] = workload.held_tensor_bytes(state)
+        self._remove_on_rank0(direct_url, self.options)
+        self._remove_on_rank0(f"{direct_url}-async", self.options)
+        self._remove_on_rank0(local_url, None)
+        if rep:  # the previous repeat's steps: a long run must not fill the S3 server (radosgw's is 3 GiB)
+            self._forget(f"{self.base}/run/step-{2 * rep - 1}", f"{self.base}/run/step-{2 * rep}")
+        return record
+
+    def _forget(self, *urls: str) -> None:
+        """Remove these tiered checkpoints from the durable tier and from every node's fast tier."""
+        for url in urls:
+            self._remove_on_rank0(url, self.options)
+            for node in range(dist.get_world_size() // self.cfg["mesh"][1]):
+                tier = os.path.join(self.cfg["tiered_fast_base"], f"node{node}")
+                self._remove_on_rank0(local_step_path(tier, url, self.options), None)
+
+    def memory_over_saves(self, state: dict, saves: int) -> dict:
+        """This rank's RSS after each of ``saves`` tiered saves in a row, each drained before the next."""
+        rss = []
+        for k in range(saves):
+            dcp.save(state, storage_writer=self._writer(f"{self.base}/memory/step-{k}", self.tiered))
+            ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)
+            rss.append(counting.rss())
+            if k:
+                self._forget(f"{self.base}/memory/step-{k - 1}")
+        return {
+            "target": self.target["name"],
+            "memory": True,
+            "rank": self.rank,
+            "rss_bytes": rss,
+            "payload_bytes": workload.held_tensor_bytes(state),
+        }
+
+    def _tier_options(self) -> dict:
+        return {"local_tier": self.node_tier, "storage_options": self.options}
+
+    def _settle(self) -> None:
+        """Wait (rank 0, then everyone) until the S3 server is idle: a server on this machine (radosgw
+        after a burst of writes) would otherwise take the cores from the next measurement."""
+        pids = self.target.get("server_pids", [])
+        if self.rank == 0 and pids:
+            end, last = counting.now() + SETTLE_MAX_S, _processes_cpu_s(pids)
+            while counting.now() < end:
+                time.sleep(SETTLE_WINDOW_S)
+                now = _processes_cpu_s(pids)
+                if now - last < SETTLE_WINDOW_S * IDLE_SHARE:
+                    break
+                last = now
+        dist.barrier()
+
+    def _steps_per_s(self, step: TrainingStep) -> float:
+        self._settle()
+        steps, seconds = step.run_for(BASELINE_S)
+        return steps / seconds
+
+    def _timed(self, fn) -> float:
+        self._settle()
+        return _timed_value(fn)[1]
+
+    def _async_blocking(self, state: dict, writer: ckptio.Writer) -> float:
+        self._settle()
+        start = counting.now()
+        future = dcp.async_save(state, storage_writer=writer)
+        blocking = counting.now() - start
+        getattr(future, "upload_completion", future).result()
+        dist.barrier()
+        return blocking
+
+    def _load(self, url: str, tier: str, mesh, specs, local_tier: str | None) -> dict:
+        loaded = workload.build_state(mesh, specs, self.cfg["data"], self.rank, empty=True)
+        reader = ckptio.Reader(url, storage_options=self.options, local_tier=local_tier)
+        seconds = self._timed(lambda: dcp.load(loaded, storage_reader=reader))
+        return {
+            f"load_{tier}_s": seconds,
+            f"load_{tier}_bytes_read": dict(reader.bytes_read),
+            f"load_{tier}_mismatches": workload.check_state(loaded, specs, self.cfg["data"], self.rank),
+        }
+
+    def emptied_tier_load(self, rep: int, mesh, specs) -> dict:
+        """The last save of the runs loaded with the last rank's fast tier empty (a replaced node)."""
+        last = dist.get_world_size() - 1
+        tier = os.path.join(self.cfg["tiered_fast_base"], "emptied") if self.rank == last else self.node_tier
+        loaded = workload.build_state(mesh, specs, self.cfg["data"], self.rank, empty=True)
+        reader = ckptio.Reader(f"{self.base}/run/step-{2 * rep + 1}", storage_options=self.options, local_tier=tier)
+        seconds = self._timed(lambda: dcp.load(loaded, storage_reader=reader))
+        return {
+            "target": self.target["name"],
+            "emptied": True,
+            "rank": self.rank,
+            "tier_emptied": self.rank == last,
+            "load_s": seconds,
+            "bytes_read": dict(reader.bytes_read),
+            "needed_bytes": workload.held_tensor_bytes(loaded),
+            "mismatches": workload.check_state(loaded, specs, self.cfg["data"], self.rank),
+        }
+
+    def remove_all(self) -> None:
+        if not self.cfg["keep"]:
+            self._remove_on_rank0(self.base, self.options)
+
+    @staticmethod
+    def _remove_on_rank0(url: str, options: dict | None) -> None:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            try:
+                counting.remove(url, options)
+            except FileNotFoundError:
+                pass
+        dist.barrier()
+
+
+def _processes_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) of the processes ``pids`` so far; 0 for none (a remote server)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _timed_value(fn):
+    dist.barrier()
+    start = counting.now()
+    value = fn()
+    elapsed = counting.now() - start
+    dist.barrier()
+    return value, elapsed
+
+
+#: The per-repeat times summarized: the slowest rank's, per repeat.
+TIMES = (
+    "direct_save_s",
+    "local_save_s",
+    "tiered_save_s",
+    "drain_s",
+    "direct_async_blocking_s",
+    "tiered_async_blocking_s",
+    "latest_s",
+    "load_fast_s",
+    "load_s3_s",
+)
+#: (name, numerator, denominator): ratios per repeat of the slowest ranks' times, then their median.
+RATIOS = (
+    ("tiered_over_direct", "tiered_save_s", "direct_save_s"),
+    ("tiered_over_local", "tiered_save_s", "local_save_s"),
+    ("async_tiered_over_direct", "tiered_async_blocking_s", "direct_async_blocking_s"),
+    ("load_fast_over_s3", "load_fast_s", "load_s3_s"),
+)
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per target: medians and (min, max) over repeats of the slowest rank's times, ratios
+    per repeat, training speed during the drains, memory growth, and the emptied-tier byte counts."""
+    by_target: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        by_target[r["target"]].append(r)
+    rows = []
+    for target, recs in by_target.items():
+        reps = defaultdict(list)
+        for r in recs:
+            if "repeat" in r:
+                reps[r["repeat"]].append(r)
+        slowest = {field: [max(r[field] for r in reps[k]) for k in sorted(reps)] for field in TIMES}
+        row: dict = {"target": target, "repeats": len(reps)}
+        for field, values in slowest.items():
+            row[field] = _stats(values)
+        for name, top, bottom in RATIOS:
+            row[name] = _stats([a / b for a, b in zip(slowest[top], slowest[bottom], strict=True)])
+        ranks = [r for k in sorted(reps) for r in reps[k]]
+        row["training_speed_during_drain"] = _stats(
+            [
+                statistics.mean(r["steps_per_s_during_drain"] / r["steps_per_s_without"] for r in reps[k])
+                for k in sorted(reps)
+            ]
+        )
+        row["commit_s"] = _stats([next(r["drain_s"] for r in reps[k] if r["rank"] == 0) for k in sorted(reps)])
+        row["save_and_drain_cpu_s"] = _stats(
+            [sum(r["async_save_and_drain_cpu_s"] for r in reps[k]) for k in sorted(reps)]
+        )
+        row["save_and_drain_server_cpu_s"] = _stats(
+            [max(r["async_save_and_drain_server_cpu_s"] for r in reps[k]) for k in sorted(reps)]
+        )
+        row |= _memory([r for r in recs if r.get("memory")])
+        row["fast_load_durable_bytes"] = sum(r["load_fast_bytes_read"].get("durable", 0) for r in ranks)
+        emptied = [r for r in recs if r.get("emptied")]
+        lonely = next(r for r in emptied if r["tier_emptied"])
+        row["emptied_s3_bytes"] = lonely["bytes_read"].get("durable", 0)
+        row["emptied_needed_bytes"] = lonely["needed_bytes"]
+        row["emptied_others_s3_bytes"] = sum(r["bytes_read"].get("durable", 0) for r in emptied if r is not lonely)
+        row["bit_exact"] = all(
+            not (r.get("mismatches") or r.get("load_fast_mismatches") or r.get("load_s3_mismatches")) for r in recs
+        )
+        row["latest_agreed"] = all(r["latest_is_newest"] for r in ranks)
+        rows.append(row)
+    return rows
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _memory(recs: list[dict]) -> dict:
+    """Largest per-rank RSS growth from after the first of the saves in a row to after the last."""
+    growth = max(r["rss_bytes"][-1] - r["rss_bytes"][0] for r in recs)
+    payload = max(r["payload_bytes"] for r in recs)
+    return {
+        "rss_bytes_after_each_save": [max(r["rss_bytes"][k] for r in recs) for k in range(len(recs[0]["rss_bytes"]))],
+        "rss_growth_bytes": growth,
+        "rss_growth_saves": len(recs[0]["rss_bytes"]),
+        "payload_bytes": payload,
+        "rss_growth_over_payload": growth / payload if payload else None,
+    }
