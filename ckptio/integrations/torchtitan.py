@@ -42,6 +42,7 @@ from ckptio.config import WriterConfig
 from ckptio.errors import CheckpointNotFoundError, PerRankStateError
 from ckptio.format.names import METADATA_NAME, TORCH_DCP_METADATA_NAME
 from ckptio.hf.reader import HFReader
+from ckptio.loading.read_once import read_once
 from ckptio.loading.reader import Reader
 from ckptio.saving.planner import SavePlanner
 from ckptio.saving.writer import Writer
@@ -261,12 +262,16 @@ class CheckpointManager(TorchtitanCheckpointManager):
 
     def _find_load_step(self, folder: str = "") -> int:
         """The newest ``step-N`` that holds a committed checkpoint (ckptio, torch DCP or Hugging
-        Face), or -1. Checks newest first, so a resume costs one listing and a few existence checks."""
+        Face), or -1, agreed by all ranks: one rank looks (a listing and a few existence checks,
+        newest first) and tells the others, so a job of thousands of ranks lists the folder once."""
         folder = folder or self.folder
         tier = self.writer_config.local_tier
         if tier:  # the newest step every rank can load from either tier, agreed by all ranks
             url = latest(folder, local_tier=tier, storage_options=self.storage_options)
             return int(url.rsplit("step-", 1)[1]) if url else -1
+        return read_once(lambda: self._newest_committed_step(folder), None, folder)
+
+    def _newest_committed_step(self, folder: str) -> int:
         steps = self._step_folders(folder)
         for step in steps:
             if checkpoint_format(open_store(self._create_checkpoint_id(step, folder), self.storage_options)):

@@ -145,6 +145,17 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def cmd_latest(args: argparse.Namespace) -> int:
+    from ckptio.tiers.latest import latest
+
+    url = latest(args.url, local_tier=_local_tier(args), storage_options=_storage_options(args))
+    if url is None:
+        print(f"{args.url}: no committed ckptio checkpoint under it", file=sys.stderr)
+        return 1
+    print(url)
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     check_output(args.output, is_directory=args.format != "torch")
     if args.format == "safetensors":
@@ -213,6 +224,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep", type=int, help="with --local-tier: newest steps to keep (default: CKPTIO_LOCAL_TIER_KEEP, else 2)"
     )
     p.set_defaults(func=cmd_gc)
+    p = with_url(
+        sub.add_parser(
+            "latest",
+            help="print the newest committed checkpoint under a run folder (exit 1 if none), as ckptio.latest finds it",
+        )
+    )
+    p.add_argument(
+        "--local-tier",
+        help="also this node's fast tier (default: CKPTIO_LOCAL_TIER): a newer step held whole here is the answer, "
+        "and its unfinished drain is completed before the command exits (run it while no job of this run runs here)",
+    )
+    p.set_defaults(func=cmd_latest)
     p = with_url(
         sub.add_parser(
             "convert",

@@ -203,3 +203,13 @@ def initial_hf_load(folder: str, layout: str, hf_url: str, storage_options: dict
         return run.snapshot()
     finally:
         run.close()
+
+
+def resume_counting_listings(folder: str, layout: str, storage_options: dict) -> dict:
+    """``resume_or_error`` on S3, with the S3 listings this rank sent."""
+    from ckptio.bench import counting
+
+    counting.install_s3_counter()
+    counting.take_counts()
+    resumed = resume_or_error(folder, layout, storage_options=storage_options)
+    return {**resumed, "listings": counting.take_counts()["LIST"]}

@@ -161,6 +161,37 @@ def test_async_saves_and_keep_latest_k_delete_whole_checkpoints(tmp_path):
     assert resumed[0]["resumed"] == 6 and differences(first[0]["snapshots"][6], resumed[0]["loaded"]) == []
 
 
+def test_tiered_checkpoints_resume_from_the_node_and_on_a_replaced_node(tmp_path):
+    """writer_options.local_tier: saves land on the node and drain to the folder; a resume whose newest
+    step never committed on the folder loads it from the node (and commits it), a replaced node's from
+    the folder."""
+    folder, node, new_node = (str(tmp_path / name) for name in ("checkpoint", "node", "new-node"))
+    first = spawn(2, titan.train_with, folder, "fsdp:2", 6, {"writer_options": {"local_tier": node}})
+    assert committed(folder) == ["step-2", "step-4", "step-6"]  # drained before the processes ended
+    os.remove(os.path.join(folder, "step-6", "ckptio.json"))  # as if the drain of step 6 had been cut off
+    calls = [
+        (titan.resume_or_error, (folder, "fsdp:2"), {"writer_options": {"local_tier": node}}),
+        (ckptio.wait_for_uploads, (), {}),
+        (titan.resume_or_error, (folder, "fsdp:2"), {"writer_options": {"local_tier": new_node}}),
+    ]
+    from_node, _, from_folder = spawn(2, titan.each, *calls)[0]
+    assert from_node["resumed"] == 6 and differences(first[0]["snapshots"][6], from_node["loaded"]) == []
+    assert from_folder["resumed"] == 6 and differences(first[0]["snapshots"][6], from_folder["loaded"]) == []
+    assert "step-6" in committed(folder)
+
+
+def test_a_resume_from_s3_lists_the_run_folder_on_one_rank_only(s3, moto_server):
+    base, options = s3
+    folder, env = f"{base}/titan", {"AWS_ENDPOINT_URL": moto_server}
+    first = spawn(2, titan.train_with, folder, "fsdp:2", 4, {"storage_options": options}, env=env)
+    resumed = spawn(2, titan.resume_counting_listings, folder, "fsdp:2", options, env=env)
+    assert [r["resumed"] for r in resumed] == [4, 4]
+    assert differences(first[0]["snapshots"][4], resumed[0]["loaded"]) == []
+    # rank 0 listed the run's steps and told rank 1; what both sent besides is torchtitan's own
+    # exists(folder) and isdir(step) in its _load, one request each per rank
+    assert resumed[1]["listings"] == resumed[0]["listings"] - 1 == 2
+
+
 def test_switch_from_torch_dcp_checkpoints(tmp_path):
     folder = str(tmp_path / "checkpoint")
     torch_run = spawn(2, titan.train_with, folder, "fsdp:2", 4, {"manager": "torch"})

@@ -78,6 +78,17 @@ def test_convert_is_reachable_after_import_ckptio(tmp_path):
     assert torch.equal(full["w"], torch.arange(70000.0)) and full["blob"] == b"x" * 100
 
 
+def test_latest_prints_the_newest_committed_checkpoint_of_a_run(tmp_path, capsys, clean_env):
+    run = tmp_path / "run"
+    for step in (5, 10, 9):
+        ckptio.save({"w": torch.ones(3) * step}, str(run / f"step-{step}"))
+    os.remove(run / "step-10" / METADATA_NAME)  # a save that never committed
+    assert cli_main(["latest", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "step-9")
+    assert cli_main(["latest", str(tmp_path / "nothing-here")]) == 1
+    assert "no committed ckptio checkpoint" in capsys.readouterr().err
+
+
 def test_inspect_and_verify_cli(tmp_path, capsys):
     url = saved(tmp_path, compression="zstd", state={**STATE, "z": torch.zeros(256, 256)})
     assert cli_main(["inspect", url]) == 0
