@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 import ckptio
 
 from . import counting, workload
-from .runner import mesh_of, remove_together, report_progress
+from .runner import rank_state, remove_together, report_progress
 
 #: Side of the square fp32 matrices a training step multiplies (a few ms on one core).
 STEP_MATRIX = 384
@@ -116,12 +116,7 @@ class TrainingStep:
 
 def run_rank(cfg: dict) -> list[dict]:
     """One record per (setup, executor) with this rank's per-save figures."""
-    rank = dist.get_rank()
-    if cfg["device"] == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    mesh = mesh_of(tuple(cfg["mesh"]), cfg["device"])
-    specs = workload.tensor_specs(cfg["size_bytes"], cfg["data"])
-    state = workload.build_state(mesh, specs, cfg["data"], rank)
+    rank, mesh, specs, state = rank_state(cfg)
     step = TrainingStep()
     records = []
     # THREAD first: torch's PROCESS executor keeps its background process until the job ends.

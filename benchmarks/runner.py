@@ -19,6 +19,16 @@ def mesh_of(shape: tuple[int, int], device: str):
     return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
 
 
+def rank_state(cfg: dict) -> tuple[int, object, list, dict]:
+    """This rank's ``(rank, mesh, specs, state)`` of the run's workload, on its device."""
+    rank = dist.get_rank()
+    if cfg["device"] == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = mesh_of(tuple(cfg["mesh"]), cfg["device"])
+    specs = workload.tensor_specs(cfg["size_bytes"], cfg["data"])
+    return rank, mesh, specs, workload.build_state(mesh, specs, cfg["data"], rank)
+
+
 def report_progress(cfg: dict, *fields: object) -> None:
     """One line in the progress file the parent process counts (rank 0 only)."""
     if dist.get_rank() == 0 and cfg.get("progress_file"):

@@ -16,7 +16,6 @@ import statistics
 import time
 from collections import defaultdict
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -25,7 +24,7 @@ from ckptio.tiers.paths import local_step_path
 
 from . import counting, workload
 from .async_saves import TrainingStep
-from .runner import mesh_of, report_progress
+from .runner import rank_state, report_progress
 
 #: The save mode of every save here: the one the README recommends for S3 (only the first replica
 #: group uploads; on a tiered save, every rank still keeps all it holds on its node).
@@ -44,12 +43,7 @@ MEMORY_SAVES = 8
 def run_rank(cfg: dict) -> list[dict]:
     """Per target, one record per repeat of this rank's figures, one of the emptied-tier load and
     one of the memory over saves in a row."""
-    rank = dist.get_rank()
-    if cfg["device"] == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    mesh = mesh_of(tuple(cfg["mesh"]), cfg["device"])
-    specs = workload.tensor_specs(cfg["size_bytes"], cfg["data"])
-    state = workload.build_state(mesh, specs, cfg["data"], rank)
+    rank, mesh, specs, state = rank_state(cfg)
     node_tier = os.path.join(cfg["tiered_fast_base"], f"node{rank // cfg['mesh'][1]}")
     step = TrainingStep()
     records = []
