@@ -33,6 +33,7 @@ from ckptio.format.records import StoredItem
 from ckptio.format.versions import decode_metadata
 from ckptio.saving.commit import publish
 from ckptio.storage import FsspecStore, LocalStore, open_store
+from ckptio.tiers.background import drain_storage_options, lower_this_thread
 from ckptio.tiers.paths import step_order
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ class Durable:
     storage_config: StorageConfig
 
     def store(self) -> FsspecStore:
-        return open_store(self.url, self.storage_options, self.storage_config)
+        """The durable store, on the drain's own (lower priority) event loop where it has one."""
+        return open_store(self.url, drain_storage_options(self.url, self.storage_options), self.storage_config)
 
 
 @dataclasses.dataclass
@@ -316,6 +318,7 @@ class DrainQueue:
             return len(self._jobs) + self._busy
 
     def _run(self) -> None:
+        lower_this_thread()
         while True:
             with self._cond:
                 while not self._jobs:

@@ -111,7 +111,7 @@ def _resume(
     copies = local_copies(local, manifest)
     reports = group.all((group.rank in copies.complete_ranks, sorted(copies.files)))
     durable = Durable(f"{run}/{step}", options, config)
-    present = group.one_rank(lambda: durable.store().list_sizes() or {})
+    present = group.one_rank(lambda: open_store(durable.url, options, config).list_sizes() or {})
     missing = sorted(name for name, size in manifest.files.items() if present.get(name) != size)
     uploader = {}
     for name in missing:

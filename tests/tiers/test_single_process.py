@@ -9,6 +9,7 @@ import logging
 import os
 import resource
 import signal
+import threading
 import time
 
 import pytest
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
+from ckptio.tiers.background import DRAIN_NICE
 from ckptio.tiers.drain import drain_queue
 from tests.conftest import s3_objects
 from tests.helpers.faultproxy import Fault
@@ -145,6 +147,17 @@ def test_saves_faster_than_the_drain_queue_in_order_and_all_commit(s3, tmp_path)
         loaded, _ = _load(f"{base}/run/step-{step}", options)
         assert _same(loaded, step)
     assert ckptio.latest(f"{base}/run", storage_options=options) == f"{base}/run/step-3"
+
+
+def test_the_drain_runs_below_the_training_threads_priority(s3, tmp_path):
+    base, options = s3
+    _save(f"{base}/run/step-1", tmp_path / "fast", options)
+    ckptio.wait_for_uploads()
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    drain = {t.name: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate()}
+    assert drain["ckptio-drain"] == drain["ckptio-drain-io"] == min(19, mine + DRAIN_NICE)
+    loaded, _ = _load(f"{base}/run/step-1", options)  # foreground reads keep fsspec's own loop
+    assert _same(loaded, 1) and os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
 
 
 def test_the_fast_tier_keeps_the_newest_k_and_only_what_has_drained(tmp_path):
