@@ -47,7 +47,9 @@ def s3_storage_options(storage_options: dict[str, Any] | None) -> dict[str, Any]
 
     options = dict(storage_options or {})
     config = dict(options.get("config_kwargs") or {})
-    config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    # total_max_attempts counts the first attempt; botocore's max_attempts counts retries only
+    # (max_attempts=1 is one retry of every 503, out of sight of ckptio's policy and its throttle)
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
     if "request_checksum_calculation" in Config.OPTION_DEFAULTS:  # botocore >= 1.36
         config.setdefault("request_checksum_calculation", "when_required")
     options["config_kwargs"] = config

@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
 from ckptio.config import StorageConfig
+from ckptio.storage import open_store
 from tests.conftest import S3_SERVERS
 from tests.helpers.faultproxy import Fault
 
@@ -53,3 +54,17 @@ def test_s3_compatible_stores_without_conditional_writes_still_commit(s3_proxy):
     out = {"w": torch.zeros(10)}
     dcp.load(out, storage_reader=ckptio.Reader(url, storage_options=options))
     assert torch.equal(out["w"], torch.ones(10))
+
+
+def test_every_retry_is_ckptios_botocore_sends_each_attempt_once(s3_proxy):
+    """botocore's own retries are off (its ``max_attempts`` counts retries, not attempts): a request
+    of one attempt that is answered 503 fails after exactly one request."""
+    proxy, base, options = s3_proxy
+    store = open_store(f"{base}/once", options, StorageConfig(retry_attempts=1))
+    store.put_atomic("x", b"payload")
+    proxy.reset()
+    proxy.faults.append(Fault(lambda r: r.operation == "GET", 503, times=1))
+    with pytest.raises(ckptio.StorageError, match="SlowDown"):
+        store.read("x")
+    assert proxy.reset().requests["GET"] == 1
+    assert open_store(f"{base}/once", options, StorageConfig(retry_attempts=2)).read("x") == b"payload"

@@ -103,7 +103,7 @@ def test_a_byte_flipped_before_the_upload_fails_that_drain_and_never_commits(tmp
 
 def test_the_durable_tier_failing_during_a_drain_is_retried_then_raised_and_nothing_is_lost(s3_proxy, tmp_path):
     proxy, base, options = s3_proxy
-    options = {**options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    options = {**options, "config_kwargs": {"retries": {"total_max_attempts": 1}}}
     puts = Fault(lambda r: r.operation in ("PUT", "PutObject", "UploadPart") or r.method == "PUT", 503, times=3)
     proxy.faults.append(puts)
     _save(f"{base}/run/step-1", tmp_path / "fast", options, retry_attempts=1)
