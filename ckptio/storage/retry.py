@@ -30,6 +30,15 @@ RETRYABLE_CODES = {
     "503",
     "504",
 }
+#: Answers that mean "too many requests": the store asks for fewer (``throttle.py`` sends fewer).
+THROTTLING_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequests",
+    "TooManyRequestsException",
+    "RequestLimitExceeded",
+}
 # 5xx answers that will not change on a retry
 NOT_RETRYABLE_CODES = {"NotImplemented", "501"}
 BASE_DELAY_S = 0.05
@@ -46,6 +55,12 @@ def s3_error(exc: BaseException | None) -> tuple[str, int | None] | None:
     return ("" if code is None else str(code)), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
 
 
+def is_throttling(exc: BaseException) -> bool:
+    """True for an answer that asks the client to slow down: SlowDown and its kin, or HTTP 429."""
+    answer = s3_error(exc)
+    return answer is not None and (answer[0] in THROTTLING_CODES or answer[1] == 429)
+
+
 def is_retryable(exc: BaseException) -> bool:
     """True for throttling, 5xx, timeouts and dropped connections; False for e.g. 403 or 404."""
     answer = s3_error(exc)
@@ -53,7 +68,7 @@ def is_retryable(exc: BaseException) -> bool:
         code, status = answer
         if code in NOT_RETRYABLE_CODES or status == 501:
             return False
-        return code in RETRYABLE_CODES or (isinstance(status, int) and status >= 500)
+        return code in RETRYABLE_CODES or is_throttling(exc) or (isinstance(status, int) and status >= 500)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError, OSError)):
         return not isinstance(exc, (FileNotFoundError, PermissionError))
     module = type(exc).__module__ or ""

@@ -21,6 +21,7 @@ from ckptio.storage.base import FsspecStore, RangeRequest, ReadRequest
 from ckptio.storage.request_body import RequestBody
 from ckptio.storage.retry import s3_error, with_retries
 from ckptio.storage.s3_checksums import EndpointChecksums, crc32c_header
+from ckptio.storage.throttle import AdaptiveLimit, limit_for
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class S3Store(FsspecStore):
         self.deadline_s = config.retry_deadline_s
         self._unsigned: fsspec.AbstractFileSystem | None = None
         self._endpoint: EndpointChecksums | None = None
+        self._limit: AdaptiveLimit | None = None
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -91,21 +93,31 @@ class S3Store(FsspecStore):
         ``unsigned``: through the client that does not SHA-256 the payload (``s3_checksums``);
         ``into``: a GET's buffers, filled as the body arrives (the byte count is returned)."""
         client = await self._client(self._unsigned_fs() if unsigned else None)
+        limit = await self.limit()
 
         async def attempt() -> Any:
             if body is not None:
                 params["Body"] = RequestBody(body)  # a fresh one per attempt
-            response = await getattr(client, operation)(Bucket=self.bucket, **params)
-            if operation == "get_object":
-                async with response["Body"] as body_stream:
-                    if into is not None:
-                        return await _read_body_into(body_stream, into, self.describe(name))
-                    return await body_stream.read()
-            return response
+            async with limit.slot():
+                response = await getattr(client, operation)(Bucket=self.bucket, **params)
+                if operation == "get_object":
+                    async with response["Body"] as body_stream:
+                        if into is not None:
+                            return await _read_body_into(body_stream, into, self.describe(name))
+                        return await body_stream.read()
+                return response
 
         return await with_retries(
             attempt, attempts=self.attempts, deadline_s=self.deadline_s, what=f"{operation} {self.describe(name)}"
         )
+
+    async def limit(self) -> AdaptiveLimit:
+        """This process's adaptive limit on requests in flight to this bucket (``throttle.py``)."""
+        if self._limit is None:
+            client = await self._client()
+            endpoint = str(client.meta.endpoint_url or "")
+            self._limit = limit_for(asyncio.get_running_loop(), endpoint, self.bucket, self.concurrency)
+        return self._limit
 
     def _sync(self, operation: str, name: str, fn: Any, *args: Any, **params: Any) -> Any:
         """Run coroutine function ``fn`` on fsspec's loop and wait for it; its errors as ckptio's."""
@@ -270,13 +282,11 @@ class S3Store(FsspecStore):
             return []
 
         async def fetch_all() -> list:
-            gate = asyncio.Semaphore(self.concurrency)
-
+            # at most max_concurrency GETs in flight, fewer while the store throttles (``throttle.py``)
             async def fetch(name: str, start: int, end: int, into: Sequence[memoryview] | None):
-                async with gate:
-                    return await self._request(
-                        "get_object", name, into=into, Key=self.key(name), Range=f"bytes={start}-{end - 1}"
-                    )
+                return await self._request(
+                    "get_object", name, into=into, Key=self.key(name), Range=f"bytes={start}-{end - 1}"
+                )
 
             return await asyncio.gather(*(fetch(*r) for r in requests))
 

@@ -1,6 +1,8 @@
 """An HTTP proxy on 127.0.0.1 in front of the S3 server: counts requests by S3 operation and
 bytes, and fails chosen requests (503 SlowDown, 500 InternalError, dropped connection) or damages
-them in flight (one byte of the body flipped). With ``check_crc32c`` it also does what AWS S3 does
+them in flight (one byte of the body flipped). ``PrefixRateLimit`` throttles as S3 does: 503
+SlowDown to requests above a rate per key prefix. ``stats.peak_in_flight`` is the most requests
+it held at once. With ``check_crc32c`` it also does what AWS S3 does
 with a request's ``x-amz-checksum-crc32c`` (moto and radosgw 16 ignore it): refuses a body that does
 not match it (400 BadDigest) and echoes it in the answer."""
 
@@ -11,6 +13,7 @@ import collections
 import http.client
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
@@ -109,6 +112,35 @@ class Fault:
         return int(self.seen * self.fraction) > int((self.seen - 1) * self.fraction)
 
 
+def key_folder(req: Request) -> str:
+    """The partition S3 would put a request in, as a folder: its bucket and key up to the last '/'."""
+    return req.path.rpartition("/")[0]
+
+
+@dataclass
+class PrefixRateLimit:
+    """503 SlowDown for the requests into a partition (``partition(req)``) beyond ``rate`` per
+    second on average, ``burst`` at once (a token bucket per partition; refused requests take no
+    token), as S3 answers a prefix's request rate above what its partitions serve."""
+
+    rate: float
+    burst: float
+    partition: Callable[[Request], str] = key_folder
+    action: int = 503
+    times: int | None = None
+    hits: int = 0
+    buckets: dict = field(default_factory=dict)  # partition -> (tokens, when last counted)
+
+    def fires(self, req: Request) -> bool:
+        now = time.monotonic()
+        where = self.partition(req)
+        tokens, last = self.buckets.get(where, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        refused = tokens < 1
+        self.buckets[where] = (tokens if refused else tokens - 1, now)
+        return refused
+
+
 @dataclass
 class Stats:
     requests: collections.Counter = field(default_factory=collections.Counter)
@@ -116,6 +148,7 @@ class Stats:
     get_bytes: collections.Counter = field(default_factory=collections.Counter)  # key -> response bytes
     answers: collections.Counter = field(default_factory=collections.Counter)  # (operation, status) from the store
     log: list = field(default_factory=list)
+    peak_in_flight: int = 0
 
 
 class FaultProxy:
@@ -125,6 +158,7 @@ class FaultProxy:
         self.faults: list[Fault] = []
         self.check_crc32c = False
         self.stats = Stats()
+        self.in_flight = 0
         self.lock = threading.Lock()
         self.closing = threading.Event()
         proxy = self
@@ -136,6 +170,16 @@ class FaultProxy:
                 pass
 
             def _handle(self):
+                with proxy.lock:
+                    proxy.in_flight += 1
+                    proxy.stats.peak_in_flight = max(proxy.stats.peak_in_flight, proxy.in_flight)
+                try:
+                    self._answer()
+                finally:
+                    with proxy.lock:
+                        proxy.in_flight -= 1
+
+            def _answer(self):
                 body = self._read_body()
                 req = classify(self.command, self.path, self.headers)
                 action = proxy._decide(req)
