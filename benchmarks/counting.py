@@ -41,6 +41,9 @@ REQUEST_KINDS = (
     "OTHER",
 )
 
+#: Answers that asked the client to slow down (503 SlowDown, 429 and kin), counted apart from the kinds.
+THROTTLED = "THROTTLED"
+
 requests: collections.Counter = collections.Counter()
 served = [0]  # bytes of GetObject response bodies (what storage served this process)
 _lock = threading.Lock()
@@ -51,6 +54,15 @@ def _count(event_name: str = "", **_: object) -> None:
     operation = event_name.rsplit(".", 1)[-1]
     with _lock:
         requests[OPERATION_KINDS.get(operation, "OTHER")] += 1
+
+
+def _count_throttled(http_response=None, parsed: dict | None = None, **_: object) -> None:
+    from ckptio.storage.retry import THROTTLING_CODES
+
+    code = ((parsed or {}).get("Error") or {}).get("Code")
+    if getattr(http_response, "status_code", None) == 429 or code in THROTTLING_CODES:
+        with _lock:
+            requests[THROTTLED] += 1
 
 
 def _count_served(parsed: dict | None = None, **_: object) -> None:
@@ -84,6 +96,7 @@ def _count_on(client) -> None:
     if not getattr(client, "_ckptio_bench_counted", False):
         client.meta.events.register("before-send.s3", _count)
         client.meta.events.register("after-call.s3.GetObject", _count_served)
+        client.meta.events.register("after-call.s3", _count_throttled)
         client._ckptio_bench_counted = True
 
 
@@ -95,7 +108,7 @@ def take_served_bytes() -> int:
 
 def take_counts() -> dict[str, int]:
     with _lock:
-        counts = {k: requests.get(k, 0) for k in REQUEST_KINDS}
+        counts = {k: requests.get(k, 0) for k in (*REQUEST_KINDS, THROTTLED)}
         requests.clear()
     return counts
 

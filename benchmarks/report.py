@@ -403,11 +403,12 @@ def _sum_counts(counts) -> dict[str, int]:
     for c in counts:
         for k, v in c.items():
             total[k] += v
-    return {k: total.get(k, 0) for k in counting.REQUEST_KINDS}
+    return {k: total.get(k, 0) for k in (*counting.REQUEST_KINDS, counting.THROTTLED)}
 
 
 def total_requests(counts: dict[str, int]) -> int:
-    return sum(counts.values())
+    """Requests sent (a throttled answer is one of them, not one more)."""
+    return sum(counts.get(k, 0) for k in counting.REQUEST_KINDS)
 
 
 def _mib(n: float) -> str:
@@ -461,8 +462,16 @@ def request_table(rows: list[dict], markdown: bool = False) -> str:
     for r in s3_rows:
         for phase in ("save", "load"):
             counts = r[f"{phase}_requests"]
-            cells.append([r["writer"], phase, *[str(counts[k]) for k in kinds], str(total_requests(counts))])
-    return _grid(["writer", "phase", *kinds, "total"], cells, markdown)
+            cells.append(
+                [
+                    r["writer"],
+                    phase,
+                    *[str(counts[k]) for k in kinds],
+                    str(total_requests(counts)),
+                    str(counts.get(counting.THROTTLED, 0)),
+                ]
+            )
+    return _grid(["writer", "phase", *kinds, "total", "throttled (503/429)"], cells, markdown)
 
 
 def compare(rows: list[dict], old_path: str) -> str:

@@ -14,6 +14,7 @@ from ckptio.bench.__main__ import main as bench_main
 import ckptio
 from ckptio.config import REMOTE_READ_GAP_BYTES
 from tests.conftest import S3_SERVERS
+from tests.helpers.faultproxy import Fault
 from tests.helpers.metadata_view import readable_metadata
 
 
@@ -216,6 +217,19 @@ def test_s3_requests_are_counted_on_the_client(s3):
     assert counting.take_counts()["GET"] == 2  # metadata, one ranged read
 
 
+def test_throttled_answers_are_counted_apart_from_the_requests(s3_proxy):
+    proxy, base, options = s3_proxy
+    counting.install_s3_counter()
+    counting.take_counts()
+    proxy.faults.append(Fault(lambda r: r.operation == "PUT", 503, times=2))
+    ckptio.save(
+        {"w": torch.ones(1000)}, f"{base}/counted", ckptio.WriterConfig(inline_limit=0), storage_options=options
+    )
+    counts = counting.take_counts()
+    assert counts["PUT"] == 4 and counts[counting.THROTTLED] == 2  # each 503 is one of the 4 PUTs sent
+    assert report.total_requests(counts) == 5
+
+
 @pytest.mark.slow
 def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
     out = str(tmp_path / "results")
@@ -271,7 +285,8 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
     for row in doc["results"]:
         assert all(isinstance(row[k], (int, float)) for k in numeric)
         assert row["load_bit_exact"] and row["reshard_bit_exact"]
-        assert set(row["save_requests"]) == set(counting.REQUEST_KINDS)
+        assert set(row["save_requests"]) == {*counting.REQUEST_KINDS, counting.THROTTLED}
+        assert row["save_requests"][counting.THROTTLED] == row["load_requests"][counting.THROTTLED] == 0
         if row["writer"].startswith("ckptio") and row["target"] != "local":
             assert row["save_requests"]["COPY"] == row["save_requests"]["LIST"] == 0
     asynchronous = {(r["setup"], r["executor"]) for r in doc["async_saves"]}
