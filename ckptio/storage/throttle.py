@@ -7,8 +7,12 @@ process keeps one limit per event loop and bucket on its requests in flight, bet
 ``max_concurrency``: a throttled answer halves it (once per round of requests: answers to
 requests sent before the last decrease do not lower it again), and every clean answer raises it by
 ``1 / limit`` (one request more per round of clean answers), as TCP's congestion control does.
-The jitter is the retry's own (``retry.with_retries``: full jitter), so throttled ranks do not come
-back in step. The limit holds for a request's attempt, not across its retry waits.
+Fewer requests in flight lower the rate only as much as each takes time: on a fast link a single
+request a rank still sends hundreds a second. So a throttled answer also pauses new requests for a
+jittered while that doubles with each throttled round in a row (``PAUSE_FIRST_S`` up to
+``PAUSE_MAX_S``) and is forgotten at the first clean answer; the jitter keeps throttled ranks out of
+step. The
+limit holds for a request's attempt, not across its retry waits (``retry.with_retries``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import random
 import threading
+import time
 import weakref
 from typing import AsyncIterator
 
@@ -24,6 +30,9 @@ from ckptio.storage.retry import is_throttling
 
 #: A throttled answer multiplies the limit by this.
 DECREASE = 0.5
+#: A throttled answer pauses new requests for about this long (x0.5-1.5), doubled per throttled round
+#: in a row up to the maximum.
+PAUSE_FIRST_S, PAUSE_MAX_S = 0.05, 2.0
 
 
 class AdaptiveLimit:
@@ -39,6 +48,9 @@ class AdaptiveLimit:
         self._started = 0  # requests granted so far; a request's number is its place in that order
         self._decreased_at = 0  # the number of the last request granted before the last decrease
         self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self._pause_s = 0.0  # the next throttled answer's pause (0: the last answer was clean)
+        self._paused_until = 0.0  # time.monotonic() before which no request starts
+        self._wake: asyncio.TimerHandle | None = None
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -54,9 +66,10 @@ class AdaptiveLimit:
             self._release(number, throttled)
 
     async def _acquire(self) -> int:
-        if self.in_flight >= int(self.limit) or self._waiting:
+        if self.in_flight >= int(self.limit) or self._waiting or time.monotonic() < self._paused_until:
             waiter = asyncio.get_running_loop().create_future()
             self._waiting.append(waiter)
+            self._grant()  # in a pause with nothing in flight, the pause's end must wake it
             try:
                 await waiter  # _grant counted this request in flight
             except asyncio.CancelledError:
@@ -79,16 +92,29 @@ class AdaptiveLimit:
                 self.limit = max(1.0, self.limit * DECREASE)
                 self.lowest = min(self.lowest, self.limit)
                 self._decreased_at = self._started
+                self._pause_s = min(PAUSE_MAX_S, self._pause_s * 2 or PAUSE_FIRST_S)
+            pause_end = time.monotonic() + self._pause_s * random.uniform(0.5, 1.5)
+            self._paused_until = max(self._paused_until, pause_end)
         else:
             self.limit = min(float(self.ceiling), self.limit + 1.0 / self.limit)
+            self._pause_s = 0.0
         self._grant()
 
     def _grant(self) -> None:
+        paused_for = self._paused_until - time.monotonic()
+        if paused_for > 0:
+            if self._waiting and self._wake is None:
+                self._wake = asyncio.get_running_loop().call_later(paused_for, self._end_pause)
+            return
         while self._waiting and self.in_flight < int(self.limit):
             waiter = self._waiting.popleft()
             if not waiter.done():
                 self.in_flight += 1
                 waiter.set_result(None)
+
+    def _end_pause(self) -> None:
+        self._wake = None
+        self._grant()
 
 
 _limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -4,6 +4,7 @@ through a proxy that throttles as S3 does."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from fsspec.asyn import sync
 import ckptio
 from ckptio.storage import open_store
 from ckptio.storage.base import RangeRequest
-from ckptio.storage.throttle import AdaptiveLimit
+from ckptio.storage.throttle import PAUSE_FIRST_S, AdaptiveLimit
 from tests.conftest import S3_SERVERS
 from tests.helpers.faultproxy import Fault, PrefixRateLimit
 
@@ -77,6 +78,21 @@ def test_a_lowered_limit_bounds_the_requests_in_flight_and_clean_answers_raise_i
     asyncio.run(main())
 
 
+def test_a_throttled_answer_pauses_new_requests_longer_each_throttled_round():
+    async def main() -> None:
+        limit = AdaptiveLimit(4)
+        await _requests(limit, 1, throttled=True)
+        started = time.monotonic()
+        await _requests(limit, 1, throttled=True)  # nothing in flight: it starts when the pause ends
+        first_pause = time.monotonic() - started
+        started = time.monotonic()
+        await _requests(limit, 1)  # the second round's pause is twice as long, up to x1.5 jitter
+        assert first_pause >= PAUSE_FIRST_S * 0.5 and time.monotonic() - started >= PAUSE_FIRST_S
+        assert limit.throttled == 2 and limit.limit == 1.0 + 1.0
+
+    asyncio.run(main())
+
+
 def test_a_cancelled_request_gives_its_place_back_whether_it_waited_or_was_just_let_in():
     async def main() -> None:
         limit = AdaptiveLimit(1)
@@ -134,7 +150,7 @@ def test_a_save_and_load_throttled_per_prefix_complete_bit_exact(s3_proxy):
     url = f"{base}/run/step-1"
     state = {"w": torch.randn(10 << 20 // 4), "b": torch.arange(1000)}  # 10 MiB: parts of 5 MiB
     limit = sync(open_store(url, options).fs.loop, open_store(url, options).limit)
-    proxy.faults.append(PrefixRateLimit(rate=20, burst=2))
+    proxy.faults.append(PrefixRateLimit(rate=5, burst=1))
     config = ckptio.WriterConfig(part_size=5 << 20, max_block_size=64 << 10)
     dcp.save(state, storage_writer=ckptio.Writer(url, config, storage_options=options))
     loaded = {"w": torch.zeros_like(state["w"]), "b": torch.zeros_like(state["b"])}
