@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 
 MODES = ("all_ranks", "replica_group")
 COMPRESSIONS = (None, "zstd")
+#: WriterConfig.key_prefix: where data files go under the checkpoint URL.
+KEY_PREFIXES = (None, "hash")
 MiB = 1 << 20
 
 #: A resharded load reads whole blocks, so a block is at most 1/BLOCKS_PER_ITEM of its item
@@ -199,6 +201,12 @@ class WriterConfig:
     #: Background uploads: how long one may take, retries and waiting for the other ranks' uploads
     #: included, before it fails (raised by ``ckptio.wait_for_uploads()`` or the next save).
     drain_timeout_s: float = 3600.0
+    #: Data files under key prefixes that spread them over an object store's partitions:
+    #: ``"hash"``: ``<url>/<xx>/data-....ckio``, xx two hex digits of the file name's SHA-256, so ranks
+    #: writing at once reach up to 256 prefixes (S3 serves ~3,500 PUTs/s per partition; thousands of
+    #: ranks in one prefix draw 503 SlowDown). Recorded in the metadata (format version 5): every reader
+    #: and tool finds the files, and the checkpoint is still one URL. ``None``: all files at the URL.
+    key_prefix: str | None = None
 
     def __post_init__(self) -> None:
         for name, value in _environment_values(type(self)).items():
@@ -257,6 +265,8 @@ class WriterConfig:
             )
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
+        if self.key_prefix not in KEY_PREFIXES:
+            raise ValueError(f"unknown key_prefix {self.key_prefix!r}; valid values are {list(KEY_PREFIXES)}")
         if not 1 <= self.compression_level <= 22:
             raise ValueError(f"compression_level must be within 1..22, got {self.compression_level}")
 

@@ -45,11 +45,11 @@ def require_counts(values: Any, where: str = "ckptio metadata") -> list[int]:
 
 
 def refuse_data_file_name(name: Any, where: str) -> None:
-    """Raise unless ``name`` is a plain ckptio data file name."""
+    """Raise unless ``name`` is a ckptio data file name: plain, or under its own key prefix."""
     if not is_data_file_name(name):
         raise CheckpointFormatError(
-            f"{where} names data file {name!r}, which is not a plain ckptio data file name "
-            "inside the checkpoint (paths, '..' and URLs are refused)"
+            f"{where} names data file {name!r}, which is not a plain ckptio data file name inside the checkpoint "
+            "nor one under its own key prefix (paths, '..' and URLs are refused)"
         )
 
 

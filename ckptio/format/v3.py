@@ -1,4 +1,4 @@
-"""Format versions 3 and 4: every key's stored items as a few packed columns, checked as strictly as
+"""Format versions 3 to 5: every key's stored items as a few packed columns, checked as strictly as
 version 1's per-item records, and an item's record built only when a load asks for it.
 
 Version 1 wrote a JSON object per stored item (repeating its key, its chunk's offsets and shape and its
@@ -6,6 +6,7 @@ dtype) beside a second list of the same chunks under ``state``, and the data fil
 Version 3 writes, besides the header fields every version has::
 
     "files": {"save_ids": ["9f0c...", ...], "ranks": COL, "sizes": COL},  # data-<save_id>-r<rank>.ckio
+              # version 5 may add "key_prefix": "sha256-2": every name under its key prefix (names.key_prefix)
     "block_size": 262144,                      # the default of every block_size column
     "planner_data": "paths",                   # torch's {flat key: path}, as per-key "path" codes
     "keys": {                                  # tensors, and objects saved with one copy per rank
@@ -58,7 +59,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ckptio.config import INT64_LIMIT
 from ckptio.errors import CheckpointError, CheckpointFormatError
-from ckptio.format.names import CODECS, dtype_name, parse_data_file_names
+from ckptio.format.names import CODECS, KEY_PREFIX_RULE, dtype_name, parse_data_file_names
 from ckptio.format.records import planner_data_json
 
 #: Keys of at most this many chunks go to the ``tensors`` table. A ``keys`` record costs ~200 bytes and
@@ -300,12 +301,14 @@ def _key_record(
 
 
 def _encode_files(names: list[str], files: dict[str, int], writer_ranks: dict[str, int]) -> dict[str, Any]:
-    save_ids, ranks = parse_data_file_names(names)
+    save_ids, ranks, spread = parse_data_file_names(names)
     columns: dict[str, Any] = {
         "save_ids": save_ids,
         "ranks": encode_column(ranks),
         "sizes": encode_column([files[name] for name in names]),
     }
+    if spread:  # version 5
+        columns["key_prefix"] = KEY_PREFIX_RULE
     writers = [writer_ranks.get(name, rank) for name, rank in zip(names, ranks, strict=True)]
     if writers != ranks:
         columns["writers"] = encode_column(writers)

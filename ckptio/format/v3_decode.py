@@ -22,7 +22,15 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckptio.config import INT64_LIMIT, is_block_size
 from ckptio.errors import CheckpointFormatError
-from ckptio.format.names import FORMAT_VERSION, SAVE_ID, data_file_name, dtype_from_name, dtype_name
+from ckptio.format.names import (
+    FORMAT_VERSION,
+    KEY_PREFIX_RULE,
+    SAVE_ID,
+    SPREAD_KEYS_VERSION,
+    data_file_name,
+    dtype_from_name,
+    dtype_name,
+)
 from ckptio.format.rules import (
     check_block_lengths,
     check_block_sizes,
@@ -57,11 +65,18 @@ class _Context:
         self.block_size, self.doc_bytes, self.where = block_size, doc_bytes, where
 
 
-def decode_files(value: Any, where: str) -> tuple[tuple[str, ...], dict[str, int], dict[str, int]]:
+def decode_files(value: Any, version: int, where: str) -> tuple[tuple[str, ...], dict[str, int], dict[str, int]]:
     """Version 3's ``files`` columns: the data file names in order, their sizes and writing ranks (the
-    names and sizes are then checked as every version's are, by ``Header``)."""
+    names and sizes are then checked as every version's are, by ``Header``); from version 5 on, the
+    names are under key prefixes where ``key_prefix`` names the rule."""
     if not isinstance(value, dict) or not isinstance(value.get("save_ids"), list):
         raise CheckpointFormatError(f"{where}: 'files' must hold 'save_ids', 'ranks' and 'sizes' columns")
+    spread = "key_prefix" in value
+    if spread and (version < SPREAD_KEYS_VERSION or value["key_prefix"] != KEY_PREFIX_RULE):
+        raise CheckpointFormatError(
+            f"{where}: 'files' has key_prefix {value['key_prefix']!r:.40}, which format version {version} does "
+            f"not have (version {SPREAD_KEYS_VERSION} and later know {KEY_PREFIX_RULE!r})"
+        )
     save_ids = value["save_ids"]
     count = len(save_ids)
     ranks = decode_column(value.get("ranks"), count, f"{where}: files: ranks")
@@ -75,7 +90,7 @@ def decode_files(value: Any, where: str) -> tuple[tuple[str, ...], dict[str, int
         for save_id, rank in zip(save_ids, ranks, strict=True):  # which one
             if not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id)):
                 refuse_data_file_name(data_file_name(save_id, rank), where)  # names the file and raises
-    names = tuple(map(data_file_name, save_ids, ranks))
+    names = tuple(data_file_name(save_id, rank, spread) for save_id, rank in zip(save_ids, ranks, strict=True))
     if len(set(zip(save_ids, ranks, strict=True)) if len(distinct) > 1 else set(ranks)) != count:
         raise CheckpointFormatError(f"{where}: 'files' names a data file twice")
     return names, dict(zip(names, sizes, strict=True)), dict(zip(names, writers, strict=True))

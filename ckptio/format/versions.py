@@ -1,4 +1,5 @@
-"""The one module that knows format versions: which one a save writes (4) and how each is read.
+"""The one module that knows format versions: which one a save writes (4; 5 with spread key prefixes)
+and how each is read.
 
 Version 1 (ckptio 0.1: a JSON object per item) and 2 (the same with the ``zstd-byteplanes`` codec) are
 decoded by ``v1``; versions 3 (per-key columns) and 4 (whole tensors in one table as well) are encoded
@@ -17,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio.errors import CheckpointFormatError
-from ckptio.format.names import FORMAT_NAME, FORMAT_VERSION
+from ckptio.format.names import FORMAT_NAME, FORMAT_VERSION, SPREAD_KEYS_VERSION
 from ckptio.format.records import Header, Manifest, StoredItem, manifest_of
 from ckptio.format.rules import check_planner_paths
 from ckptio.format.v1 import decode_version_1
@@ -31,12 +32,20 @@ def encode_metadata(
     items: dict[tuple[str, torch.Size | None], StoredItem],
     header: Header,
     per_rank: dict[str, dict[int, StoredItem]] | None = None,
-    format_version: int = FORMAT_VERSION,
+    format_version: int | None = None,
 ) -> bytes:
     """Serialize DCP metadata plus ckptio's item records, by ``(key, chunk offsets or None)``, into the
-    JSON document (format version 4, or 3 for a reader that predates the ``tensors`` table)."""
-    if format_version not in (3, 4):
-        raise ValueError(f"ckptio writes format version 3 or 4, not {format_version}")
+    JSON document: format version 4, or 5 where the data files are under spread key prefixes (so a
+    ckptio that does not know them refuses the checkpoint instead of missing its files); 3 on request,
+    for a reader that predates the ``tensors`` table."""
+    spread = any("/" in name for name in header.files)  # the names themselves are checked by the encoder
+    if format_version is None:
+        format_version = SPREAD_KEYS_VERSION if spread else 4
+    if format_version not in (3, 4, 5) or (spread and format_version < SPREAD_KEYS_VERSION):
+        raise ValueError(
+            f"ckptio writes format versions 3 to 5, and {SPREAD_KEYS_VERSION} or later for data files under key "
+            f"prefixes, not {format_version}"
+        )
     block_size = header.config.max_block_size or next((i.block_size for i in items.values()), 64)
     doc = dataclasses.replace(header, format_version=format_version).to_json()
     columns = encode_document(
@@ -94,7 +103,7 @@ def _parse_json(raw: bytes, where: str) -> Any:
 
 
 def decode_version_3(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
-    names, files, writers = decode_files(doc.get("files"), where)
+    names, files, writers = decode_files(doc.get("files"), doc["format_version"], where)
     header = Header.from_json(doc, where, checked_files=(files, writers))
     state, items, per_rank, paths = decode_keys(doc, names, header.files, doc_bytes, where)
     if doc.get("planner_data") != "paths":  # stored as it is

@@ -392,7 +392,7 @@ def _missing_metadata_error(store: FsspecStore) -> CheckpointError:
             f"{store.url} holds safetensors files (Hugging Face weights), not a ckptio checkpoint: load them with "
             "ckptio.HFReader"
         )
-    partial = [n for n in names if parse_data_file_name(n)]
+    partial = [n for n in store.list_names(nested=True) or names if parse_data_file_name(n)]
     if partial:
         saves = sorted({parse_data_file_name(n).save_id for n in partial})
         return IncompleteCheckpointError(

@@ -203,7 +203,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         # A fresh name on every save, even when DCP reuses a cached plan: an overwrite must never
         # touch the files of the checkpoint it replaces before the new one commits.
         self._save_id = uuid.uuid4().hex[:16]
-        file = data_file_name(self._save_id, self.rank)
+        file = data_file_name(self._save_id, self.rank, spread=self.config.key_prefix == "hash")
         held = self._held if self._held is not None else canonical_write_items(_cached_local_items(planner))
         planned_mode = getattr(plan.storage_data, "mode", None)
         if planned_mode not in (None, self.config.mode) and self.rank == 0:

@@ -99,10 +99,13 @@ class FsspecStore:
             raise FileExistsError(self.describe(name))
         self.put_atomic(name, data)
 
-    def list_names(self, strict: bool = False) -> list[str] | None:
-        """Names directly under the root, or ``None`` when the root does not exist. A failed listing
-        is ``None`` too (diagnostics), or ``StorageError`` when ``strict``."""
+    def list_names(self, strict: bool = False, nested: bool = False) -> list[str] | None:
+        """Names directly under the root (``nested``: of every file below it, a data file under its key
+        prefix as ``xx/data-....ckio``), or ``None`` when the root does not exist. A failed listing is
+        ``None`` too (diagnostics), or ``StorageError`` when ``strict``."""
         try:
+            if nested:
+                return sorted(self._files_below(self.fs.find(self.root, detail=True)))
             entries = self.fs.ls(self.root, detail=False, refresh=True)  # not a cached listing: others write too
         except FileNotFoundError:
             return None
@@ -114,18 +117,24 @@ class FsspecStore:
         return sorted(str(e).rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
     def list_sizes(self) -> dict[str, int] | None:
-        """Name -> size of the objects directly under the root, listed afresh (not from a cache:
-        another process may have written since); ``None`` when the root does not exist."""
+        """Name -> size of every file below the root (a data file under its key prefix as
+        ``xx/data-....ckio``), listed afresh (not from a cache: another process may have written
+        since; on S3 one listing without a delimiter); ``None`` when the root does not exist."""
         try:
             entries = self._guard(
-                "", "list", lambda: self.fs.ls(self.root, detail=True, refresh=True), passthrough=(FileNotFoundError,)
+                "", "list", lambda: self.fs.find(self.root, detail=True), passthrough=(FileNotFoundError,)
             )
         except FileNotFoundError:
             return None
+        return self._files_below(entries)
+
+    def _files_below(self, entries: dict[str, dict]) -> dict[str, int]:
+        """``fs.find(root, detail=True)``'s files as names relative to the root, with their sizes."""
+        root = self.fs._strip_protocol(self.root).rstrip("/") + "/"
         return {
-            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
-            for e in entries
-            if e.get("type") != "directory"
+            path[len(root) :]: int(info.get("size") or 0)
+            for path, info in entries.items()
+            if info.get("type") != "directory" and path.startswith(root)
         }
 
     def open_uploads(self) -> list[tuple[str, str]]:
@@ -165,6 +174,8 @@ class FsspecStore:
         self._guard("", "create", lambda: self.fs.makedirs(self.root, exist_ok=True))
 
     def open_sink(self, name: str) -> Sink:
+        if "/" in name:  # a data file under its key prefix (a no-op on object stores)
+            self._guard(name, "create", lambda: self.fs.makedirs(self.path(name).rsplit("/", 1)[0], exist_ok=True))
         handle = self._guard(name, "open", lambda: self.fs.open(self.path(name), "wb"))
         return _FileSink(self, name, handle)
 

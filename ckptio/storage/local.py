@@ -75,6 +75,8 @@ class LocalStore(FsspecStore):
 
     def open_sink(self, name: str) -> "_LocalSink":
         path = self.path(name)
+        if "/" in name:  # a data file under its key prefix (WriterConfig.key_prefix)
+            self._guard(name, "create", lambda: os.makedirs(os.path.dirname(path), exist_ok=True))
         handle = self._guard(name, "open", lambda: open(path, "wb", buffering=0))
         return _LocalSink(self, name, handle)
 
@@ -220,7 +222,9 @@ class _LocalSink:
         def finish() -> None:
             os.fsync(self.handle.fileno())
             self.handle.close()
-            _fsync_dir(self.store.root)
+            _fsync_dir(os.path.dirname(self.store.path(self.name)))
+            if "/" in self.name:  # and the key prefix's folder in the root
+                _fsync_dir(self.store.root)
 
         self.store._guard(self.name, "finish", finish)
 

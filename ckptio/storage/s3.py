@@ -240,7 +240,7 @@ class S3Store(FsspecStore):
             page = self._run("list_multipart_uploads", "", **params)
             for upload in page.get("Uploads", []):
                 name = upload["Key"][len(prefix) :]
-                if "/" not in name:
+                if name.count("/") <= 1:  # this checkpoint's (a data file may be under its key prefix)
                     found.append((name, upload["UploadId"]))
             if not page.get("IsTruncated"):
                 return found

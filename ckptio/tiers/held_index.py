@@ -134,7 +134,7 @@ class LocalCopies:
 def local_copies(local: FsspecStore, manifest: Manifest) -> LocalCopies:
     """What ``local`` (a node's fast-tier folder of the checkpoint) holds of ``manifest``'s items."""
     found = LocalCopies()
-    for name in local.list_names() or []:
+    for name in local.list_names(nested=True) or []:
         if not name.endswith(HELD_SUFFIX):
             continue
         try:

@@ -16,7 +16,7 @@ def orphaned_files(store: FsspecStore, manifest: Manifest | None) -> list[str]:
     """Data files beside the checkpoint that it does not use (left by saves that never committed);
     every data file where nothing has committed (``manifest`` None)."""
     used = manifest.files if manifest is not None else {}
-    return [n for n in store.list_names() or [] if is_data_file_name(n) and n not in used]
+    return [n for n in store.list_names(nested=True) or [] if is_data_file_name(n) and n not in used]
 
 
 @dataclasses.dataclass

@@ -41,9 +41,13 @@ def _distributed(case: dict[str, Any], side: str, zeros: bool) -> dict[str, Any]
 
 def save(case: dict[str, Any], url: str) -> None:
     config = ckptio.WriterConfig(
-        mode=case["mode"], compression=case["compression"], max_block_size=case["max_block_size"]
+        mode=case["mode"],
+        compression=case["compression"],
+        max_block_size=case["max_block_size"],
+        key_prefix=case.get("key_prefix"),
     )
-    dcp.save(_distributed(case, "save", zeros=False), storage_writer=ckptio.Writer(url, config))
+    writer = ckptio.Writer(url, config, storage_options=case.get("storage_options"))
+    dcp.save(_distributed(case, "save", zeros=False), storage_writer=writer)
 
 
 def load_and_compare(case: dict[str, Any], url: str) -> list[str]:
@@ -51,7 +55,19 @@ def load_and_compare(case: dict[str, Any], url: str) -> list[str]:
     reference's (``distribute_tensor`` of the full tensor on the same layout)."""
     target = _distributed(case, "load", zeros=True)
     target["step"] = -1
-    dcp.load(target, storage_reader=ckptio.Reader(url, dedup_reads=case["dedup_reads"]))
+    reader = ckptio.Reader(url, storage_options=case.get("storage_options"), dedup_reads=case["dedup_reads"])
+    dcp.load(target, storage_reader=reader)
     reference = _distributed(case, "load", zeros=False)
     wrong = [k for k in reference if k != "step" and not torch.equal(target[k].to_local(), reference[k].to_local())]
     return wrong + ([] if target["step"] == case["seed"] else ["step"])
+
+
+def save_own_tensor(url: str, storage_options: dict, key_prefix: str | None, mib: int) -> None:
+    """Each rank saves a tensor of its own (``mib`` MiB under its own key) in parts of 5 MiB."""
+    rank = torch.distributed.get_rank()
+    state = {f"rank{rank}": torch.full(((mib << 20) // 4,), float(rank))}
+    config = ckptio.WriterConfig(part_size=5 << 20, key_prefix=key_prefix)
+    dcp.save(state, storage_writer=ckptio.Writer(url, config, storage_options=storage_options))
+    loaded = {f"rank{rank}": torch.zeros_like(state[f"rank{rank}"])}
+    dcp.load(loaded, storage_reader=ckptio.Reader(url, storage_options=storage_options))
+    assert torch.equal(loaded[f"rank{rank}"], state[f"rank{rank}"])

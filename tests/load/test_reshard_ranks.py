@@ -54,6 +54,7 @@ def cases(draw):
         "compression": draw(st.sampled_from([None, "zstd"])),
         "max_block_size": draw(st.sampled_from([64, 256, 4096, 256 << 10])),
         "dedup_reads": draw(st.sampled_from([False, True, "auto"])),
+        "key_prefix": draw(st.sampled_from([None, "hash"])),
         "seed": draw(st.integers(0, 2**16)),
     }
 

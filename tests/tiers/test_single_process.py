@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
+from ckptio.format.names import parse_data_file_name
 from ckptio.tiers.background import DRAIN_NICE
 from ckptio.tiers.drain import drain_queue
 from tests.conftest import s3_objects
@@ -147,6 +148,20 @@ def test_saves_faster_than_the_drain_queue_in_order_and_all_commit(s3, tmp_path)
         loaded, _ = _load(f"{base}/run/step-{step}", options)
         assert _same(loaded, step)
     assert ckptio.latest(f"{base}/run", storage_options=options) == f"{base}/run/step-3"
+
+
+def test_spread_key_prefixes_on_both_tiers_drain_commit_and_load_from_the_fast_tier(s3, tmp_path):
+    base, options = s3
+    run = f"{base}/run"
+    _save(f"{run}/step-1", tmp_path / "fast", options, key_prefix="hash")
+    ckptio.wait_for_uploads()
+    (durable,) = [k for k in s3_objects(options, f"{run}/step-1") if k.endswith(".ckio")]
+    assert parse_data_file_name(durable.split("/", 2)[-1]).spread  # run/step-1/<xx>/data-...
+    assert ckptio.latest(run, local_tier=str(tmp_path / "fast"), storage_options=options) == f"{run}/step-1"
+    loaded, reader = _load(f"{run}/step-1", options, tier=tmp_path / "fast")
+    assert _same(loaded, 1) and reader.bytes_read["durable"] == 0 and reader.bytes_read["local"] > 0
+    loaded, reader = _load(f"{run}/step-1", options)
+    assert _same(loaded, 1)  # the durable copy alone, as a plain checkpoint
 
 
 def test_the_drain_runs_below_the_training_threads_priority(s3, tmp_path):
