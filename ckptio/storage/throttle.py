@@ -11,8 +11,8 @@ Fewer requests in flight lower the rate only as much as each takes time: on a fa
 request a rank still sends hundreds a second. So a throttled answer also pauses new requests for a
 jittered while that doubles with each throttled round in a row (``PAUSE_FIRST_S`` up to
 ``PAUSE_MAX_S``) and is forgotten at the first clean answer; the jitter keeps throttled ranks out of
-step. The
-limit holds for a request's attempt, not across its retry waits (``retry.with_retries``).
+step. Other failures (a 500, a timeout, a cancelled request) move neither. The limit holds for a
+request's attempt, not across its retry waits (``retry.with_retries``).
 """
 
 from __future__ import annotations
@@ -56,11 +56,12 @@ class AdaptiveLimit:
     async def slot(self) -> AsyncIterator[None]:
         """Hold one of the ``limit`` places for the body's request; its outcome adjusts the limit."""
         number = await self._acquire()
-        throttled = False
+        throttled: bool | None = None  # None: neither answer (another failure, a cancellation)
         try:
             yield
+            throttled = False
         except Exception as exc:
-            throttled = is_throttling(exc)
+            throttled = True if is_throttling(exc) else None
             raise
         finally:
             self._release(number, throttled)
@@ -84,7 +85,7 @@ class AdaptiveLimit:
         self._started += 1
         return self._started
 
-    def _release(self, number: int, throttled: bool) -> None:
+    def _release(self, number: int, throttled: bool | None) -> None:
         self.in_flight -= 1
         if throttled:
             self.throttled += 1
@@ -95,7 +96,7 @@ class AdaptiveLimit:
                 self._pause_s = min(PAUSE_MAX_S, self._pause_s * 2 or PAUSE_FIRST_S)
             pause_end = time.monotonic() + self._pause_s * random.uniform(0.5, 1.5)
             self._paused_until = max(self._paused_until, pause_end)
-        else:
+        elif throttled is False:
             self.limit = min(float(self.ceiling), self.limit + 1.0 / self.limit)
             self._pause_s = 0.0
         self._grant()

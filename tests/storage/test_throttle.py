@@ -93,6 +93,24 @@ def test_a_throttled_answer_pauses_new_requests_longer_each_throttled_round():
     asyncio.run(main())
 
 
+def test_other_failures_move_the_limit_neither_down_nor_up():
+    async def main() -> None:
+        limit = AdaptiveLimit(8)
+        limit.limit = 3.0
+
+        async def failing() -> None:
+            async with limit.slot():
+                error = {"Error": {"Code": "InternalError"}, "ResponseMetadata": {"HTTPStatusCode": 500}}
+                raise ClientError(error, "GetObject")
+
+        await asyncio.gather(*(failing() for _ in range(5)), return_exceptions=True)
+        assert (limit.limit, limit.throttled, limit.in_flight) == (3.0, 0, 0)
+        await _requests(limit, 1)
+        assert limit.limit == 3.0 + 1.0 / 3.0
+
+    asyncio.run(main())
+
+
 def test_a_cancelled_request_gives_its_place_back_whether_it_waited_or_was_just_let_in():
     async def main() -> None:
         limit = AdaptiveLimit(1)
