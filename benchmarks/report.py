@@ -464,6 +464,7 @@ def request_table(rows: list[dict], markdown: bool = False) -> str:
             counts = r[f"{phase}_requests"]
             cells.append(
                 [
+                    r["target"],
                     r["writer"],
                     phase,
                     *[str(counts[k]) for k in kinds],
@@ -471,7 +472,7 @@ def request_table(rows: list[dict], markdown: bool = False) -> str:
                     str(counts.get(counting.THROTTLED, 0)),
                 ]
             )
-    return _grid(["writer", "phase", *kinds, "total", "throttled (503/429)"], cells, markdown)
+    return _grid(["target", "writer", "phase", *kinds, "total", "throttled (503/429)"], cells, markdown)
 
 
 def compare(rows: list[dict], old_path: str) -> str:
