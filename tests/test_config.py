@@ -74,3 +74,14 @@ def test_a_reader_is_configured_by_storage_config_with_the_same_rules_and_enviro
             StorageConfig(**bad)
         with pytest.raises(ValueError, match=message):
             WriterConfig(**bad)  # the same rule, stated once
+
+
+def test_key_prefix_from_the_environment_and_unknown_rules_refused(monkeypatch, clean_env):
+    monkeypatch.setenv("CKPTIO_KEY_PREFIX", "hash")
+    assert ckptio.WriterConfig().key_prefix == "hash"
+    assert ckptio.WriterConfig.from_dict({"key_prefix": None}).key_prefix == "hash"  # the environment wins
+    monkeypatch.setenv("CKPTIO_KEY_PREFIX", "none")
+    assert ckptio.WriterConfig(key_prefix="hash").key_prefix is None
+    monkeypatch.delenv("CKPTIO_KEY_PREFIX")
+    with pytest.raises(ValueError, match=r"unknown key_prefix 'rank'; valid values are \[None, 'hash'\]"):
+        ckptio.WriterConfig(key_prefix="rank")
