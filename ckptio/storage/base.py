@@ -150,6 +150,7 @@ class FsspecStore:
         for name in names:
             try:
                 self.fs.rm_file(self.path(name))
+                self._tidy_folder_of(name)
             except FileNotFoundError:
                 pass
             except Exception as exc:  # noqa: BLE001 - cleanup of superseded files must not fail a commit
@@ -160,7 +161,12 @@ class FsspecStore:
         try:
             self._guard(name, "delete", lambda: self.fs.rm_file(self.path(name)), passthrough=(FileNotFoundError,))
         except FileNotFoundError:
-            pass
+            return
+        self._tidy_folder_of(name)
+
+    def _tidy_folder_of(self, name: str) -> None:
+        """After ``name`` went: object stores have no folders to remove (``LocalStore`` removes an empty
+        key-prefix folder)."""
 
     def remove_all(self) -> None:
         """Delete every object under the root, and the root itself (absent is fine)."""

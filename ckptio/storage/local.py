@@ -73,6 +73,14 @@ class LocalStore(FsspecStore):
         """A path on NFS, Lustre or a FUSE mount is as remote as an object store."""
         return on_network_filesystem(self.root)
 
+    def _tidy_folder_of(self, name: str) -> None:
+        """Remove the key-prefix folder ``name`` sat in once it is empty (another file may still be there)."""
+        if "/" in name:
+            try:
+                os.rmdir(os.path.dirname(self.path(name)))
+            except OSError:
+                pass
+
     def open_sink(self, name: str) -> "_LocalSink":
         path = self.path(name)
         if "/" in name:  # a data file under its key prefix (WriterConfig.key_prefix)

@@ -87,6 +87,8 @@ def test_a_spread_checkpoint_through_every_reader_and_cli_verb(where, tmp_path, 
     ckptio.save(state, url, ckptio.WriterConfig(key_prefix="hash", overwrite=True), storage_options=options)
     (newer,) = [name for name in store.list_sizes() if name != METADATA_NAME]
     assert newer != data and parse_data_file_name(newer).spread
+    if where == "local":  # the superseded file's folder went with it (unless the new file shares it)
+        assert sorted(os.listdir(url)) == sorted({METADATA_NAME, newer.split("/")[0]})
     loaded = _empty()
     ckptio.load(loaded, url, storage_options=options)
     assert _same(loaded, state)
