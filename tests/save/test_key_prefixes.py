@@ -16,7 +16,6 @@ import ckptio
 from ckptio.format.names import METADATA_NAME, data_file_name, parse_data_file_name
 from ckptio.storage import open_store
 from ckptio.tools.cli import main as cli_main
-from tests.conftest import S3_SERVERS
 from tests.helpers import reshard_ranks
 from tests.helpers.documents import fresh, load_error, read_doc, read_stored_doc, rewrite_in_version, saved, write_doc
 from tests.helpers.faultproxy import PrefixRateLimit
@@ -122,8 +121,8 @@ def test_saved_on_2x2_with_spread_prefixes_on_s3_loads_on_1x4_4x1_and_one_proces
         assert spawn(world, reshard_ranks.load_and_compare, loading, url) == [[]] * world, (mesh, placements)
 
 
-@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
 def test_spread_prefixes_draw_at_most_half_the_503s_of_one_prefix_under_a_per_prefix_rate(s3_proxy):
+    """On moto alone (4-rank spawns, twice): radosgw runs the throttled save and load in test_throttle."""
     proxy, base, options = s3_proxy
     throttled = {}
     for key_prefix in (None, "hash"):
