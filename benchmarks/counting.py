@@ -11,6 +11,8 @@ import time
 
 import fsspec
 
+from ckptio.storage.retry import is_throttling_answer
+
 OPERATION_KINDS = {
     "PutObject": "PUT",
     "CreateMultipartUpload": "MPU_CREATE",
@@ -57,10 +59,8 @@ def _count(event_name: str = "", **_: object) -> None:
 
 
 def _count_throttled(http_response=None, parsed: dict | None = None, **_: object) -> None:
-    from ckptio.storage.retry import THROTTLING_CODES
-
     code = ((parsed or {}).get("Error") or {}).get("Code")
-    if getattr(http_response, "status_code", None) == 429 or code in THROTTLING_CODES:
+    if is_throttling_answer(code, getattr(http_response, "status_code", None)):
         with _lock:
             requests[THROTTLED] += 1
 

@@ -55,10 +55,16 @@ def s3_error(exc: BaseException | None) -> tuple[str, int | None] | None:
     return ("" if code is None else str(code)), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
 
 
+def is_throttling_answer(code: str | None, status: int | None) -> bool:
+    """True for an answer (error code, HTTP status) that asks the client to slow down: SlowDown and
+    its kin, or HTTP 429."""
+    return code in THROTTLING_CODES or status == 429
+
+
 def is_throttling(exc: BaseException) -> bool:
-    """True for an answer that asks the client to slow down: SlowDown and its kin, or HTTP 429."""
+    """True for an error that is such an answer (``is_throttling_answer``)."""
     answer = s3_error(exc)
-    return answer is not None and (answer[0] in THROTTLING_CODES or answer[1] == 429)
+    return answer is not None and is_throttling_answer(*answer)
 
 
 def is_retryable(exc: BaseException) -> bool:

@@ -5,7 +5,7 @@ stores: 429, ``Throttling``) until it repartitions, minutes later. Retrying at t
 concurrency keeps the rate where it was, so every request spends its attempts on 503s. Here, each
 process keeps one limit per event loop and bucket on its requests in flight, between 1 and
 ``max_concurrency``: a throttled answer halves it (once per round of requests: answers to
-requests sent before the last decrease do not lower it again), and every clean answer raises it by
+requests sent before the last decrease do not lower it again), and every successful answer raises it by
 ``1 / limit`` (one request more per round of clean answers), as TCP's congestion control does.
 Fewer requests in flight lower the rate only as much as each takes time: on a fast link a single
 request a rank still sends hundreds a second. So a throttled answer also pauses new requests for a
