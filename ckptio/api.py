@@ -37,7 +37,8 @@ def save(
     Keys are stored canonical (no ``_orig_mod`` / ``_checkpoint_wrapped_module`` segments;
     modules given as values are expanded with ``get_model_state_dict``), ``PerRank`` values get
     one key per data-parallel rank, and the caller's dict is never modified. The default planner is
-    ``ckptio.SavePlanner`` (torch's, with a linear-time plan check)."""
+    ``ckptio.SavePlanner`` (torch's, with a linear-time plan check). ``config.use_collectives=False``
+    saves without a coordinator (``WriterConfig.use_collectives``)."""
     state = expand_for_save(canonicalize(state_dict))
     writer = Writer(checkpoint_id, config, storage_options=storage_options)
     with raising_checkpoint_errors(f"save to {os.fspath(checkpoint_id)}"):
@@ -46,6 +47,7 @@ def save(
             storage_writer=writer,
             planner=planner if planner is not None else SavePlanner(),
             process_group=process_group,
+            use_collectives=writer.config.use_collectives,
         )
 
 

@@ -207,6 +207,13 @@ class WriterConfig:
     #: ranks in one prefix draw 503 SlowDown). Recorded in the metadata (format version 5): every reader
     #: and tool finds the files, and the checkpoint is still one URL. ``None``: all files at the URL.
     key_prefix: str | None = None
+    #: ``False``: ``ckptio.save`` (and the torchtitan integration) save with
+    #: ``dcp.save(..., use_collectives=False)``: no coordinator, no plan gather, no rank waits for another;
+    #: each rank commits a metadata fragment of its own, and the checkpoint is loadable (resharded, by
+    #: any reader) once every rank's fragment of the save is there. Replicated DTensor shards are still
+    #: written once, decided from their placements; objects and plain tensors by every rank holding them.
+    #: A plain ``dcp.save`` decides it by its own ``use_collectives`` argument.
+    use_collectives: bool = True
 
     def __post_init__(self) -> None:
         for name, value in _environment_values(type(self)).items():

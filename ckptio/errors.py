@@ -50,6 +50,11 @@ class LossyConversionError(CheckpointFormatError):
     truncation, rounding not opted into). A ``CheckpointFormatError``, as ``HFReader`` raised before."""
 
 
+class MixedFragmentsError(CheckpointFormatError):
+    """The metadata fragments of a save without a coordinator do not form one save: fragments of two
+    saves, one rank's twice, or fragments that disagree on how many ranks saved."""
+
+
 class StorageError(CheckpointError):
     """The storage backend failed (after retries) for a named object."""
 

@@ -7,6 +7,9 @@ A checkpoint is a directory (or key prefix) holding::
     <xx>/data-<save_id>-r<rank>.ckio  the same, with spread key prefixes (``WriterConfig.key_prefix``,
                                       format version 5): xx, two hex digits of the name's SHA-256, puts
                                       the ranks' objects under many prefixes, so S3 partitions them apart
+    ckptio.rank-<r>-of-<n>.json       a save without a coordinator (``dcp.save(use_collectives=False)``):
+                                      each rank's own metadata instead of ckptio.json; the checkpoint is
+                                      committed once all n ranks' fragments of one save are there
 
 A rank whose only items are its own small per-rank state stores them inline in ckptio.json
 (base64, still checksummed per block) and creates no file.
@@ -38,6 +41,7 @@ TORCH_DCP_METADATA_NAME = ".metadata"
 SAVE_ID = "[0-9a-f]{8,32}"
 _DATA_NAME = re.compile(rf"(?:([0-9a-f]{{{KEY_PREFIX_DIGITS}}})/)?data-({SAVE_ID})-r([0-9]{{5,}})\.ckio")
 _DATA_NAMES = re.compile(rf"^{_DATA_NAME.pattern}$", re.MULTILINE)  # one name per line
+_FRAGMENT_NAME = re.compile(r"ckptio\.rank-([0-9]{5,})-of-([0-9]{5,})\.json")
 
 
 class ItemKind(str, enum.Enum):
@@ -117,6 +121,25 @@ def parse_data_file_name(name: str) -> DataFileName | None:
 
 def is_data_file_name(name: str) -> bool:
     return parse_data_file_name(name) is not None
+
+
+class FragmentName(NamedTuple):
+    rank: int
+    ranks: int  # how many fragments the save wrote
+
+
+def fragment_name(rank: int, ranks: int) -> str:
+    """The name of rank ``rank``'s metadata fragment of a save by ``ranks`` ranks without a coordinator."""
+    return f"ckptio.rank-{rank:05d}-of-{ranks:05d}.json"
+
+
+def parse_fragment_name(name: str) -> FragmentName | None:
+    """``(rank, ranks)`` of a fragment's name, written as ``fragment_name`` writes it; ``None`` otherwise."""
+    match = _FRAGMENT_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match is None:
+        return None
+    rank, ranks = int(match[1]), int(match[2])
+    return FragmentName(rank, ranks) if rank < ranks and fragment_name(rank, ranks) == name else None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -18,9 +18,10 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio.errors import CheckpointFormatError
+from ckptio.format.fragments import FRAGMENT_FIELD, Fragment, FragmentInfo, merge
 from ckptio.format.names import FORMAT_NAME, FORMAT_VERSION, SPREAD_KEYS_VERSION
 from ckptio.format.records import Header, Manifest, StoredItem, manifest_of
-from ckptio.format.rules import check_planner_paths
+from ckptio.format.rules import PART_OF_EACH_TENSOR, check_planner_paths
 from ckptio.format.v1 import decode_version_1
 from ckptio.format.v3 import encode_document
 from ckptio.format.v3_decode import decode_files, decode_keys
@@ -33,11 +34,13 @@ def encode_metadata(
     header: Header,
     per_rank: dict[str, dict[int, StoredItem]] | None = None,
     format_version: int | None = None,
+    fragment: FragmentInfo | None = None,
 ) -> bytes:
     """Serialize DCP metadata plus ckptio's item records, by ``(key, chunk offsets or None)``, into the
     JSON document: format version 4, or 5 where the data files are under spread key prefixes (so a
     ckptio that does not know them refuses the checkpoint instead of missing its files); 3 on request,
-    for a reader that predates the ``tensors`` table."""
+    for a reader that predates the ``tensors`` table. ``fragment``: a rank's fragment of a save without
+    a coordinator (``fragments.py``)."""
     spread = any("/" in name for name in header.files)  # the names themselves are checked by the encoder
     if format_version is None:
         format_version = SPREAD_KEYS_VERSION if spread else 4
@@ -53,12 +56,43 @@ def encode_metadata(
     )
     doc.update(columns)
     del doc["writer_ranks"]  # in 'files'
+    if fragment is not None:
+        doc[FRAGMENT_FIELD] = fragment.to_json()
     return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()  # a tree we built
 
 
 @paused_gc()
 def decode_metadata(raw: bytes, where: str) -> Manifest:
+    return _decode_document(_parse_json(raw, where), where, len(raw))
+
+
+@paused_gc()
+def decode_fragment(raw: bytes, where: str) -> tuple[Manifest, FragmentInfo]:
+    """A rank's fragment of a save without a coordinator: its items, and whose and which save's it is."""
     doc = _parse_json(raw, where)
+    token = PART_OF_EACH_TENSOR.set(True)
+    try:
+        manifest = _decode_document(doc, where, len(raw))
+    finally:
+        PART_OF_EACH_TENSOR.reset(token)
+    return manifest, FragmentInfo.from_json(doc.get(FRAGMENT_FIELD), where)
+
+
+def merge_fragments(fragments: dict[str, bytes], ranks: int, where: str) -> bytes:
+    """The metadata document of a save without a coordinator, from its ``ranks`` fragments (name ->
+    bytes, a complete set by name: ``fragments.check_set``), for every reader to decode as it decodes
+    ``ckptio.json``. Each fragment is decoded and checked, then the set (``fragments.merge``)."""
+    decoded = []
+    for name, raw in fragments.items():
+        manifest, info = decode_fragment(raw, f"{where}/{name}")
+        decoded.append(Fragment(name, f"{where}/{name}", manifest, info))
+    if len(decoded) != ranks:
+        raise ValueError(f"merge_fragments takes the {ranks} fragments of a complete set, got {len(decoded)}")
+    metadata, items, header, per_rank = merge(decoded, where)
+    return encode_metadata(metadata, items, header, per_rank)
+
+
+def _decode_document(doc: Any, where: str, doc_bytes: int) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointFormatError(f"{where} is not a ckptio metadata document (no 'format': 'ckptio')")
     version = doc.get("format_version")
@@ -72,7 +106,7 @@ def decode_metadata(raw: bytes, where: str) -> Manifest:
             "to load it"
         )
     try:
-        return decode_version_3(doc, where, len(raw)) if version >= 3 else decode_version_1(doc, where)
+        return decode_version_3(doc, where, doc_bytes) if version >= 3 else decode_version_1(doc, where)
     except CheckpointFormatError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:

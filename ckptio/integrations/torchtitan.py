@@ -165,8 +165,11 @@ class CheckpointManager(TorchtitanCheckpointManager):
             )
         writer = Writer(checkpoint_id, self.writer_config, storage_options=self.storage_options)
         planner = SavePlanner()
+        collectives = self.writer_config.use_collectives
         if async_mode == AsyncMode.ASYNC:
-            result = dcp.async_save(state_dict, storage_writer=writer, planner=planner, process_group=self.pg)
+            result = dcp.async_save(
+                state_dict, storage_writer=writer, planner=planner, process_group=self.pg, use_collectives=collectives
+            )
         elif async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
             result = dcp.async_save(
                 state_dict,
@@ -175,10 +178,11 @@ class CheckpointManager(TorchtitanCheckpointManager):
                 process_group=self.pg,
                 async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                 async_stager=self.stager,
+                use_collectives=collectives,
             )
         else:
             with raising_checkpoint_errors(f"saving {checkpoint_id}"):
-                result = dcp.save(state_dict, storage_writer=writer, planner=planner)
+                result = dcp.save(state_dict, storage_writer=writer, planner=planner, use_collectives=collectives)
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result

@@ -29,6 +29,7 @@ from ckptio.format.names import METADATA_NAME, TORCH_DCP_METADATA_NAME, parse_da
 from ckptio.format.records import Manifest, StoredItem
 from ckptio.format.versions import decode_metadata
 from ckptio.loading.fetch import load_jobs, prepared_jobs
+from ckptio.loading.fragment_set import FragmentsFound, complete_set, merged_metadata
 from ckptio.loading.read_once import DIRECT, load_group, read_once
 from ckptio.loading.safe_load import restore_objects_under_held_keys
 from ckptio.loading.shared_reads import (
@@ -151,7 +152,15 @@ class Reader(CheckpointLocation, StorageReader):
         if self.local_tier:
             raw = tiered_metadata_bytes(self._tier_store(), lambda: read_metadata_bytes(store), group, DIRECT)
         else:
-            raw = read_once(lambda: read_metadata_bytes(store), group, store.url, each_rank_reads=not reads_once(store))
+            try:
+                raw = read_once(
+                    lambda: read_metadata_bytes(store, merge=False),
+                    group,
+                    store.url,
+                    each_rank_reads=not reads_once(store),
+                )
+            except FragmentsFound:  # every rank got it: one merges for all
+                raw = read_once(lambda: read_metadata_bytes(store), group, store.url)
         return decode_metadata(raw, store.describe(METADATA_NAME))
 
     def _tier_store(self) -> FsspecStore:
@@ -343,12 +352,20 @@ def read_manifest(store: FsspecStore) -> Manifest:
     return decode_metadata(read_metadata_bytes(store), store.describe(METADATA_NAME))
 
 
-def read_metadata_bytes(store: FsspecStore) -> bytes:
-    """``ckptio.json`` as stored, or the error that says why there is none."""
+def read_metadata_bytes(store: FsspecStore, merge: bool = True) -> bytes:
+    """``ckptio.json`` as stored, else the merge of the fragments of a save without a coordinator
+    (``FragmentsFound`` instead, unless ``merge``), or the error that says why there is neither."""
     try:
         return store.read(METADATA_NAME)
     except FileNotFoundError:
-        raise _missing_metadata_error(store) from None
+        pass
+    names = store.list_names()
+    fragments = complete_set(store, names) if names else {}
+    if not fragments:
+        raise _missing_metadata_error(store, names) from None
+    if not merge:
+        raise FragmentsFound(f"{store.url} holds the fragments of a save without a coordinator")
+    return merged_metadata(store, fragments)
 
 
 def file_size_problems(store: FsspecStore, manifest: Manifest) -> dict[str, str]:
@@ -376,8 +393,7 @@ def check_file_sizes(store: FsspecStore, manifest: Manifest) -> None:
         )
 
 
-def _missing_metadata_error(store: FsspecStore) -> CheckpointError:
-    names = store.list_names()
+def _missing_metadata_error(store: FsspecStore, names: list[str] | None) -> CheckpointError:
     if names is None:
         return CheckpointNotFoundError(
             f"no checkpoint at {store.url}: the path does not exist (check the URL and bucket)"

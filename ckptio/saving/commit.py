@@ -1,39 +1,116 @@
-"""The commit policy: a checkpoint becomes loadable when its ``ckptio.json`` is published, and
-a committed checkpoint is replaced only when the save asked to overwrite it, in which case the
-old data files are deleted only after the new metadata has replaced the old."""
+"""The commit policy: a checkpoint becomes loadable when its ``ckptio.json`` is published (or, saved
+without a coordinator, when every rank's fragment is), and a committed checkpoint is replaced only
+when the save asked to overwrite it, in which case the old data files are deleted only after the new
+metadata has replaced the old."""
 
 from __future__ import annotations
 
 import logging
 
-from ckptio.errors import CheckpointExistsError, CheckpointFormatError, CheckpointNotFoundError, StorageError
+from ckptio.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    StorageError,
+)
 from ckptio.format.names import METADATA_NAME
-from ckptio.format.versions import decode_metadata
+from ckptio.format.versions import decode_fragment, decode_metadata
+from ckptio.loading.fragment_set import complete_set, merged_metadata
 from ckptio.storage import FsspecStore
 
 log = logging.getLogger(__name__)
 
 
 def check_target(store: FsspecStore, overwrite: bool) -> list[str]:
-    """Refuse to replace a committed checkpoint unless ``overwrite``; return the data files an
-    overwrite supersedes (to delete once the new checkpoint has committed)."""
+    """Refuse to replace a committed checkpoint (``ckptio.json``, or a complete set of fragments of a
+    save without a coordinator) unless ``overwrite``; return the files an overwrite supersedes (to
+    delete once the new checkpoint has committed)."""
     try:
         old = store.read(METADATA_NAME)
     except FileNotFoundError:
-        return []
+        return _superseded_fragments(store, overwrite)
     except CheckpointNotFoundError as exc:  # e.g. no such bucket: nowhere to save to
         raise StorageError(f"cannot save to {store.url}: {exc}") from None
     if not overwrite:
-        raise CheckpointExistsError(
-            f"{store.describe(METADATA_NAME)} already holds a committed checkpoint; save to a new path, "
-            "or pass overwrite=True (ckptio.Writer(path, overwrite=True) or WriterConfig(overwrite=True)) to "
-            "replace it (the old one stays loadable until the new one commits)"
-        )
+        raise _exists(store.describe(METADATA_NAME))
     try:
         return sorted(decode_metadata(old, store.describe(METADATA_NAME)).files)
     except CheckpointFormatError as exc:
         log.warning("ckptio: overwriting an unreadable checkpoint; its data files are left in place: %s", exc)
         return []
+
+
+def _exists(what: str) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"{what} already holds a committed checkpoint; save to a new path, or pass overwrite=True "
+        "(ckptio.Writer(path, overwrite=True) or WriterConfig(overwrite=True)) to replace it (the old one stays "
+        "loadable until the new one commits)"
+    )
+
+
+def _superseded_fragments(store: FsspecStore, overwrite: bool) -> list[str]:
+    """The fragments at ``store`` and their data files: a committed checkpoint when they form a complete
+    set (refused unless ``overwrite``); a cut-off save's left-overs otherwise (never loaded, left to gc)."""
+    try:
+        fragments = complete_set(store)
+    except CheckpointError:
+        return []
+    if not fragments:
+        return []
+    if not overwrite:
+        raise _exists(f"{store.url} (the fragments of a save without a coordinator)")
+    try:
+        files = decode_metadata(merged_metadata(store, fragments), store.url).files
+    except CheckpointError as exc:
+        log.warning("ckptio: overwriting unreadable fragments; their data files are left in place: %s", exc)
+        files = {}
+    return sorted(files) + sorted(fragments)
+
+
+def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
+    """Before a save without a coordinator (on its rank 0 alone): a committed ``ckptio.json`` there
+    would hide the fragments from every load, so it is refused, or with ``overwrite`` deleted with
+    its data files. (Each rank's fragment is created only if absent: ``publish_fragment``.)"""
+    try:
+        old = store.read(METADATA_NAME)
+    except FileNotFoundError:
+        return
+    if not overwrite:
+        raise _exists(store.describe(METADATA_NAME))
+    try:
+        files = sorted(decode_metadata(old, store.describe(METADATA_NAME)).files)
+    except CheckpointFormatError as exc:
+        log.warning("ckptio: overwriting an unreadable checkpoint; its data files are left in place: %s", exc)
+        files = []
+    store.remove(METADATA_NAME)
+    store.delete_best_effort(files)
+
+
+def publish_fragment(store: FsspecStore, name: str, document: bytes, files: dict[str, int], overwrite: bool) -> None:
+    """Commit one rank's fragment: created only if absent, or with ``overwrite`` replacing the one
+    an earlier save left (whose data files are then deleted)."""
+    store.prepare_directory()
+    if not overwrite:
+        try:
+            store.put_if_absent(name, document)
+        except FileExistsError:
+            store.delete_best_effort(sorted(files))
+            raise _exists(
+                f"{store.describe(name)} (this rank's fragment of an earlier save without a coordinator)"
+            ) from None
+        return
+    try:
+        old = decode_fragment(store.read(name), store.describe(name))[0].files
+    except FileNotFoundError:
+        old = {}
+    except CheckpointFormatError as exc:
+        log.warning("ckptio: overwriting an unreadable fragment; its data files are left in place: %s", exc)
+        old = {}
+    store.put_atomic(name, document)
+    stale = [file for file in old if file not in files]
+    if stale:
+        store.delete_best_effort(stale)
 
 
 def publish(store: FsspecStore, document: bytes, files: dict[str, int], superseded: list[str], overwrite: bool) -> None:
@@ -57,3 +134,22 @@ def publish(store: FsspecStore, document: bytes, files: dict[str, int], supersed
     stale = [name for name in superseded if name not in files]
     if stale:
         store.delete_best_effort(stale)
+
+
+def commit_merged(store: FsspecStore) -> dict[str, int] | None:
+    """``ckptio merge``: write the merge of a complete fragment set at ``store`` as its ``ckptio.json``
+    (created only if absent), so that loads read one document instead of merging; the fragments stay
+    (a later save there finds their names taken, as it finds a committed checkpoint). Returns the data
+    files of the merged checkpoint, or ``None`` when ``ckptio.json`` is already there."""
+    if store.exists(METADATA_NAME):
+        return None
+    fragments = complete_set(store)
+    if not fragments:
+        raise CheckpointNotFoundError(f"{store.url} holds no fragments of a save without a coordinator to merge")
+    document = merged_metadata(store, fragments)
+    files = decode_metadata(document, store.describe(METADATA_NAME)).files
+    try:
+        store.put_if_absent(METADATA_NAME, document)
+    except FileExistsError:
+        return None
+    return files

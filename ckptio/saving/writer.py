@@ -15,7 +15,7 @@ import os
 import time
 import uuid
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -26,12 +26,13 @@ from torch.futures import Future
 
 from ckptio.config import StorageConfig, WriterConfig
 from ckptio.errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, StorageError
-from ckptio.format.names import METADATA_NAME, ItemKind, data_file_name
+from ckptio.format.fragments import FragmentInfo, Replica
+from ckptio.format.names import METADATA_NAME, ItemKind, data_file_name, fragment_name
 from ckptio.format.records import Header, MeshRecord, SavedConfig, StoredItem
-from ckptio.format.versions import decode_metadata, encode_metadata
+from ckptio.format.versions import decode_fragment, decode_metadata, encode_metadata
 from ckptio.gc_pause import paused_gc
 from ckptio.saving import ordering, staging
-from ckptio.saving.commit import check_target, publish
+from ckptio.saving.commit import check_target, clear_for_fragments, publish, publish_fragment
 from ckptio.saving.consistency import (
     ObjectReport,
     attach_report,
@@ -41,7 +42,9 @@ from ckptio.saving.consistency import (
     value_digests,
 )
 from ckptio.saving.data_file import encode_items, item_bytes, pickled_objects
+from ckptio.saving.fragments import fragment_metadata, fragment_save_id
 from ckptio.saving.planning import Holdings, assign_writers
+from ckptio.saving.replicas import own_writes
 from ckptio.state.keys import canonical_planner_data, canonical_write_items
 from ckptio.storage.location import CheckpointLocation
 from ckptio.tiers import writing as tiers
@@ -151,22 +154,20 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         self._held: dict[MetadataIndex, WriteItem] | None = None  # stored key -> item; set in step 2, used in 4
         self._superseded: list[str] = []  # set in step 3, used in step 5 (coordinator)
         self._save_id: str | None = None  # set in step 4
+        self._fragment: FragmentSave | None = None  # set in step 1 when the save has no coordinator
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("use_collectives", True) is False:
-            raise CheckpointError(
-                "ckptio.Writer does not support dcp.save(..., use_collectives=False): every rank would commit "
-                f"its own {self.checkpoint_id}/ckptio.json and all but one rank's keys would be lost. Call "
-                "dcp.save with the default use_collectives=True"
-            )
         self.is_coordinator = is_coordinator
-        self._ticket = ordering.begin(self._ticket)  # waits for this process's previous save to return
-        if self.config.local_tier:  # a failed background upload of an earlier save is raised here
-            drain_queue().raise_failure()
         rank = kwargs.get("rank")
         if rank is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.rank = rank
+        self._fragment = None
+        if kwargs.get("use_collectives", True) is False:
+            self._fragment = self._fragment_of_save()
+        self._ticket = ordering.begin(self._ticket)  # waits for this process's previous save to return
+        if self.config.local_tier:  # a failed background upload of an earlier save is raised here
+            drain_queue().raise_failure()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self._save_id) if self.checkpoint_id else None
@@ -181,6 +182,10 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
 
     @paused_gc()
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self._fragment is not None:  # every rank, with its own plan alone
+            if self.is_coordinator:
+                clear_for_fragments(self._open_store(), self.config.overwrite)
+            return plans
         _check_same_location(plans)
         if self.config.local_tier:
             self._superseded = self._check_tiered_target()
@@ -205,6 +210,8 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         self._save_id = uuid.uuid4().hex[:16]
         file = data_file_name(self._save_id, self.rank, spread=self.config.key_prefix == "hash")
         held = self._held if self._held is not None else canonical_write_items(_cached_local_items(planner))
+        if self._fragment is not None:
+            return self._write_own_part(file, held, planner)
         planned_mode = getattr(plan.storage_data, "mode", None)
         if planned_mode not in (None, self.config.mode) and self.rank == 0:
             log.warning(
@@ -248,10 +255,14 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
 
     @paused_gc()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._fragment is not None:
+            self._commit_fragment(metadata, results[0])
+            return
         results, reports = split_reports(results)
         per_rank = per_rank_values(reports, self.config.differing_objects)
         items, files, writers = _written(results, reports)
-        header = _header(self.config, metadata, files, writers, reports, self._save_id, world_size=len(results))
+        mesh = next((r.mesh for r in reports if r.mesh), None)
+        header = _header(self.config, metadata, files, writers, mesh, self._save_id, world_size=len(results))
         metadata.planner_data = canonical_planner_data(metadata.planner_data)
         document = encode_metadata(metadata, items, header, per_rank)
         refuse_unloadable(document, self._open_store().describe(METADATA_NAME))
@@ -265,6 +276,60 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             )
         else:
             publish(self._open_store(), document, header.files, self._superseded, self.config.overwrite)
+        metadata.storage_meta = self.storage_meta()
+
+    # --- saves without a coordinator (``dcp.save(..., use_collectives=False)``) ------------------
+    def _fragment_of_save(self) -> FragmentSave:
+        """This rank's place in a save without a coordinator, or a clear refusal."""
+        if self.config.local_tier:
+            raise CheckpointError(
+                "ckptio does not combine a local tier (WriterConfig.local_tier) with dcp.save(..., "
+                "use_collectives=False): a tiered save commits through its coordinator. Save with collectives, "
+                "or without the local tier"
+            )
+        distributed = torch.distributed.is_initialized()
+        if distributed and self.rank != torch.distributed.get_rank():
+            raise CheckpointError(
+                f"ckptio saves without collectives over the default process group only (this rank is {self.rank} "
+                f"of the save's group and {torch.distributed.get_rank()} of the default one): pass no process_group"
+            )
+        ranks = torch.distributed.get_world_size() if distributed else 1
+        return FragmentSave(fragment_save_id(self.checkpoint_id), ranks)
+
+    def _write_own_part(
+        self, file: str, held: dict[MetadataIndex, WriteItem], planner: SavePlanner
+    ) -> Future[list[WriteResult]]:
+        """Write what this rank decides alone to write (``replicas.py``): its chunks no other rank
+        writes, and its own copy of every object and plain tensor."""
+        state = getattr(planner, "state_dict", None) or {}
+        own = own_writes(held, state, self.rank, self.config.mode)
+        self._fragment.replicas = own.replicas
+        self._fragment.mesh = MeshRecord.of(state)
+        stored = {}
+        if own.written:
+            store = self._open_store()
+            store.prepare_directory()
+            objects = pickled_objects(own.written, planner)
+            items = item_bytes(own.written, planner, objects)
+            stored = encode_items(store, file, items, self.config, self.config.inline_limit)
+        future: Future[list[WriteResult]] = Future()
+        future.set_result([WriteResult(index, record.stored_bytes, record) for index, record in stored.items()])
+        return future
+
+    def _commit_fragment(self, metadata: Metadata, results: list[WriteResult]) -> None:
+        """Commit this rank's fragment (``commit.publish_fragment``); the save is loadable once every
+        rank's is there."""
+        save = self._fragment
+        items, files, _ = _written([results], [])
+        writers = dict.fromkeys(files, self.rank)
+        header = _header(self.config, metadata, files, writers, save.mesh, save.save_id, world_size=save.ranks)
+        metadata.planner_data = canonical_planner_data(metadata.planner_data)
+        info = FragmentInfo(save.save_id, self.rank, save.ranks, tuple(sorted(save.replicas, key=_replica_order)))
+        document = encode_metadata(fragment_metadata(metadata, items), items, header, fragment=info)
+        name = fragment_name(self.rank, save.ranks)
+        store = self._open_store()
+        refuse_unloadable(document, store.describe(name), decode_fragment)
+        publish_fragment(store, name, document, files, self.config.overwrite)
         metadata.storage_meta = self.storage_meta()
 
     # --- tiered saves (``WriterConfig.local_tier``, ``ckptio/tiers``) ------------------------------
@@ -313,11 +378,11 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         return f"{self.checkpoint_id}#{self._save_id}"
 
 
-def refuse_unloadable(document: bytes, where: str) -> None:
+def refuse_unloadable(document: bytes, where: str, decode: Callable[[bytes, str], Any] = decode_metadata) -> None:
     """A save that reports success must load: its metadata goes through the decoder every load uses
     before it is committed, so a rule the encoder missed fails the save, not a later restart."""
     try:
-        decode_metadata(document, where)
+        decode(document, where)
     except CheckpointFormatError as exc:
         raise CheckpointError(
             f"this save's metadata would not load, so the save was not committed: {exc}. The state holds "
@@ -330,7 +395,7 @@ def _header(
     metadata: Metadata,
     files: dict[str, int],
     writers: dict[str, int],
-    reports: list[ObjectReport],
+    mesh: MeshRecord | None,
     save_id: str | None,
     world_size: int,
 ) -> Header:
@@ -341,7 +406,7 @@ def _header(
         created_unix=time.time(),
         save_id=save_id,
         world_size=world_size,
-        mesh=next((r.mesh for r in reports if r.mesh), None),
+        mesh=mesh,
         config=SavedConfig(config.mode, config.compression, config.max_block_size),
         writer_ranks=writers,
         dcp_version=metadata.version,
@@ -398,6 +463,21 @@ def _written(
     files.pop("", None)  # inline in ckptio.json
     writers.pop("", None)
     return items, files, writers
+
+
+@dataclasses.dataclass
+class FragmentSave:
+    """A rank's part in a save without a coordinator: the save's id (the same on every rank), how many
+    ranks save, and what ``write_data`` found for the fragment."""
+
+    save_id: str
+    ranks: int
+    replicas: list[Replica] = dataclasses.field(default_factory=list)
+    mesh: MeshRecord | None = None
+
+
+def _replica_order(replica: Replica) -> tuple:
+    return (replica.fqn, replica.offsets)
 
 
 _STORAGE_DATA = operator.attrgetter("storage_data")

@@ -28,6 +28,7 @@ from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError
 from ckptio.format.names import METADATA_NAME
 from ckptio.format.versions import decode_metadata
+from ckptio.loading.fragment_set import complete_set
 from ckptio.loading.read_once import read_on
 from ckptio.loading.together import fail_together
 from ckptio.storage import open_store
@@ -79,10 +80,18 @@ def latest(
 def _newest_durable(run: str, options: dict[str, Any], config: StorageConfig) -> str | None:
     store = open_store(run, options, config)
     for step in sorted(store.list_names() or [], key=step_order, reverse=True):
+        step_store = open_store(f"{run}/{step}", options, config)
         try:
-            open_store(f"{run}/{step}", options, config).read(METADATA_NAME)
+            step_store.read(METADATA_NAME)
             return step
-        except (FileNotFoundError, CheckpointError):
+        except FileNotFoundError:
+            pass
+        except CheckpointError:
+            continue
+        try:  # saved without a coordinator: committed once every rank's fragment is there
+            if complete_set(step_store):
+                return step
+        except CheckpointError:
             continue
     return None
 

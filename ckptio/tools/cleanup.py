@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, MixedFragmentsError
 from ckptio.format.names import METADATA_NAME, TORCH_DCP_METADATA_NAME, is_data_file_name
 from ckptio.format.records import Manifest
+from ckptio.loading.fragment_set import complete_set, fragments_in
 from ckptio.loading.reader import read_manifest
 from ckptio.storage import FsspecStore
 
@@ -32,10 +33,12 @@ def find_garbage(store: FsspecStore) -> Garbage:
     location is running right now, its files and uploads are listed too."""
     try:
         manifest: Manifest | None = read_manifest(store)
-    except (CheckpointNotFoundError, IncompleteCheckpointError):
+    except (CheckpointNotFoundError, IncompleteCheckpointError, MixedFragmentsError):
         manifest = None
     uploads = [(name, upload_id) for name, upload_id in store.open_uploads() if is_data_file_name(name)]
-    return Garbage(orphaned_files(store, manifest), uploads)
+    # the fragments of a save without a coordinator that never completed (or of two saves) go with their files
+    fragments = sorted(fragments_in(store.list_names() or [])) if manifest is None else []
+    return Garbage(fragments + orphaned_files(store, manifest), uploads)
 
 
 def collect_garbage(store: FsspecStore, garbage: Garbage) -> dict[str, str]:
@@ -60,17 +63,27 @@ COMMIT_MARKERS = {METADATA_NAME: "ckptio", TORCH_DCP_METADATA_NAME: "torch_dcp",
 
 
 def checkpoint_format(store: FsspecStore) -> str | None:
-    """``"ckptio"``, ``"torch_dcp"`` or ``"hf"`` for a committed checkpoint at ``store``; ``None``
-    if nothing there is loadable (absent, or a save that never committed)."""
-    return next((name for marker, name in COMMIT_MARKERS.items() if store.exists(marker)), None)
+    """``"ckptio"``, ``"torch_dcp"`` or ``"hf"`` for a committed checkpoint at ``store`` (for ckptio,
+    also a complete set of fragments of a save without a coordinator); ``None`` if nothing there is
+    loadable (absent, or a save that never committed)."""
+    found = next((name for marker, name in COMMIT_MARKERS.items() if store.exists(marker)), None)
+    if found is None:
+        try:
+            return "ckptio" if complete_set(store) else None
+        except CheckpointError:  # incomplete or mixed: not loadable
+            return None
+    return found
 
 
 def delete_checkpoint(store: FsspecStore) -> None:
-    """Remove the checkpoint at ``store`` completely. Its commit marker goes first, so a deletion
-    cut short leaves an uncommitted folder (never loadable, cleaned by ``gc``), not a committed
-    one with files missing; then every object under it and any unfinished multipart upload."""
+    """Remove the checkpoint at ``store`` completely. Its commit marker goes first (a fragment set's
+    commit is every fragment: rank 0's goes first), so a deletion cut short leaves an uncommitted folder
+    (never loadable, cleaned by ``gc``), not a committed one with files missing; then every object under
+    it and any unfinished multipart upload."""
     for marker in COMMIT_MARKERS:
         store.remove(marker)
+    for name in sorted(fragments_in(store.list_names() or [])):
+        store.remove(name)
     for name, upload_id in store.open_uploads():
         store.abort_upload(name, upload_id)
     store.remove_all()

@@ -83,13 +83,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     if _local_tier(args):
         return _gc_local_tier(args, _local_tier(args))
+    from ckptio.format.names import parse_fragment_name
     from ckptio.storage import open_store
     from ckptio.tools.cleanup import collect_garbage, find_garbage
 
     store = open_store(args.url, _storage_options(args))
     garbage = find_garbage(store)
     for name in garbage.files:
-        print(f"orphaned data file   {store.describe(name)}")
+        kind = "orphaned fragment  " if parse_fragment_name(name) else "orphaned data file "
+        print(f"{kind}  {store.describe(name)}")
     for name, upload_id in garbage.uploads:
         print(f"unfinished upload    {store.describe(name)}  (upload id {upload_id})")
     if not garbage.files and not garbage.uploads:
@@ -109,6 +111,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
             return 1
     else:
         print("run again with --delete to remove them (only while no save to this location is running)")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from ckptio.saving.commit import commit_merged
+    from ckptio.storage import open_store
+
+    store = open_store(args.url, _storage_options(args))
+    files = commit_merged(store)
+    if files is None:
+        print(f"{args.url} already has its ckptio.json: nothing to merge")
+    else:
+        print(f"{args.url}: merged its fragments into ckptio.json ({len(files)} data file(s))")
     return 0
 
 
@@ -236,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
         "and its unfinished drain is completed before the command exits (run it while no job of this run runs here)",
     )
     p.set_defaults(func=cmd_latest)
+    p = with_url(
+        sub.add_parser(
+            "merge",
+            help="write the ckptio.json of a checkpoint saved without a coordinator (dcp.save(..., "
+            "use_collectives=False)) from its ranks' fragments, so that loads read one document",
+        )
+    )
+    p.set_defaults(func=cmd_merge)
     p = with_url(
         sub.add_parser(
             "convert",

@@ -25,11 +25,6 @@ def _outcome(fn) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def save_without_collectives(url: str) -> str:
-    state = {f"rank{dist.get_rank()}.weight": torch.full((4,), float(dist.get_rank()))}
-    return _outcome(lambda: dcp.save(state, storage_writer=ckptio.Writer(url), use_collectives=False))
-
-
 def save_twice_with_plan_caching(url: str) -> tuple[list[str], list[str], list[str]]:
     """Two overwriting saves of one structure with torch's plan cache on: the data file names of
     each, and what the second save loaded back wrong."""

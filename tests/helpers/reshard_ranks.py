@@ -47,7 +47,9 @@ def save(case: dict[str, Any], url: str) -> None:
         key_prefix=case.get("key_prefix"),
     )
     writer = ckptio.Writer(url, config, storage_options=case.get("storage_options"))
-    dcp.save(_distributed(case, "save", zeros=False), storage_writer=writer)
+    dcp.save(
+        _distributed(case, "save", zeros=False), storage_writer=writer, use_collectives=case.get("collectives", True)
+    )
 
 
 def load_and_compare(case: dict[str, Any], url: str) -> list[str]:

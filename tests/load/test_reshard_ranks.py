@@ -1,7 +1,7 @@
 """Property: DTensors saved on any mesh and placement (1, 2 or 4 gloo ranks; 1-D and 2x2 meshes; Shard
 of any dimension, Replicate, two shards of one dimension) load exactly on any other, through plain
 ``dcp.save``/``dcp.load`` with ckptio's Writer and Reader, raw and zstd, any block size, shared reads
-on and off. Each example runs on spawned ranks, so CI draws a few and the slow marker more; a failing
+on and off, saved with a coordinator or without (``use_collectives=False``: each rank's fragment). Each example runs on spawned ranks, so CI draws a few and the slow marker more; a failing
 example is printed by hypothesis with the case that reproduces it."""
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def cases(draw):
         "max_block_size": draw(st.sampled_from([64, 256, 4096, 256 << 10])),
         "dedup_reads": draw(st.sampled_from([False, True, "auto"])),
         "key_prefix": draw(st.sampled_from([None, "hash"])),
+        "collectives": draw(st.booleans()),  # False: a save without a coordinator, merged on load
         "seed": draw(st.integers(0, 2**16)),
     }
 

@@ -15,14 +15,6 @@ from tests.helpers.harness import spawn
 
 
 # --- silent data loss or wrong values -------------------------------------------------------------
-def test_use_collectives_false_is_refused_on_every_rank_before_anything_is_written(tmp_path):
-    url = str(tmp_path / "ckpt")
-    outcomes = spawn(2, findings.save_without_collectives, url)
-    for outcome in outcomes:
-        assert outcome.startswith("CheckpointError") and "use_collectives=False" in outcome, outcome
-    assert not os.path.exists(url) or os.listdir(url) == []
-
-
 def test_plan_caching_never_reuses_the_committed_checkpoints_data_files(tmp_path):
     url = str(tmp_path / "ckpt")
     results = spawn(2, findings.save_twice_with_plan_caching, url)

@@ -1,0 +1,304 @@
+"""A save without a coordinator (``dcp.save(..., use_collectives=False)``): each rank's metadata
+fragment, and the one rule that merges a complete set of them into an ordinary checkpoint's metadata.
+
+Each rank commits ``ckptio.rank-<r>-of-<n>.json`` (``names.fragment_name``): a metadata document of
+the items it wrote, like ``ckptio.json``, plus a ``fragment`` field::
+
+    "fragment": {"save_id": "9f0c...", "rank": 3, "ranks": 8,
+                 "replicas": {"keys": ["model.w", ...], "offsets": [[0, 0], ...], "writers": [1, ...]}}
+
+``save_id`` is the same on every rank of one save and differs between saves; ``replicas`` lists the
+chunks this rank holds but left to another rank (``writers``), decided from the placements every
+holder sees alike. The checkpoint is committed when all ``ranks`` fragments of one save are present;
+``merge`` then checks the set (one save, every rank once, one rank count, every replica written by
+its writer) and joins the fragments' keys, chunks, items and files. Items several ranks wrote under
+one key (objects and plain tensors: no rank knows who else holds them, so every holder stores its own)
+are kept once when they are equal; objects that differ are kept per rank, as
+``WriterConfig(differing_objects="keep_per_rank")`` keeps them; plain tensors that differ are refused,
+as a save with a coordinator refuses them.
+
+No I/O here: ``loading/fragment_set.py`` lists and reads the fragments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from ckptio.errors import CheckpointFormatError, IncompleteCheckpointError, MixedFragmentsError, PerRankStateError
+from ckptio.format.names import FragmentName, fragment_name
+from ckptio.format.records import Header, Manifest, StoredItem
+from ckptio.format.rules import require_count, require_counts
+
+#: The field of a fragment document that makes it one.
+FRAGMENT_FIELD = "fragment"
+_SAVE_ID = re.compile("[0-9a-f]{16,64}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Replica:
+    """A chunk a rank holds and another rank writes."""
+
+    fqn: str
+    offsets: tuple[int, ...]
+    writer: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FragmentInfo:
+    """A fragment's own record: which save it belongs to, whose it is, and what it left to others."""
+
+    save_id: str
+    rank: int
+    ranks: int
+    replicas: tuple[Replica, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "save_id": self.save_id,
+            "rank": self.rank,
+            "ranks": self.ranks,
+            "replicas": {
+                "keys": [r.fqn for r in self.replicas],
+                "offsets": [list(r.offsets) for r in self.replicas],
+                "writers": [r.writer for r in self.replicas],
+            },
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> "FragmentInfo":
+        if not isinstance(doc, dict):
+            raise CheckpointFormatError(f"{where} has no '{FRAGMENT_FIELD}' object; it is not a ckptio fragment")
+        save_id = doc.get("save_id")
+        if not isinstance(save_id, str) or not _SAVE_ID.fullmatch(save_id):
+            raise CheckpointFormatError(
+                f"{where}: the fragment's save_id must be 16-64 hex digits, got {save_id!r:.80}"
+            )
+        rank = require_count(doc.get("rank"), "the fragment's rank", where)
+        ranks = require_count(doc.get("ranks"), "the fragment's rank count", where)
+        if not rank < ranks:
+            raise CheckpointFormatError(f"{where}: fragment rank {rank} is not below its rank count {ranks}")
+        table = doc.get("replicas", {})
+        if not isinstance(table, dict):
+            raise CheckpointFormatError(f"{where}: the fragment's 'replicas' must be a JSON object")
+        keys, offsets, writers = (table.get(k, []) for k in ("keys", "offsets", "writers"))
+        if not (isinstance(keys, list) and isinstance(offsets, list) and isinstance(writers, list)):
+            raise CheckpointFormatError(f"{where}: the fragment's replicas must be three lists")
+        if not len(keys) == len(offsets) == len(writers):
+            raise CheckpointFormatError(f"{where}: the fragment's replica lists differ in length")
+        replicas = []
+        for fqn, box, writer in zip(keys, offsets, writers, strict=True):
+            if not isinstance(fqn, str) or not isinstance(box, list):
+                raise CheckpointFormatError(f"{where}: a fragment replica is not (key, [offsets], writer)")
+            writer = require_count(writer, f"the writer of replica {fqn!r:.80}", where)
+            if not writer < ranks:
+                raise CheckpointFormatError(f"{where}: replica {fqn!r:.80} names writer rank {writer} of {ranks}")
+            replicas.append(Replica(fqn, tuple(require_counts(box, where)), writer))
+        return cls(save_id, rank, ranks, tuple(replicas))
+
+
+@dataclasses.dataclass
+class Fragment:
+    """One rank's decoded fragment, and where it was read from."""
+
+    name: str
+    where: str
+    manifest: Manifest
+    info: FragmentInfo
+
+
+def check_set(named: dict[str, FragmentName], where: str) -> int:
+    """The rank count of the fragment set whose names are ``named`` (name -> its rank and count);
+    ``MixedFragmentsError`` when the names claim different rank counts, ``IncompleteCheckpointError``
+    naming the missing ranks when some are absent."""
+    counts: dict[int, list[int]] = {}
+    for parsed in named.values():
+        counts.setdefault(parsed.ranks, []).append(parsed.rank)
+    if len(counts) > 1:
+        shown = "; ".join(f"{n} ranks: fragments of ranks {_ranks(sorted(r))}" for n, r in sorted(counts.items()))
+        raise MixedFragmentsError(
+            f"{where} holds fragments of saves by different numbers of ranks ({shown}): saves without a "
+            "coordinator by different jobs wrote to one path. Load an earlier checkpoint, or delete this one "
+            "and save again"
+        )
+    ((ranks, present),) = counts.items()
+    missing = sorted(set(range(ranks)) - set(present))
+    if missing:
+        raise IncompleteCheckpointError(
+            f"{where} is incomplete: a save without a coordinator by {ranks} ranks committed the fragments of "
+            f"{ranks - len(missing)} ranks, and ranks {_ranks(missing)} never committed theirs (failed or killed "
+            "before the end of dcp.save). Load an earlier checkpoint"
+        )
+    return ranks
+
+
+def merge(fragments: list[Fragment], where: str) -> tuple[Metadata, dict, Header, dict[str, dict[int, StoredItem]]]:
+    """Join a complete set of fragments (one per rank, ``check_set`` passed) into what
+    ``versions.encode_metadata`` takes: DCP metadata, item records by ``(key, offsets or None)``,
+    the header, and the objects kept per rank."""
+    fragments = sorted(fragments, key=lambda f: f.info.rank)
+    _check_one_save(fragments, where)
+    state: dict[str, Any] = {}
+    chunks_seen: dict[str, dict[tuple[int, ...], Any]] = {}
+    planner_data: dict[str, Any] = {}
+    copies: dict[tuple[str, Any], dict[int, StoredItem]] = {}
+    files: dict[str, int] = {}
+    writers: dict[str, int] = {}
+    for fragment in fragments:
+        rank, manifest = fragment.info.rank, fragment.manifest
+        for fqn, md in manifest.metadata.state_dict_metadata.items():
+            _merge_key(state, chunks_seen, fqn, md, fragment.where)
+        for fqn, path in (manifest.metadata.planner_data or {}).items():
+            if planner_data.setdefault(fqn, path) != path:
+                raise MixedFragmentsError(
+                    f"{fragment.where} and an earlier fragment give key {fqn!r} different paths in the state "
+                    f"({list(planner_data[fqn])} and {list(path)}); the ranks saved differently shaped states"
+                )
+        for index, item in manifest.items.items():
+            copies.setdefault((index.fqn, index.offset), {})[rank] = item
+        for name, size in manifest.header.files.items():
+            if name in files:
+                raise MixedFragmentsError(
+                    f"{fragment.where} and the fragment of rank {writers[name]} both name data file {name}; one "
+                    "fragment was copied or renamed. Load an earlier checkpoint"
+                )
+            files[name] = size
+            writers[name] = manifest.header.writer_ranks.get(name, rank)
+    items, per_rank = _one_copy_each(copies, state, where)
+    _check_replicas(fragments, items, where)
+    first = fragments[0].manifest.header
+    header = dataclasses.replace(
+        first,
+        files=files,
+        writer_ranks=writers,
+        world_size=len(fragments),
+        created_unix=max(f.manifest.header.created_unix for f in fragments),
+        mesh=next((f.manifest.header.mesh for f in fragments if f.manifest.header.mesh), None),
+    )
+    metadata = Metadata(state_dict_metadata=state, planner_data=planner_data or None)
+    if first.dcp_version is not None:
+        metadata.version = first.dcp_version
+    return metadata, items, header, per_rank
+
+
+def _check_one_save(fragments: list[Fragment], where: str) -> None:
+    for expected, fragment in enumerate(fragments):
+        info = fragment.info
+        if fragment.name != fragment_name(info.rank, info.ranks) or info.rank != expected:
+            raise MixedFragmentsError(
+                f"{fragment.where} says it is rank {info.rank}'s of {info.ranks}: one rank's fragment is there "
+                "twice (copied or renamed). Load an earlier checkpoint"
+            )
+    by_save: dict[str, list[int]] = {}
+    for fragment in fragments:
+        by_save.setdefault(fragment.info.save_id, []).append(fragment.info.rank)
+    if len(by_save) > 1:
+        shown = "; ".join(f"save {save}: ranks {_ranks(ranks)}" for save, ranks in by_save.items())
+        raise MixedFragmentsError(
+            f"{where} holds fragments of {len(by_save)} different saves ({shown}): a save to this path was cut "
+            "off on some ranks and another one overwrote the rest. It never loads; load an earlier checkpoint"
+        )
+
+
+def _merge_key(state: dict, chunks_seen: dict, fqn: str, md: Any, where: str) -> None:
+    known = state.get(fqn)
+    if known is None:
+        if isinstance(md, TensorStorageMetadata):
+            state[fqn] = TensorStorageMetadata(md.properties, md.size, list(md.chunks))
+            chunks_seen[fqn] = {tuple(c.offsets): c for c in md.chunks}
+        else:
+            state[fqn] = md
+        return
+    if isinstance(md, BytesStorageMetadata) or isinstance(known, BytesStorageMetadata):
+        if type(md) is not type(known):
+            raise MixedFragmentsError(f"{where} stores key {fqn!r} as {_kind(md)}, another fragment as {_kind(known)}")
+        return
+    if md.size != known.size or md.properties.dtype != known.properties.dtype:
+        raise MixedFragmentsError(
+            f"{where} stores key {fqn!r} as {md.properties.dtype} {list(md.size)}, another fragment as "
+            f"{known.properties.dtype} {list(known.size)}: the ranks saved different states under one key"
+        )
+    seen = chunks_seen[fqn]
+    for chunk in md.chunks:
+        other = seen.get(tuple(chunk.offsets))
+        if other is None:
+            seen[tuple(chunk.offsets)] = chunk
+            known.chunks.append(chunk)
+        elif other.sizes != chunk.sizes:
+            raise MixedFragmentsError(
+                f"{where} stores key {fqn!r} at {list(chunk.offsets)} with sizes {list(chunk.sizes)}, another "
+                f"fragment with {list(other.sizes)}"
+            )
+
+
+def _one_copy_each(
+    copies: dict[tuple[str, Any], dict[int, StoredItem]], state: dict[str, Any], where: str
+) -> tuple[dict[tuple[str, Any], StoredItem], dict[str, dict[int, StoredItem]]]:
+    """One record per item where every rank that stored it stored the same value (the lowest rank's);
+    objects whose values differ kept per rank; differing plain tensors refused."""
+    items: dict[tuple[str, Any], StoredItem] = {}
+    per_rank: dict[str, dict[int, StoredItem]] = {}
+    for key, by_rank in copies.items():
+        first = next(iter(by_rank.values()))
+        if len(by_rank) == 1 or all(_same_value(first, other) for other in by_rank.values()):
+            items[key] = first
+            continue
+        fqn = key[0]
+        if isinstance(state[fqn], BytesStorageMetadata):
+            per_rank[fqn] = dict(by_rank)
+            continue
+        groups: dict[Any, list[int]] = {}
+        for rank, item in by_rank.items():
+            groups.setdefault(_value_of(item), []).append(rank)
+        described = "; ".join(f"ranks {_ranks(ranks)}" for ranks in groups.values())
+        raise PerRankStateError(
+            f"{where}: the ranks saved different values under the plain tensor key {fqn!r} ({described} each "
+            "saved another value). A save with a coordinator refuses such a state; a save without one cannot "
+            "compare before it commits, so this checkpoint does not load. Save per-rank tensors under per-rank "
+            "keys (ckptio.PerRank) or as DTensors"
+        )
+    return items, per_rank
+
+
+def _value_of(item: StoredItem) -> tuple:
+    return (
+        item.kind,
+        item.dtype,
+        item.shape,
+        item.logical_bytes,
+        item.codec,
+        item.block_size,
+        item.blocks,
+        item.inline,
+    )
+
+
+def _same_value(a: StoredItem, b: StoredItem) -> bool:
+    if (a.kind, a.dtype, a.shape, a.logical_bytes) != (b.kind, b.dtype, b.shape, b.logical_bytes):
+        return False
+    if (a.codec, a.block_size) == (b.codec, b.block_size):
+        return a.blocks == b.blocks  # equal CRCs of equally encoded blocks
+    return False  # encoded differently (ranks with different settings): kept apart, never merged unchecked
+
+
+def _check_replicas(fragments: list[Fragment], items: dict, where: str) -> None:
+    """Every chunk a rank held and left to another must be stored (torch.Size keys hash as tuples)."""
+    for fragment in fragments:
+        for replica in fragment.info.replicas:
+            if (replica.fqn, replica.offsets) not in items:
+                raise IncompleteCheckpointError(
+                    f"{where}: rank {fragment.info.rank} holds key {replica.fqn!r} at {list(replica.offsets)} and left "
+                    f"it to rank {replica.writer}, whose fragment does not store it: the ranks disagreed about who "
+                    "writes it (different meshes or placements on different ranks?). Load an earlier checkpoint"
+                )
+
+
+def _kind(md: Any) -> str:
+    return "an object" if isinstance(md, BytesStorageMetadata) else "a tensor"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"{ranks[:16]}{' ...' if len(ranks) > 16 else ''}"

@@ -1,0 +1,62 @@
+"""The fragments of a save without a coordinator at a checkpoint location: found by one listing, read
+concurrently, merged into the metadata document every reader decodes (``versions.merge_fragments``).
+
+A location's ``ckptio.json``, when there is one, is what loads read: a save with a coordinator, or the
+fragments merged by ``ckptio merge``. Without it, a complete set of fragments of one save is the
+checkpoint; an incomplete or mixed set is refused by name.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+from ckptio.errors import CheckpointError
+from ckptio.format.fragments import check_set
+from ckptio.format.names import FragmentName, parse_fragment_name
+from ckptio.format.versions import merge_fragments
+from ckptio.storage import FsspecStore
+
+#: Fragments read at once (each a small GET: latency-bound, not bandwidth-bound).
+PARALLEL_READS = 64
+
+
+class FragmentsFound(CheckpointError):
+    """There is no ``ckptio.json`` but there are fragments: the ranks of a load that share their
+    metadata read hand this to each other, then merge on one rank (``Reader``)."""
+
+
+def fragments_in(names: list[str]) -> dict[str, FragmentName]:
+    """The fragment names among a location's names."""
+    return {name: parsed for name in names if (parsed := parse_fragment_name(name)) is not None}
+
+
+def complete_set(store: FsspecStore, names: list[str] | None = None) -> dict[str, FragmentName]:
+    """The fragments at ``store`` (``names``: its listing, if made), empty if there are none; raises
+    ``IncompleteCheckpointError`` (naming the missing ranks) or ``MixedFragmentsError`` unless they
+    form one complete set by name."""
+    found = fragments_in(store.list_names() or [] if names is None else names)
+    if found:
+        check_set(found, store.url)
+    return found
+
+
+def merged_metadata(store: FsspecStore, fragments: dict[str, FragmentName]) -> bytes:
+    """The metadata document of the complete set ``fragments`` (``complete_set``) at ``store``."""
+    ranks = next(iter(fragments.values())).ranks
+    workers = max(1, min(PARALLEL_READS, len(fragments)))
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckptio-fragments") as pool:
+        raws = dict(zip(fragments, pool.map(_read_fragment(store), fragments), strict=True))
+    return merge_fragments(raws, ranks, store.url)
+
+
+def _read_fragment(store: FsspecStore):
+    def read(name: str) -> bytes:
+        try:
+            return store.read(name)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{store.describe(name)} was listed but is gone: a save or delete at this path is running. "
+                "Load again once it has finished"
+            ) from None
+
+    return read

@@ -1,0 +1,173 @@
+"""Saves without a coordinator (``dcp.save(..., use_collectives=False)``, ``WriterConfig(use_collectives=
+False)``): no rank exchanges anything before the closing barrier; each commits a fragment; the set loads
+like any checkpoint, resharded, by every reader and tool; incomplete, mixed or duplicated sets are
+refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import ckptio
+from ckptio.format.names import METADATA_NAME, fragment_name, parse_data_file_name
+from ckptio.storage import open_store
+from ckptio.tools.cli import main as cli_main
+from tests.helpers import fragment_ranks
+from tests.helpers.harness import run_ranks, spawn
+
+HSDP = {"model.w": [("R",), ("S", 0)], "model.e": [("S", 1), ("S", 0)]}
+CASE = {"save_world": 4, "save_mesh": [2, 2], "save_placements": HSDP, "seed": 11, "max_block_size": 1024}
+LOADS = {
+    "1x4": (4, [1, 4], {"model.w": [("R",), ("S", 1)], "model.e": [("S", 0), ("S", 2)]}),
+    "4x1": (4, [4, 1], {"model.w": [("S", 0), ("R",)], "model.e": [("R",), ("S", 1)]}),
+    "one process": (1, [1], {"model.w": [("R",)], "model.e": [("R",)]}),
+}
+
+
+def _files(url: str) -> list[str]:
+    return sorted(open_store(url).list_sizes())
+
+
+def _load_everywhere(url: str, case: dict, through: str = "dcp") -> None:
+    for name, (world, mesh, placements) in LOADS.items():
+        loading = {**case, "load_mesh": mesh, "load_placements": placements}
+        assert spawn(world, fragment_ranks.load_and_compare, url, loading, through) == [[]] * world, name
+
+
+@pytest.mark.parametrize("mode", ["replica_group", "all_ranks"])
+def test_saved_on_2x2_without_collectives_loads_on_1x4_4x1_and_one_process(tmp_path, mode):
+    url = str(tmp_path / "ckpt")
+    case = {**CASE, "mode": mode, "compression": "zstd", "dedup": mode == "all_ranks"}
+    exchanges = spawn(4, fragment_ranks.save, url, case)
+    assert exchanges == [{}] * 4  # nothing but the closing barrier
+    files = _files(url)
+    assert [f for f in files if f.startswith("ckptio.")] == [fragment_name(r, 4) for r in range(4)]
+    writers = sorted(parse_data_file_name(f).rank for f in files if parse_data_file_name(f))
+    # model.w (640x64 fp32, 80 KiB per shard) replicated across the 2 groups: written once; model.e sharded
+    # 4 ways (420 B per rank) and every rank's small objects go inline into its fragment
+    assert writers == [0, 1], files
+    _load_everywhere(url, case, through="dcp" if mode == "all_ranks" else "ckptio")
+
+
+@pytest.mark.slow
+def test_saved_on_4x2_without_collectives_loads_on_1x4_4x1_and_one_process(tmp_path):
+    url = str(tmp_path / "ckpt")
+    case = {**CASE, "save_world": 8, "save_mesh": [4, 2], "mode": "all_ranks"}
+    assert spawn(8, fragment_ranks.save, url, case) == [{}] * 8
+    _load_everywhere(url, case)
+
+
+def test_objects_saved_per_rank_under_one_key_are_kept_per_rank(tmp_path):
+    url = str(tmp_path / "ckpt")
+    spawn(4, fragment_ranks.save, url, CASE)
+    manifest = ckptio.Reader(url).prefetch_metadata()
+    assert sorted(manifest.per_rank) == ["rng.seed"] and sorted(manifest.per_rank["rng.seed"]) == [0, 1, 2, 3]
+    assert "lr" not in manifest.per_rank and "optim.step" not in manifest.per_rank  # equal: kept once
+    with pytest.raises(ckptio.PerRankStateError, match="'rng.seed' was saved with one value per rank by 4 ranks"):
+        ckptio.load({"rng": {"seed": 0}}, url)
+
+
+def _copy(src: str, dst: str, name: str) -> None:
+    shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+
+
+def test_incomplete_mixed_and_duplicated_fragment_sets_are_refused_by_name(tmp_path):
+    a, b, two = (str(tmp_path / name) for name in ("a", "b", "two"))
+    spawn(4, fragment_ranks.save, a, CASE)
+    spawn(4, fragment_ranks.save, b, CASE)
+    spawn(2, fragment_ranks.save, two, {**CASE, "save_world": 2, "save_mesh": [1, 2]})
+
+    probe = str(tmp_path / "probe")
+    shutil.copytree(a, probe)
+    os.remove(os.path.join(probe, fragment_name(2, 4)))
+    with pytest.raises(ckptio.IncompleteCheckpointError, match=r"ranks \[2\] never committed theirs"):
+        ckptio.Reader(probe).prefetch_metadata()
+    assert ckptio.latest(str(tmp_path)) != f"{tmp_path}/probe"
+
+    _copy(a, probe, fragment_name(3, 4))  # rank 3's fragment under rank 2's name
+    os.rename(os.path.join(probe, fragment_name(3, 4)), os.path.join(probe, fragment_name(2, 4)))
+    _copy(a, probe, fragment_name(3, 4))
+    with pytest.raises(ckptio.MixedFragmentsError, match="says it is rank 3's of 4"):
+        ckptio.Reader(probe).prefetch_metadata()
+
+    shutil.rmtree(probe)
+    shutil.copytree(a, probe)
+    for name in os.listdir(b):  # rank 0's fragment (and its files) from another save
+        if name == fragment_name(0, 4) or parse_data_file_name(name):
+            _copy(b, probe, name)
+    with pytest.raises(ckptio.MixedFragmentsError, match="fragments of 2 different saves"):
+        ckptio.Reader(probe).prefetch_metadata()
+
+    shutil.rmtree(probe)
+    shutil.copytree(a, probe)
+    _copy(two, probe, fragment_name(0, 2))
+    with pytest.raises(ckptio.MixedFragmentsError, match=r"different numbers of ranks \(2 ranks: .*4 ranks"):
+        ckptio.Reader(probe).prefetch_metadata()
+
+
+def test_a_save_killed_on_one_rank_stays_incomplete_and_the_previous_step_loads(tmp_path):
+    run = str(tmp_path / "run")
+    # the survivors' closing barrier waits for the dead rank until the group's timeout
+    outcomes = run_ranks(4, fragment_ranks.save_then_die_on_rank, run, CASE, 1, env={"CKPTIO_TEST_PG_TIMEOUT": "6"})
+    assert outcomes[1][0] == "died" and all(status == "ok" for status, _ in outcomes[:1] + outcomes[2:]), outcomes
+    fragments = [n for n in os.listdir(f"{run}/step-2") if n.startswith("ckptio.")]
+    assert sorted(fragments) == [fragment_name(r, 4) for r in (0, 2, 3)]
+    with pytest.raises(ckptio.IncompleteCheckpointError, match=r"ranks \[1\] never committed"):
+        ckptio.load({"lr": 0.0}, f"{run}/step-2")
+    assert ckptio.latest(run) == f"{run}/step-1"
+    loaded = {"lr": 0.0, "optim.step": torch.tensor(0.0)}
+    ckptio.load(loaded, f"{run}/step-1")
+    assert loaded == {"lr": 0.5, "optim.step": torch.tensor(11.0)}
+    assert cli_main(["gc", f"{run}/step-2", "--delete"]) == 0
+    assert os.listdir(f"{run}/step-2") == []
+
+
+def test_saving_again_without_overwrite_is_refused_on_every_rank_and_with_it_replaces(tmp_path):
+    url = str(tmp_path / "ckpt")
+    outcomes = spawn(4, fragment_ranks.save_twice, url, CASE)
+    assert all(o[0].startswith("CheckpointExistsError") for o in outcomes), outcomes
+    before = _files(url)
+    spawn(4, fragment_ranks.save, url, {**CASE, "overwrite": True, "seed": 12})
+    after = _files(url)
+    assert [f for f in after if f.startswith("ckptio.")] == [fragment_name(r, 4) for r in range(4)]
+    assert not {f for f in before if parse_data_file_name(f)} & set(after)  # the old data files went
+    _load_everywhere(url, {**CASE, "seed": 12})
+    with pytest.raises(ckptio.CheckpointExistsError, match="fragments of a save without a coordinator"):
+        ckptio.save({"x": torch.ones(3)}, url)  # a save with a coordinator over it, too
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_fragment_checkpoint_through_every_reader_and_cli_verb(where, tmp_path, request, capsys):
+    if where == "local":
+        url, options, cli = str(tmp_path / "ckpt"), None, []
+    else:
+        base, options = request.getfixturevalue("s3")
+        url, cli = f"{base}/ckpt", ["--endpoint-url", options["client_kwargs"]["endpoint_url"]]
+    case = {**CASE, "save_world": 2, "save_mesh": [1, 2], "key_prefix": "hash", "storage_options": options}
+    case["per_rank"] = False  # convert and export take one value per key
+    case["save_placements"] = {"model.w": [("R",), ("S", 1)], "model.e": [("R",), ("S", 0)]}
+    spawn(2, fragment_ranks.save, url, case)
+    store = open_store(url, options)
+    assert not store.exists(METADATA_NAME)
+    assert spawn(1, fragment_ranks.load_and_compare, url, {**case, **_one_process()}, "ckptio") == [[]]
+    assert cli_main(["verify", "-q", url, *cli]) == 0 and "every checksum matches" in capsys.readouterr().out
+    assert cli_main(["inspect", url, *cli]) == 0 and "model.e" in capsys.readouterr().out
+    assert cli_main(["convert", url, str(tmp_path / "plain.pt"), *cli]) == 0
+    plain = torch.load(tmp_path / "plain.pt", weights_only=True)
+    assert torch.equal(plain["model.w"], fragment_ranks.full(11)["model.w"])
+    assert cli_main(["gc", url, *cli]) == 0 and "nothing left over" in capsys.readouterr().out
+
+    assert cli_main(["merge", url, *cli]) == 0 and "merged its fragments" in capsys.readouterr().out
+    doc = json.loads(store.read(METADATA_NAME))
+    assert doc["world_size"] == 2 and doc["files"]["key_prefix"] == "sha256-2"
+    assert cli_main(["merge", url, *cli]) == 0 and "already has its ckptio.json" in capsys.readouterr().out
+    assert spawn(1, fragment_ranks.load_and_compare, url, {**case, **_one_process()}, "dcp") == [[]]
+
+
+def _one_process() -> dict:
+    world, mesh, placements = LOADS["one process"]
+    return {"load_mesh": mesh, "load_placements": placements}
