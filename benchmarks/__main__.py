@@ -290,7 +290,12 @@ def _scale_section(args) -> list[dict]:
 
     from . import scale
 
-    with tqdm(total=len(args.scale) * len(scale.LAYOUTS) * 2, desc="scale", disable=args.quiet, file=sys.stderr) as bar:
+    with tqdm(
+        total=len(args.scale) * len(scale.LAYOUTS) * len(scale.WRITERS),
+        desc="scale",
+        disable=args.quiet,
+        file=sys.stderr,
+    ) as bar:
         return scale.run(args.scale, progress=lambda what: (bar.set_postfix_str(what), bar.update()))
 
 

@@ -357,7 +357,9 @@ def plan_table(rows: list[dict], markdown: bool = False) -> str:
 
 def scale_table(rows: list[dict], markdown: bool = False) -> str:
     """``--scale``: the coordinator's seconds and the metadata bytes, per layout, size and writer;
-    "us/item" divides the three phases by the items of all local plans (flat when growth is linear)."""
+    "us/item" divides the three phases by the items of all local plans (flat when growth is linear).
+    Rows without a coordinator: global plan and finish are the slowest rank's own, decode is the merge
+    of the fragments on load, and the memory is one rank's (traced) instead of the coordinator's."""
     if not rows:
         return ""
     header = [
@@ -374,6 +376,7 @@ def scale_table(rows: list[dict], markdown: bool = False) -> str:
         "read per load MiB",
         "plans gathered MiB",
         "peak RSS GiB",
+        "one rank's peak MiB",
     ]
     cells = []
     for r in rows:
@@ -392,7 +395,8 @@ def scale_table(rows: list[dict], markdown: bool = False) -> str:
                 f"{r['metadata_bytes'] / r['items']:.0f}",
                 _mib(r.get("metadata_read_bytes", r["metadata_bytes"])),
                 _mib(r["gathered_plan_bytes"]),
-                f"{r['peak_rss_bytes'] / (1 << 30):.2f}",
+                f"{r['peak_rss_bytes'] / (1 << 30):.2f}" if "rank_peak_bytes" not in r else "-",
+                _mib(r["rank_peak_bytes"]) if "rank_peak_bytes" in r else "-",
             ]
         )
     return _grid(header, cells, markdown)

@@ -40,6 +40,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import usage_error
 
 LAYOUTS = ("hsdp", "fsdp", "fsdp_tp")
+#: Simulated per point: ckptio and torch with a coordinator, ckptio without (``dcp.save(..., use_collectives=False)``).
+WRITERS = ("ckptio", "torch", "ckptio no-coordinator")
 HSDP_SHARDS = 128
 TP = 8
 VOCAB, DIM, KV_DIM, FFN = 32000, 8192, 1024, 28672
@@ -280,6 +282,99 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
     }
 
 
+def simulate_without_coordinator(layout: str, ranks: int, layers: int) -> dict:
+    """ckptio saving without collectives: every rank plans, writes and commits its own fragment from its
+    own plan alone (timed per rank, all ranks run in turn; one rank's peak Python memory traced), then
+    one loading rank lists, reads and merges the fragments and decodes the result (``decode``)."""
+    import tracemalloc
+
+    import ckptio
+    from ckptio.format.fragments import Replica
+    from ckptio.format.versions import decode_metadata
+    from ckptio.loading.reader import read_metadata_bytes
+    from ckptio.saving.replicas import _writers
+    from ckptio.saving.writer import FragmentSave
+    from ckptio.storage import open_store
+
+    plans = local_plans(layout, ranks, layers)
+    items = sum(len(p.items) for p in plans)
+    # who holds each DTensor chunk: the ranks whose plans name it (replicas compute it from the mesh)
+    holders: dict[MetadataIndex, list[int]] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            if item.type == WriteItemType.SHARD:
+                holders.setdefault(item.index, []).append(rank)
+    plan_s, finish_s, peak = [], [], 0
+    with tempfile.TemporaryDirectory(prefix="ckptio-scale-") as root:
+        path = os.path.join(root, "ckpt")
+        for rank, plan in enumerate(plans):
+            traced = rank == 0
+            if traced:
+                tracemalloc.start()
+            start = time.perf_counter()
+            writer = ckptio.Writer(path)
+            writer.set_up_storage_writer(rank == 0, rank=rank)
+            writer._fragment = FragmentSave("0123456789abcdef0123456789abcdef", ranks)
+            local = writer.prepare_local_plan(plan)
+            planner = _ckptio_planner()
+            planner.is_coordinator = True
+            (final,), metadata = planner.create_global_plan([local])
+            writer.prepare_global_plan([final])
+            shared: dict[tuple[int, ...], list] = {}
+            written = []
+            for item in final.items:
+                ranks_holding = tuple(holders.get(item.index, (rank,)))
+                if len(ranks_holding) == 1:
+                    written.append(item)
+                else:
+                    shared.setdefault(ranks_holding, []).append((item.index, item))
+            replicas = []
+            for ranks_holding, pairs in shared.items():
+                for (index, item), who in zip(pairs, _writers(ranks_holding, pairs, "all_ranks"), strict=True):
+                    if who == rank:
+                        written.append(item)
+                    else:
+                        replicas.append(Replica(index.fqn, tuple(index.offset or ()), who))
+            plan_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            results, offset = [], 0
+            for item in written:
+                result = _ckptio_result(item, rank, offset, writer.config.max_block_size)
+                offset += result.size_in_bytes
+                results.append(result)
+            writer._fragment.replicas = replicas
+            writer.finish(metadata, [results])
+            finish_s.append(time.perf_counter() - start)
+            if traced:
+                peak = tracemalloc.get_traced_memory()[1]
+                tracemalloc.stop()
+        del plans, holders
+        fragment_bytes = sum(e.stat().st_size for e in os.scandir(path) if e.name.startswith("ckptio."))
+        seconds: dict[str, float] = {}
+        with _timed(seconds, "decode"):
+            store = open_store(path)
+            decoded = decode_metadata(read_metadata_bytes(store), path).metadata
+            _resolve_first_chunks(decoded)
+    plan_s.sort()
+    finish_s.sort()
+    return {
+        "writer": "ckptio no-coordinator",
+        "layout": layout,
+        "ranks": ranks,
+        "layers": layers,
+        "items": items,
+        # no coordinator: the slowest rank's own planning and commit
+        "global_plan_s": plan_s[-1],
+        "finish_s": finish_s[-1],
+        "rank_median_s": plan_s[len(plan_s) // 2] + finish_s[len(finish_s) // 2],
+        "decode_s": seconds["decode"],
+        "metadata_bytes": fragment_bytes,
+        "metadata_read_bytes": fragment_bytes,  # the fragments, read once per load
+        "gathered_plan_bytes": 0,
+        "rank_peak_bytes": peak,
+    }
+
+
 def _ckptio_planner():
     import ckptio
 
@@ -316,7 +411,7 @@ def run(points: list[tuple[int, int]], progress: Callable[[str], None] = lambda 
     rows = []
     for layout in LAYOUTS:
         for ranks, layers in points:
-            for writer in ("ckptio", "torch"):
+            for writer in WRITERS:
                 progress(f"{writer} {layout} {ranks} ranks x {layers} layers")
                 with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                     rows.append(pool.submit(_simulate_with_peak, writer, layout, ranks, layers).result())
@@ -326,6 +421,9 @@ def run(points: list[tuple[int, int]], progress: Callable[[str], None] = lambda 
 def _simulate_with_peak(writer: str, layout: str, ranks: int, layers: int) -> dict:
     import resource
 
-    row = simulate(writer, layout, ranks, layers)
+    if writer == "ckptio no-coordinator":
+        row = simulate_without_coordinator(layout, ranks, layers)
+    else:
+        row = simulate(writer, layout, ranks, layers)
     row["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return row

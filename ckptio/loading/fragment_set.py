@@ -14,6 +14,7 @@ from ckptio.errors import CheckpointError
 from ckptio.format.fragments import check_set
 from ckptio.format.names import FragmentName, parse_fragment_name
 from ckptio.format.versions import merge_fragments
+from ckptio.gc_pause import paused_gc
 from ckptio.storage import FsspecStore
 
 #: Fragments read at once (each a small GET: latency-bound, not bandwidth-bound).
@@ -40,6 +41,7 @@ def complete_set(store: FsspecStore, names: list[str] | None = None) -> dict[str
     return found
 
 
+@paused_gc()
 def merged_metadata(store: FsspecStore, fragments: dict[str, FragmentName]) -> bytes:
     """The metadata document of the complete set ``fragments`` (``complete_set``) at ``store``."""
     ranks = next(iter(fragments.values())).ranks

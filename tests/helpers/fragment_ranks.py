@@ -88,7 +88,10 @@ def save(url: str, case: dict[str, Any], values: dict[str, Any] | None = None, p
         values = state(case["save_mesh"], case["save_placements"], case["seed"], per_rank=case.get("per_rank", True))
     writer = ckptio.Writer(url, config, storage_options=case.get("storage_options"))
     with counted_exchanges() as counts:
-        dcp.save(values, storage_writer=writer, planner=planner, use_collectives=False)
+        if case.get("async"):
+            dcp.async_save(values, storage_writer=writer, planner=planner, use_collectives=False).result()
+        else:
+            dcp.save(values, storage_writer=writer, planner=planner, use_collectives=False)
     return counts
 
 

@@ -1,8 +1,9 @@
 """Property: DTensors saved on any mesh and placement (1, 2 or 4 gloo ranks; 1-D and 2x2 meshes; Shard
 of any dimension, Replicate, two shards of one dimension) load exactly on any other, through plain
 ``dcp.save``/``dcp.load`` with ckptio's Writer and Reader, raw and zstd, any block size, shared reads
-on and off, saved with a coordinator or without (``use_collectives=False``: each rank's fragment). Each example runs on spawned ranks, so CI draws a few and the slow marker more; a failing
-example is printed by hypothesis with the case that reproduces it."""
+on and off, saved with a coordinator or without (``use_collectives=False``: each rank's fragment).
+Each example runs on spawned ranks, so CI draws a few and the slow marker more; a failing example is
+printed by hypothesis with the case that reproduces it."""
 
 from __future__ import annotations
 

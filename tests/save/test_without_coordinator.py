@@ -53,6 +53,17 @@ def test_saved_on_2x2_without_collectives_loads_on_1x4_4x1_and_one_process(tmp_p
     _load_everywhere(url, case, through="dcp" if mode == "all_ranks" else "ckptio")
 
 
+def test_dcp_async_save_without_collectives_loads_resharded(tmp_path):
+    url = str(tmp_path / "ckpt")
+    case = {**CASE, "async": True, "mode": "replica_group"}
+    assert spawn(4, fragment_ranks.save, url, case) == [{}] * 4
+    world, mesh, placements = LOADS["1x4"]
+    assert (
+        spawn(world, fragment_ranks.load_and_compare, url, {**case, "load_mesh": mesh, "load_placements": placements})
+        == [[]] * 4
+    )
+
+
 @pytest.mark.slow
 def test_saved_on_4x2_without_collectives_loads_on_1x4_4x1_and_one_process(tmp_path):
     url = str(tmp_path / "ckpt")

@@ -1,0 +1,153 @@
+"""The fragments of a save without a coordinator as untrusted input (``format/fragments.py``): every
+field of a fragment's own record checked, and a set that does not form one save refused by name.
+Fragments are crafted from a one-process save without collectives (one fragment, its items inline)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import ckptio
+from ckptio.format.names import fragment_name, parse_fragment_name
+
+STATE = {"w": torch.arange(8.0), "meta": {"x": 1}}
+
+
+def _saved(tmp_path) -> str:
+    url = str(tmp_path / "ckpt")
+    ckptio.save(STATE, url, ckptio.WriterConfig(use_collectives=False))
+    assert os.listdir(url) == [fragment_name(0, 1)]  # everything inline: no data file
+    return url
+
+
+def _doc(url: str, name: str) -> dict:
+    with open(os.path.join(url, name)) as f:
+        return json.load(f)
+
+
+def _write(url: str, name: str, doc: dict) -> None:
+    with open(os.path.join(url, name), "w") as f:
+        json.dump(doc, f)
+
+
+def _as_two_ranks(url: str, edit=lambda rank, doc: None) -> None:
+    """The one fragment turned into a set of two (rank 1's a copy of rank 0's), each edited by ``edit``."""
+    doc = _doc(url, fragment_name(0, 1))
+    os.remove(os.path.join(url, fragment_name(0, 1)))
+    for rank in (0, 1):
+        copy = json.loads(json.dumps(doc))
+        copy["fragment"].update(rank=rank, ranks=2)
+        edit(rank, copy)
+        _write(url, fragment_name(rank, 2), copy)
+
+
+def _load_error(url: str) -> ckptio.CheckpointError:
+    with pytest.raises(ckptio.CheckpointError) as info:
+        ckptio.Reader(url).prefetch_metadata()
+    return info.value
+
+
+def test_a_one_process_save_without_collectives_is_one_fragment_and_loads(tmp_path):
+    url = _saved(tmp_path)
+    loaded = {"w": torch.zeros(8), "meta": {"x": 0}}
+    ckptio.load(loaded, url)
+    assert torch.equal(loaded["w"], STATE["w"]) and loaded["meta"] == {"x": 1}
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("save_id", "not-hex", "save_id must be 16-64 hex digits"),
+        ("save_id", 7, "save_id must be 16-64 hex digits"),
+        ("rank", 1, "fragment rank 1 is not below its rank count 1"),
+        ("rank", -1, "the fragment's rank must be a non-negative integer"),
+        ("ranks", True, "the fragment's rank count must be a non-negative integer"),
+        ("replicas", [], "'replicas' must be a JSON object"),
+        ("replicas", {"keys": ["w"], "offsets": [], "writers": [0]}, "replica lists differ in length"),
+        ("replicas", {"keys": ["w"], "offsets": [[0]], "writers": [5]}, "names writer rank 5 of 1"),
+        ("replicas", {"keys": [3], "offsets": [[0]], "writers": [0]}, "is not \\(key, \\[offsets\\], writer\\)"),
+        ("replicas", {"keys": ["w"], "offsets": [[-1]], "writers": [0]}, "non-negative integer"),
+    ],
+)
+def test_every_field_of_a_fragments_record_is_checked(tmp_path, field, value, message):
+    url = _saved(tmp_path)
+    doc = _doc(url, fragment_name(0, 1))
+    doc["fragment"][field] = value
+    _write(url, fragment_name(0, 1), doc)
+    error = _load_error(url)
+    assert isinstance(error, ckptio.CheckpointFormatError) and "ckptio.rank-00000-of-00001.json" in str(error)
+    assert __import__("re").search(message, str(error)), error
+
+
+def test_a_fragment_without_its_record_is_not_a_fragment(tmp_path):
+    url = _saved(tmp_path)
+    doc = _doc(url, fragment_name(0, 1))
+    del doc["fragment"]
+    _write(url, fragment_name(0, 1), doc)
+    assert "it is not a ckptio fragment" in str(_load_error(url))
+
+
+def test_a_replica_its_writer_did_not_store_is_refused(tmp_path):
+    url = _saved(tmp_path)
+    _as_two_ranks(url, lambda rank, doc: doc["fragment"]["replicas"].update(keys=["w"], offsets=[[4]], writers=[0]))
+    error = _load_error(url)
+    assert isinstance(error, ckptio.IncompleteCheckpointError)
+    assert "holds key 'w' at [4] and left it to rank 0, whose fragment does not store it" in str(error)
+
+
+def test_equal_copies_merge_and_differing_objects_are_kept_per_rank(tmp_path):
+    url = _saved(tmp_path)
+    _as_two_ranks(url)
+    manifest = ckptio.Reader(url).prefetch_metadata()
+    assert manifest.header.world_size == 2 and manifest.per_rank == {}
+
+
+def _differing_inline(key: str):
+    def edit(rank, doc):
+        if rank == 1:
+            table = doc["objects"] if key in doc["objects"]["keys"] else doc["tensors"]
+            table["crc32c"] = "IAAAAAA=="  # another value: another checksum
+
+    return edit
+
+
+def test_a_plain_tensor_two_ranks_saved_differently_is_refused(tmp_path):
+    url = _saved(tmp_path)
+    _as_two_ranks(url, _differing_inline("w"))
+    error = _load_error(url)
+    assert isinstance(error, ckptio.PerRankStateError)
+    assert "different values under the plain tensor key 'w' (ranks [0]; ranks [1]" in str(error)
+
+
+def test_two_fragments_naming_one_data_file_are_refused(tmp_path):
+    url = str(tmp_path / "ckpt")
+    ckptio.save({"w": torch.arange(70000.0)}, url, ckptio.WriterConfig(use_collectives=False))
+    _as_two_ranks(url)
+    error = _load_error(url)
+    assert isinstance(error, ckptio.MixedFragmentsError) and "both name data file data-" in str(error)
+
+
+def test_a_key_stored_as_a_tensor_and_as_an_object_is_refused(tmp_path):
+    url = _saved(tmp_path)
+
+    def edit(rank, doc):
+        if rank == 1:  # rank 1 holds no tensor "w", and its object "meta.x" is renamed "w"
+            del doc["tensors"]
+            doc["objects"]["keys"] = ["w"]
+            doc["objects"].pop("paths", None)
+            doc["planner_data"] = {"w": ["w"]}
+
+    _as_two_ranks(url, edit)
+    error = _load_error(url)
+    assert isinstance(error, ckptio.MixedFragmentsError) and "stores key 'w' as" in str(error)
+
+
+def test_fragment_names_are_parsed_exactly():
+    assert parse_fragment_name("ckptio.rank-00003-of-00008.json") == (3, 8)
+    assert parse_fragment_name("ckptio.rank-123456-of-200000.json") == (123456, 200000)
+    for name in ("ckptio.rank-8-of-8.json", "ckptio.rank-00008-of-00008.json", "ckptio.rank-00003-of-00008.json.tmp",
+                 "x/ckptio.rank-00003-of-00008.json", "ckptio.rank-0003-of-00008.json", None):  # fmt: skip
+        assert parse_fragment_name(name) is None, name
