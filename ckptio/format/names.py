@@ -28,9 +28,12 @@ from ckptio.errors import CheckpointFormatError
 
 FORMAT_NAME = "ckptio"
 #: The newest format this ckptio reads (``versions`` says how each is read, and which one a save writes).
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 #: The first format version whose data files may sit under spread key prefixes.
 SPREAD_KEYS_VERSION = 5
+#: The format version of a rank's fragment of a save without a coordinator (its tensors table may hold
+#: a key's one chunk that is part of the tensor: the ``boxed`` column).
+FRAGMENT_VERSION = 6
 #: Hex digits of a spread key prefix: 256 prefixes (S3 serves ~3,500 PUTs per second per partition).
 KEY_PREFIX_DIGITS = 2
 #: How version 5's ``files`` names the rule of its data files' key prefixes (``key_prefix``).

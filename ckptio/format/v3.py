@@ -177,10 +177,12 @@ def encode_document(
     writer_ranks: dict[str, int],
     block_size: int,
     tensor_table: bool = True,
+    boxed_chunks: bool = False,
 ) -> dict[str, Any]:
     """The version 3 fields (``files``, ``block_size``, ``planner_data``, ``keys``, ``objects``) from DCP's
     metadata, the stored item records by ``(key, chunk offsets or None)`` and the data files; with
-    ``tensor_table`` (version 4), whole tensors stored as one chunk go to the ``tensors`` table."""
+    ``tensor_table`` (version 4), whole tensors stored as one chunk go to the ``tensors`` table; with
+    ``boxed_chunks`` (version 6: fragments), so do keys of one chunk that is part of its tensor."""
     names = sorted(files)
     file_numbers = dict(zip(names, range(1, len(names) + 1), strict=True))
     file_numbers[""] = 0
@@ -189,7 +191,7 @@ def encode_document(
     # objects stored once go to one table (at thousands of ranks, mostly each rank's own data-loader key);
     # so do whole tensors (a state of many small tensors: norms, biases, step counters)
     objects = [fqn for fqn, md in state.items() if isinstance(md, BytesStorageMetadata) and not per_rank.get(fqn)]
-    tensors = [fqn for fqn, md in state.items() if tensor_table and _tabled(md)]
+    tensors = [fqn for fqn, md in state.items() if tensor_table and _tabled(md, boxed_chunks)]
     in_table = set(objects).union(tensors)
     keys: dict[str, Any] = {}
     for fqn, md in state.items():
@@ -214,7 +216,7 @@ def encode_document(
     return doc
 
 
-def _tabled(md: Any) -> bool:
+def _tabled(md: Any, boxed_chunks: bool = False) -> bool:
     """A tensor kept in the ``tensors`` table: of a few chunks, or of one that is all of it (the table
     stores no box for such a chunk). A key of many chunks keeps a ``keys`` record: its per-key columns
     store a dimension that every chunk spans whole as one number, where the table's flat boxes repeat it
@@ -223,7 +225,15 @@ def _tabled(md: Any) -> bool:
     if isinstance(md, BytesStorageMetadata) or not md.chunks:
         return False
     chunk = md.chunks[0]
+    if boxed_chunks:
+        return len(md.chunks) <= TABLE_MAX_CHUNKS
     return 1 < len(md.chunks) <= TABLE_MAX_CHUNKS or (chunk.sizes == md.size and not any(chunk.offsets))
+
+
+def _boxed(md: Any) -> bool:
+    """Whether a key's chunks need their boxes: several, or one that is not all of the tensor."""
+    chunk = md.chunks[0]
+    return len(md.chunks) > 1 or chunk.sizes != md.size or any(chunk.offsets)
 
 
 def _table_of(names: list[str], paths: dict[str, Any] | None) -> dict[str, Any]:
@@ -249,7 +259,8 @@ def _tensor_table(
     dtypes = [dtype_name(md.properties.dtype) for md in entries]
     kinds = sorted(set(dtypes))
     number = {name: i for i, name in enumerate(kinds)}
-    split = [md.chunks for md in entries if len(md.chunks) > 1]
+    boxed = [int(_boxed(md)) for md in entries]
+    split = [md.chunks for md, box in zip(entries, boxed, strict=True) if box]
     table = _table_of(names, paths)
     table.update(
         dtypes=kinds,
@@ -262,6 +273,8 @@ def _tensor_table(
         table["count"] = encode_column([len(md.chunks) for md in entries])
         table["offsets"] = encode_column([n for chunks in split for chunk in chunks for n in chunk.offsets])
         table["sizes"] = encode_column([n for chunks in split for chunk in chunks for n in chunk.sizes])
+    if any(box and len(md.chunks) == 1 for md, box in zip(entries, boxed, strict=True)):
+        table["boxed"] = encode_column(boxed)  # version 6
     indices = [(fqn, chunk.offsets) for fqn, md in zip(names, entries, strict=True) for chunk in md.chunks]
     table.update(_storage_columns(_records(items, indices), file_numbers, block_size))
     return table

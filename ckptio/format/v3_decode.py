@@ -24,6 +24,7 @@ from ckptio.config import INT64_LIMIT, is_block_size
 from ckptio.errors import CheckpointFormatError
 from ckptio.format.names import (
     FORMAT_VERSION,
+    FRAGMENT_VERSION,
     KEY_PREFIX_RULE,
     SAVE_ID,
     SPREAD_KEYS_VERSION,
@@ -126,6 +127,8 @@ def decode_keys(
             continue
         if name == "tensors" and doc.get("format_version") == 3:
             raise CheckpointFormatError(f"{where}: a 'tensors' table is format version 4's, not 3's")
+        if name == "tensors" and "boxed" in doc[name] and doc["format_version"] < FRAGMENT_VERSION:
+            raise CheckpointFormatError(f"{where}: a 'boxed' column is format version {FRAGMENT_VERSION}'s")
         with _schema(where, f"the {name} table"):
             table, table_names, entries = decode_table(doc[name], context)
         twice = state.keys() & set(table_names)
@@ -186,11 +189,14 @@ def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str]
     ndims = decode_column(table["ndim"], count, f"{where}: ndim")
     grads = decode_column(table["requires_grad"], count, f"{where}: requires_grad")
     chunks = decode_column(table.get("count", 1), count, f"{where}: count")
+    boxed = decode_column(table.get("boxed", 0), count, f"{where}: boxed")
     bound = context.doc_bytes  # no column may declare more entries than the document could hold
-    if count and (max(numbers) >= len(dtypes) or max(grads) > 1 or min(chunks) < 1 or sum(ndims) > bound):
+    if count and (
+        max(numbers) >= len(dtypes) or max(grads) > 1 or min(chunks) < 1 or sum(ndims) > bound or max(boxed) > 1
+    ):
         raise CheckpointFormatError(
-            f"{where}: 'dtype' must index 'dtypes', 'requires_grad' hold 0 or 1, 'count' be positive, and "
-            "'ndim' fit the document"
+            f"{where}: 'dtype' must index 'dtypes', 'requires_grad' hold 0 or 1 (as must 'boxed'), 'count' be "
+            "positive, and 'ndim' fit the document"
         )
     flat = decode_column(table["size"], sum(ndims), f"{where}: size")
     ends = list(itertools.accumulate(ndims))
@@ -199,7 +205,7 @@ def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str]
     volumes = list(map(math.prod, sizes))
     for i in (i for i, n in enumerate(volumes) if n * itemsizes[i] >= INT64_LIMIT or not n and sizes[i]):
         check_shape(sizes[i], itemsizes[i], f"{where}: key {names[i]!r:.80}")  # else within int64
-    split = [i for i, n in enumerate(chunks) if n != 1]
+    split = [i for i, n in enumerate(chunks) if n != 1 or boxed[i]]
     box_entries = sum(chunks[i] * ndims[i] for i in split)
     if sum(chunks) > bound or box_entries > bound:  # before any list of that length is made
         raise CheckpointFormatError(f"{where}: 'count' declares more chunks than the document could describe")
@@ -217,7 +223,7 @@ def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str]
     at = 0  # in the flat offsets and sizes columns
     for i, (size, n, number, grad, itemsize) in enumerate(zip(sizes, ndims, numbers, grads, itemsizes, strict=True)):
         shape = torch.Size(size)
-        if chunks[i] == 1:
+        if chunks[i] == 1 and not boxed[i]:
             boxes = [ChunkStorageMetadata(zeros[n], shape)]
             key.offsets.append(zeros[n])
             key.sizes.append(size)

@@ -1,5 +1,5 @@
-"""The one module that knows format versions: which one a save writes (4; 5 with spread key prefixes)
-and how each is read.
+"""The one module that knows format versions: which one a save writes (4; 5 with spread key prefixes;
+6, a rank's fragment of a save without a coordinator) and how each is read.
 
 Version 1 (ckptio 0.1: a JSON object per item) and 2 (the same with the ``zstd-byteplanes`` codec) are
 decoded by ``v1``; versions 3 (per-key columns) and 4 (whole tensors in one table as well) are encoded
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio.errors import CheckpointFormatError
 from ckptio.format.fragments import FRAGMENT_FIELD, Fragment, FragmentInfo, merge
-from ckptio.format.names import FORMAT_NAME, FORMAT_VERSION, SPREAD_KEYS_VERSION
+from ckptio.format.names import FORMAT_NAME, FORMAT_VERSION, FRAGMENT_VERSION, SPREAD_KEYS_VERSION
 from ckptio.format.records import Header, Manifest, StoredItem, manifest_of
 from ckptio.format.rules import PART_OF_EACH_TENSOR, check_planner_paths
 from ckptio.format.v1 import decode_version_1
@@ -39,20 +39,23 @@ def encode_metadata(
     """Serialize DCP metadata plus ckptio's item records, by ``(key, chunk offsets or None)``, into the
     JSON document: format version 4, or 5 where the data files are under spread key prefixes (so a
     ckptio that does not know them refuses the checkpoint instead of missing its files); 3 on request,
-    for a reader that predates the ``tensors`` table. ``fragment``: a rank's fragment of a save without
-    a coordinator (``fragments.py``)."""
+    for a reader that predates the ``tensors`` table. With ``fragment``: a rank's fragment of a save
+    without a coordinator (``fragments.py``), version 6."""
     spread = any("/" in name for name in header.files)  # the names themselves are checked by the encoder
-    if format_version is None:
+    if fragment is not None:
+        format_version = FRAGMENT_VERSION
+    elif format_version is None:
         format_version = SPREAD_KEYS_VERSION if spread else 4
-    if format_version not in (3, 4, 5) or (spread and format_version < SPREAD_KEYS_VERSION):
+    elif format_version not in (3, 4, 5) or (spread and format_version < SPREAD_KEYS_VERSION):
         raise ValueError(
             f"ckptio writes format versions 3 to 5, and {SPREAD_KEYS_VERSION} or later for data files under key "
             f"prefixes, not {format_version}"
         )
     block_size = header.config.max_block_size or next((i.block_size for i in items.values()), 64)
     doc = dataclasses.replace(header, format_version=format_version).to_json()
+    boxed = format_version >= FRAGMENT_VERSION
     columns = encode_document(
-        metadata, items, per_rank or {}, header.files, header.writer_ranks, block_size, format_version >= 4
+        metadata, items, per_rank or {}, header.files, header.writer_ranks, block_size, format_version >= 4, boxed
     )
     doc.update(columns)
     del doc["writer_ranks"]  # in 'files'

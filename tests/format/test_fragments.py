@@ -151,3 +151,25 @@ def test_fragment_names_are_parsed_exactly():
     for name in ("ckptio.rank-8-of-8.json", "ckptio.rank-00008-of-00008.json", "ckptio.rank-00003-of-00008.json.tmp",
                  "x/ckptio.rank-00003-of-00008.json", "ckptio.rank-0003-of-00008.json", None):  # fmt: skip
         assert parse_fragment_name(name) is None, name
+
+
+def test_a_fragment_keeps_one_part_of_a_tensor_in_the_tensors_table_in_version_6(tmp_path):
+    """A fragment's key of one chunk that is part of its tensor: a 'boxed' table entry (version 6),
+    which a version 4 or 5 document may not have, and which must hold 0 or 1."""
+    from ckptio.format.versions import decode_fragment
+
+    url = str(tmp_path / "ckpt")
+    ckptio.save(STATE, url, ckptio.WriterConfig(use_collectives=False))
+    doc = _doc(url, fragment_name(0, 1))
+    assert doc["format_version"] == 6 and "boxed" not in doc["tensors"]  # whole: no boxes
+    doc["tensors"].update(size=16, boxed=1, offsets=0, sizes=8)  # the stored 8 elements: [0, 8) of 16
+    manifest, _ = decode_fragment(json.dumps(doc).encode(), "fragment")
+    (chunk,) = manifest.metadata.state_dict_metadata["w"].chunks
+    assert list(chunk.offsets) == [0] and list(chunk.sizes) == [8]
+    _write(url, fragment_name(0, 1), doc)  # the whole set: one rank, half of "w"
+    with pytest.raises(ckptio.CheckpointFormatError, match="does not cover the tensor"):
+        ckptio.Reader(url).prefetch_metadata()
+    for version, boxed, message in ((5, 1, "a 'boxed' column is format version 6's"), (6, 2, "as must 'boxed'")):
+        bad = {**doc, "format_version": version, "tensors": {**doc["tensors"], "boxed": boxed}}
+        with pytest.raises(ckptio.CheckpointFormatError, match=message):
+            decode_fragment(json.dumps(bad).encode(), "fragment")
