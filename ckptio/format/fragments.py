@@ -32,6 +32,7 @@ from ckptio.errors import CheckpointFormatError, IncompleteCheckpointError, Mixe
 from ckptio.format.names import FragmentName, fragment_name
 from ckptio.format.records import Header, Manifest, StoredItem
 from ckptio.format.rules import require_count, require_counts
+from ckptio.format.stored_items import StoredItems
 
 #: The field of a fragment document that makes it one.
 FRAGMENT_FIELD = "fragment"
@@ -144,7 +145,9 @@ def merge(fragments: list[Fragment], where: str) -> tuple[Metadata, dict, Header
     state: dict[str, Any] = {}
     chunks_seen: dict[str, dict[tuple[int, ...], Any]] = {}
     planner_data: dict[str, Any] = {}
-    copies: dict[tuple[str, Any], dict[int, StoredItem]] = {}
+    items: dict[tuple[str, Any], StoredItem] = {}  # the first rank's copy of each item
+    first_rank: dict[tuple[str, Any], int] = {}
+    copies: dict[tuple[str, Any], dict[int, StoredItem]] = {}  # items more than one rank stored: every copy
     files: dict[str, int] = {}
     writers: dict[str, int] = {}
     for fragment in fragments:
@@ -157,8 +160,11 @@ def merge(fragments: list[Fragment], where: str) -> tuple[Metadata, dict, Header
                     f"{fragment.where} and an earlier fragment give key {fqn!r} different paths in the state "
                     f"({list(planner_data[fqn])} and {list(path)}); the ranks saved differently shaped states"
                 )
-        for index, item in manifest.items.items():
-            copies.setdefault((index.fqn, index.offset), {})[rank] = item
+        for key, item in _records(manifest.items):
+            if key not in items:
+                items[key], first_rank[key] = item, rank
+            else:
+                copies.setdefault(key, {first_rank[key]: items[key]})[rank] = item
         for name, size in manifest.header.files.items():
             if name in files:
                 raise MixedFragmentsError(
@@ -167,7 +173,7 @@ def merge(fragments: list[Fragment], where: str) -> tuple[Metadata, dict, Header
                 )
             files[name] = size
             writers[name] = manifest.header.writer_ranks.get(name, rank)
-    items, per_rank = _one_copy_each(copies, state, where)
+    per_rank = _one_copy_each(items, copies, state, where)
     _check_replicas(fragments, items, where)
     first = fragments[0].manifest.header
     header = dataclasses.replace(
@@ -182,6 +188,13 @@ def merge(fragments: list[Fragment], where: str) -> tuple[Metadata, dict, Header
     if first.dcp_version is not None:
         metadata.version = first.dcp_version
     return metadata, items, header, per_rank
+
+
+def _records(items: Any) -> Any:
+    """``((key, offsets or None), record)`` of a fragment's items (offsets as tuples: a torch.Size is equal)."""
+    if isinstance(items, StoredItems):
+        return items.records()
+    return (((index.fqn, index.offset), item) for index, item in items.items())
 
 
 def _check_one_save(fragments: list[Fragment], where: str) -> None:
@@ -235,20 +248,23 @@ def _merge_key(state: dict, chunks_seen: dict, fqn: str, md: Any, where: str) ->
 
 
 def _one_copy_each(
-    copies: dict[tuple[str, Any], dict[int, StoredItem]], state: dict[str, Any], where: str
-) -> tuple[dict[tuple[str, Any], StoredItem], dict[str, dict[int, StoredItem]]]:
-    """One record per item where every rank that stored it stored the same value (the lowest rank's);
-    objects whose values differ kept per rank; differing plain tensors refused."""
-    items: dict[tuple[str, Any], StoredItem] = {}
+    items: dict[tuple[str, Any], StoredItem],
+    copies: dict[tuple[str, Any], dict[int, StoredItem]],
+    state: dict[str, Any],
+    where: str,
+) -> dict[str, dict[int, StoredItem]]:
+    """Of the items several ranks stored (``copies``), keep one record where every copy holds the same
+    value (the lowest rank's, already in ``items``); keep objects whose values differ per rank (taken
+    out of ``items``, returned); refuse differing plain tensors."""
     per_rank: dict[str, dict[int, StoredItem]] = {}
     for key, by_rank in copies.items():
-        first = next(iter(by_rank.values()))
-        if len(by_rank) == 1 or all(_same_value(first, other) for other in by_rank.values()):
-            items[key] = first
+        first = items[key]
+        if all(_same_value(first, other) for other in by_rank.values()):
             continue
         fqn = key[0]
         if isinstance(state[fqn], BytesStorageMetadata):
             per_rank[fqn] = dict(by_rank)
+            del items[key]
             continue
         groups: dict[Any, list[int]] = {}
         for rank, item in by_rank.items():
@@ -260,7 +276,7 @@ def _one_copy_each(
             "compare before it commits, so this checkpoint does not load. Save per-rank tensors under per-rank "
             "keys (ckptio.PerRank) or as DTensors"
         )
-    return items, per_rank
+    return per_rank
 
 
 def _value_of(item: StoredItem) -> tuple:

@@ -137,6 +137,23 @@ class StoredItems(Mapping):
         for name in self._object_at:
             yield MetadataIndex(name)
 
+    def records(self) -> Iterator[tuple[tuple[str, Any], StoredItem]]:
+        """Every ``((key, chunk offsets or None), record)``, as the iteration of ``items()`` but without
+        building an index per item and looking it up again (merging thousands of fragments visits each)."""
+        for fqn, key in self._keys.items():
+            if not key.tensor:
+                if key.ranks is None:
+                    yield (fqn, None), key.item(0)
+                continue
+            for i, offset in enumerate(key.offsets):
+                yield (fqn, offset), key.item(i)
+        tensors = self._tensors
+        for name, k in self._tensor_at.items():
+            for i in range(tensors.firsts[k], tensors.firsts[k + 1]):
+                yield (name, tensors.offsets[i]), tensors.item(i)
+        for name, i in self._object_at.items():
+            yield (name, None), self._objects.item(i)
+
     def __len__(self) -> int:
         in_keys = sum(key.count if key.tensor else key.ranks is None for key in self._keys.values())
         return in_keys + (self._tensors.count if self._tensors else 0) + len(self._object_at)
