@@ -88,52 +88,54 @@ def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
 
 
 def publish_fragment(store: FsspecStore, name: str, document: bytes, files: dict[str, int], overwrite: bool) -> None:
-    """Commit one rank's fragment: created only if absent, or with ``overwrite`` replacing the one
-    an earlier save left (whose data files are then deleted)."""
-    store.prepare_directory()
-    if not overwrite:
+    """Commit one rank's fragment as ``publish`` commits ``ckptio.json``: created only if absent, or
+    with ``overwrite`` replacing the one an earlier save left (whose data files are then deleted)."""
+    superseded: list[str] = []
+    if overwrite:
         try:
-            store.put_if_absent(name, document)
-        except FileExistsError:
-            store.delete_best_effort(sorted(files))
-            raise _exists(
-                f"{store.describe(name)} (this rank's fragment of an earlier save without a coordinator)"
-            ) from None
-        return
-    try:
-        old = decode_fragment(store.read(name), store.describe(name))[0].files
-    except FileNotFoundError:
-        old = {}
-    except CheckpointFormatError as exc:
-        log.warning("ckptio: overwriting an unreadable fragment; its data files are left in place: %s", exc)
-        old = {}
-    store.put_atomic(name, document)
-    stale = [file for file in old if file not in files]
-    if stale:
-        store.delete_best_effort(stale)
+            superseded = sorted(decode_fragment(store.read(name), store.describe(name))[0].files)
+        except FileNotFoundError:
+            pass
+        except CheckpointFormatError as exc:
+            log.warning("ckptio: overwriting an unreadable fragment; its data files are left in place: %s", exc)
+    publish(store, document, files, superseded, overwrite, name)
 
 
-def publish(store: FsspecStore, document: bytes, files: dict[str, int], superseded: list[str], overwrite: bool) -> None:
-    """Commit: publish the metadata, then delete the superseded data files it no longer names.
+def publish(
+    store: FsspecStore,
+    document: bytes,
+    files: dict[str, int],
+    superseded: list[str],
+    overwrite: bool,
+    name: str = METADATA_NAME,
+) -> None:
+    """Commit: publish the metadata (``name``: ``ckptio.json``, or a rank's fragment), then delete the
+    superseded data files it no longer names.
 
     Without ``overwrite`` the metadata is created only if absent, atomically where the backend
     allows it (POSIX: a hard link; S3: a conditional PUT), so of two jobs saving to one path at
     once exactly one commits; the other's data files are deleted and it raises."""
     store.prepare_directory()  # no rank may have written a data file (everything inline)
     if overwrite:
-        store.put_atomic(METADATA_NAME, document)
+        store.put_atomic(name, document)
     else:
         try:
-            store.put_if_absent(METADATA_NAME, document)
+            store.put_if_absent(name, document)
         except FileExistsError:
             store.delete_best_effort(sorted(files))
-            raise CheckpointExistsError(
-                f"another save committed {store.describe(METADATA_NAME)} while this one was writing; this save's "
-                "data files were removed and the other checkpoint is intact. Save each job to its own path"
-            ) from None
-    stale = [name for name in superseded if name not in files]
+            raise _taken(store.describe(name), name == METADATA_NAME) from None
+    stale = [file for file in superseded if file not in files]
     if stale:
         store.delete_best_effort(stale)
+
+
+def _taken(what: str, coordinated: bool) -> CheckpointExistsError:
+    if coordinated:
+        return CheckpointExistsError(
+            f"another save committed {what} while this one was writing; this save's data files were removed and "
+            "the other checkpoint is intact. Save each job to its own path"
+        )
+    return _exists(f"{what} (this rank's fragment of an earlier save without a coordinator)")
 
 
 def commit_merged(store: FsspecStore) -> dict[str, int] | None:

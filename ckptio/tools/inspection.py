@@ -24,9 +24,12 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
     """Everything ``ckptio inspect`` prints, as one JSON-ready dict; with ``local_tier``, also this
     node's fast-tier copy (``tiers``), which describes a checkpoint not yet committed durably."""
     tiers = None
+    committed_by = "coordinator"
     try:
-        _, manifest = open_checkpoint(url, storage_options)
+        store, manifest = open_checkpoint(url, storage_options)
         durable: bool | str = True
+        if not store.exists(METADATA_NAME):
+            committed_by = "fragments"
     except (CheckpointNotFoundError, StorageError) as exc:
         node_copy_path = local_step_path(local_tier, url, storage_options) if local_tier else None
         if node_copy_path is None or not os.path.exists(os.path.join(node_copy_path, METADATA_NAME)):
@@ -67,6 +70,8 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
         "created": datetime.datetime.fromtimestamp(header.created_unix, datetime.timezone.utc).isoformat(),
         "save_id": header.save_id,
         "world_size": header.world_size,
+        # "fragments": saved without a coordinator, each rank's fragment (no ckptio.json: merged on load)
+        "committed_by": committed_by,
         "mesh": header.mesh.to_json() if header.mesh else None,
         "mode": header.config.mode,
         "compression": header.config.compression,
@@ -97,7 +102,12 @@ def format_description(desc: dict[str, Any]) -> str:
         f"written by   {desc['written_by']} (format {desc['format_version']}) at {desc['created']}",
         f"saved on     {desc['world_size']} ranks"
         + (f", mesh {_mesh(desc['mesh'])}" if desc.get("mesh") else "")
-        + f", mode {desc['mode']}, compression {desc['compression'] or 'none'}",
+        + f", mode {desc['mode']}, compression {desc['compression'] or 'none'}"
+        + (
+            ", without a coordinator (one fragment per rank, merged on load)"
+            if desc.get("committed_by") == "fragments"
+            else ""
+        ),
         f"files        {len(desc['files'])} data files, {_size(desc['stored_bytes'])} stored, "
         f"{_size(desc['logical_bytes'])} logical (ratio {desc['compression_ratio']})",
     ]

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import ckptio
 from ckptio.format.names import METADATA_NAME, fragment_name, parse_data_file_name
@@ -57,6 +58,8 @@ def test_dcp_async_save_without_collectives_loads_resharded(tmp_path):
     url = str(tmp_path / "ckpt")
     case = {**CASE, "async": True, "mode": "replica_group"}
     assert spawn(4, fragment_ranks.save, url, case) == [{}] * 4
+    writers = sorted(parse_data_file_name(f).rank for f in _files(url) if parse_data_file_name(f))
+    assert writers == [0, 1]  # the staged copy keeps the placements: replicas still written once
     world, mesh, placements = LOADS["1x4"]
     assert (
         spawn(world, fragment_ranks.load_and_compare, url, {**case, "load_mesh": mesh, "load_placements": placements})
@@ -166,10 +169,14 @@ def test_a_fragment_checkpoint_through_every_reader_and_cli_verb(where, tmp_path
     assert not store.exists(METADATA_NAME)
     assert spawn(1, fragment_ranks.load_and_compare, url, {**case, **_one_process()}, "ckptio") == [[]]
     assert cli_main(["verify", "-q", url, *cli]) == 0 and "every checksum matches" in capsys.readouterr().out
-    assert cli_main(["inspect", url, *cli]) == 0 and "model.e" in capsys.readouterr().out
+    out = cli_main(["inspect", url, *cli]) == 0 and capsys.readouterr().out
+    assert "model.e" in out and "without a coordinator (one fragment per rank, merged on load)" in out
     assert cli_main(["convert", url, str(tmp_path / "plain.pt"), *cli]) == 0
     plain = torch.load(tmp_path / "plain.pt", weights_only=True)
     assert torch.equal(plain["model.w"], fragment_ranks.full(11)["model.w"])
+    assert cli_main(["convert", url, str(tmp_path / "hf"), "--format", "safetensors", "--keys", "model.", *cli]) == 0
+    (shard,) = [f for f in os.listdir(tmp_path / "hf") if f.endswith(".safetensors")]
+    assert torch.equal(load_file(str(tmp_path / "hf" / shard))["e"], fragment_ranks.full(11)["model.e"])
     assert cli_main(["gc", url, *cli]) == 0 and "nothing left over" in capsys.readouterr().out
 
     assert cli_main(["merge", url, *cli]) == 0 and "merged its fragments" in capsys.readouterr().out
