@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 
 from ckptio.errors import (
-    CheckpointError,
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -23,13 +22,14 @@ log = logging.getLogger(__name__)
 
 
 def check_target(store: FsspecStore, overwrite: bool) -> list[str]:
-    """Refuse to replace a committed checkpoint (``ckptio.json``, or a complete set of fragments of a
-    save without a coordinator) unless ``overwrite``; return the files an overwrite supersedes (to
-    delete once the new checkpoint has committed)."""
+    """Refuse to replace a committed checkpoint unless ``overwrite``; return the data files an
+    overwrite supersedes (to delete once the new checkpoint has committed). Fragments of a save
+    without a coordinator are not looked for (it would cost every save a listing): a ``ckptio.json``
+    committed beside them is what loads read, and they are left for ``gc``."""
     try:
         old = store.read(METADATA_NAME)
     except FileNotFoundError:
-        return _superseded_fragments(store, overwrite)
+        return []
     except CheckpointNotFoundError as exc:  # e.g. no such bucket: nowhere to save to
         raise StorageError(f"cannot save to {store.url}: {exc}") from None
     if not overwrite:
@@ -47,25 +47,6 @@ def _exists(what: str) -> CheckpointExistsError:
         "(ckptio.Writer(path, overwrite=True) or WriterConfig(overwrite=True)) to replace it (the old one stays "
         "loadable until the new one commits)"
     )
-
-
-def _superseded_fragments(store: FsspecStore, overwrite: bool) -> list[str]:
-    """The fragments at ``store`` and their data files: a committed checkpoint when they form a complete
-    set (refused unless ``overwrite``); a cut-off save's left-overs otherwise (never loaded, left to gc)."""
-    try:
-        fragments = complete_set(store)
-    except CheckpointError:
-        return []
-    if not fragments:
-        return []
-    if not overwrite:
-        raise _exists(f"{store.url} (the fragments of a save without a coordinator)")
-    try:
-        files = decode_metadata(merged_metadata(store, fragments), store.url).files
-    except CheckpointError as exc:
-        log.warning("ckptio: overwriting unreadable fragments; their data files are left in place: %s", exc)
-        files = {}
-    return sorted(files) + sorted(fragments)
 
 
 def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, MixedFragmentsError
 from ckptio.format.names import METADATA_NAME, TORCH_DCP_METADATA_NAME, is_data_file_name
 from ckptio.format.records import Manifest
+from ckptio.format.versions import decode_fragment
 from ckptio.loading.fragment_set import complete_set, fragments_in
 from ckptio.loading.reader import read_manifest
 from ckptio.storage import FsspecStore
@@ -36,9 +37,23 @@ def find_garbage(store: FsspecStore) -> Garbage:
     except (CheckpointNotFoundError, IncompleteCheckpointError, MixedFragmentsError):
         manifest = None
     uploads = [(name, upload_id) for name, upload_id in store.open_uploads() if is_data_file_name(name)]
-    # the fragments of a save without a coordinator that never completed (or of two saves) go with their files
-    fragments = sorted(fragments_in(store.list_names() or [])) if manifest is None else []
-    return Garbage(fragments + orphaned_files(store, manifest), uploads)
+    return Garbage(stale_fragments(store, manifest) + orphaned_files(store, manifest), uploads)
+
+
+def stale_fragments(store: FsspecStore, manifest: Manifest | None) -> list[str]:
+    """Fragments of saves without a coordinator that are not the checkpoint: of a save that never
+    completed (or of two saves), or beside a ``ckptio.json`` of another save (not their ``ckptio merge``:
+    its save id is theirs)."""
+    fragments = sorted(fragments_in(store.list_names() or []))
+    if not fragments or manifest is None:
+        return fragments
+    if not store.exists(METADATA_NAME):  # the checkpoint is these fragments, merged
+        return []
+    try:
+        _, info = decode_fragment(store.read(fragments[0]), store.describe(fragments[0]))
+    except (FileNotFoundError, CheckpointError):
+        return fragments
+    return [] if info.save_id == manifest.header.save_id else fragments
 
 
 def collect_garbage(store: FsspecStore, garbage: Garbage) -> dict[str, str]:

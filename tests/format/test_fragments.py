@@ -173,3 +173,11 @@ def test_a_fragment_keeps_one_part_of_a_tensor_in_the_tensors_table_in_version_6
         bad = {**doc, "format_version": version, "tensors": {**doc["tensors"], "boxed": boxed}}
         with pytest.raises(ckptio.CheckpointFormatError, match=message):
             decode_fragment(json.dumps(bad).encode(), "fragment")
+
+
+def test_a_fragment_name_claiming_billions_of_ranks_is_refused_without_counting_them(tmp_path):
+    url = _saved(tmp_path)
+    os.rename(os.path.join(url, fragment_name(0, 1)), os.path.join(url, fragment_name(0, 10**11)))
+    error = _load_error(url)
+    assert isinstance(error, ckptio.IncompleteCheckpointError)
+    assert "by 100000000000 ranks committed the fragments of 1 ranks, and ranks [1, 2," in str(error)

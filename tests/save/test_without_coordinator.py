@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import ckptio
 from ckptio.format.names import METADATA_NAME, fragment_name, parse_data_file_name
 from ckptio.storage import open_store
+from ckptio.tools.cleanup import find_garbage
 from ckptio.tools.cli import main as cli_main
 from tests.helpers import fragment_ranks
 from tests.helpers.harness import run_ranks, spawn
@@ -150,8 +151,13 @@ def test_saving_again_without_overwrite_is_refused_on_every_rank_and_with_it_rep
     assert [f for f in after if f.startswith("ckptio.")] == [fragment_name(r, 4) for r in range(4)]
     assert not {f for f in before if parse_data_file_name(f)} & set(after)  # the old data files went
     _load_everywhere(url, {**CASE, "seed": 12})
-    with pytest.raises(ckptio.CheckpointExistsError, match="fragments of a save without a coordinator"):
-        ckptio.save({"x": torch.ones(3)}, url)  # a save with a coordinator over it, too
+    # a save with a coordinator does not list the location for fragments (no save pays a LIST): its
+    # ckptio.json is what loads read; the fragments and their files stay, and gc names them
+    ckptio.save({"x": torch.ones(3)}, url)
+    loaded = {"x": torch.zeros(3)}
+    ckptio.load(loaded, url)
+    assert torch.equal(loaded["x"], torch.ones(3)) and set(after) < set(_files(url))
+    assert sorted(find_garbage(open_store(url)).files) == sorted(f for f in after if f != METADATA_NAME)
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
