@@ -152,14 +152,15 @@ class Reader(CheckpointLocation, StorageReader):
         if self.local_tier:
             raw = tiered_metadata_bytes(self._tier_store(), lambda: read_metadata_bytes(store), group, DIRECT)
         else:
-            try:
+            each_rank_reads = not reads_once(store)
+            try:  # where one rank reads for all, it merges fragments there and then
                 raw = read_once(
-                    lambda: read_metadata_bytes(store, merge=False),
+                    lambda: read_metadata_bytes(store, merge=not each_rank_reads),
                     group,
                     store.url,
-                    each_rank_reads=not reads_once(store),
+                    each_rank_reads=each_rank_reads,
                 )
-            except FragmentsFound:  # every rank got it: one merges for all
+            except FragmentsFound:  # every rank read for itself and found fragments: one merges for all
                 raw = read_once(lambda: read_metadata_bytes(store), group, store.url)
         return decode_metadata(raw, store.describe(METADATA_NAME))
 

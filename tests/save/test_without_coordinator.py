@@ -68,6 +68,24 @@ def test_dcp_async_save_without_collectives_loads_resharded(tmp_path):
     )
 
 
+def test_a_load_with_collectives_lists_and_reads_each_fragment_once_for_all_ranks(s3_proxy):
+    proxy, base, options = s3_proxy
+    url = f"{base}/run/step-1"
+    case = {**CASE, "storage_options": options, "mode": "replica_group"}
+    assert spawn(4, fragment_ranks.save, url, case) == [{}] * 4
+    saved = proxy.reset()
+    assert saved.requests["LIST"] == 0 and saved.requests["HEAD"] <= 1, saved.requests  # nothing listed per rank
+    world, mesh, placements = LOADS["4x1"]
+    loading = {**case, "load_mesh": mesh, "load_placements": placements}
+    assert spawn(world, fragment_ranks.load_and_compare, url, loading) == [[]] * 4
+    loaded = proxy.reset()
+    fragment_gets = sorted(
+        r.key.rsplit("/", 1)[1] for r in loaded.log if r.operation == "GET" and "ckptio.rank-" in r.key
+    )
+    assert fragment_gets == [fragment_name(r, 4) for r in range(4)], fragment_gets  # once each, not once per rank
+    assert loaded.requests["LIST"] == 1, loaded.requests
+
+
 @pytest.mark.slow
 def test_saved_on_4x2_without_collectives_loads_on_1x4_4x1_and_one_process(tmp_path):
     url = str(tmp_path / "ckpt")
