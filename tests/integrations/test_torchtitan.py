@@ -107,6 +107,25 @@ def test_resume_on_another_data_parallel_size(two_rank_run, ranks, layout):
             assert differences(first[0]["snapshots"][4], skipped["loaded"]) == []
 
 
+def test_saves_without_a_coordinator_resume_exactly_and_a_cut_off_one_is_passed_over(tmp_path):
+    """writer_options.use_collectives=False: every step is a set of fragments; a step missing one rank's
+    fragment is incomplete, and the resume takes the step before it."""
+    folder = str(tmp_path / "checkpoint")
+    options = {"writer_options": {"use_collectives": False}}
+    first = spawn(2, titan.train_with, folder, "fsdp:2", 6, options)
+    assert committed(folder) == []  # no ckptio.json anywhere: fragments only
+    assert sorted(n for n in os.listdir(os.path.join(folder, "step-4")) if n.startswith("ckptio.")) == [
+        "ckptio.rank-00000-of-00002.json",
+        "ckptio.rank-00001-of-00002.json",
+    ]
+    os.remove(os.path.join(folder, "step-6", "ckptio.rank-00001-of-00002.json"))
+    again = spawn(2, titan.train_with, folder, "fsdp:2", 6, options)
+    for rank in range(2):
+        assert again[rank]["resumed"] == 4
+    assert differences(first[0]["snapshots"][4], again[0]["loaded"]) == []
+    assert differences(first[0]["snapshots"][6], again[0]["snapshots"][6]) == []
+
+
 def test_compiled_model_resumes_twice(tmp_path):
     folder = str(tmp_path / "checkpoint")
     calls = [
