@@ -250,9 +250,27 @@ def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str]
 
 
 def decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, ...]:
-    """A flat key's path from its code (see ``encode_path``); list indices as ``rules.check_list_index`` allows."""
+    """A flat key's path from its code (see ``encode_path``); list indices as ``rules.check_list_index`` allows.
+    Valid answers are remembered (the fragments of a save without a coordinator repeat each key's path
+    thousands of times)."""
     if code is None:
         return tuple(fqn.split("."))
+    if isinstance(code, list) and all(type(n) is int for n in code):
+        memo = (fqn, tuple(code), keys)
+        path = _PATHS.get(memo)
+        if path is None:
+            path = _PATHS[memo] = _decode_path(fqn, code, keys, where)
+            if len(_PATHS) > _PATHS_KEPT:
+                _PATHS.clear()
+        return path
+    return _decode_path(fqn, code, keys, where)
+
+
+_PATHS: dict[tuple, tuple] = {}
+_PATHS_KEPT = 1 << 16
+
+
+def _decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, ...]:
     parts = fqn.split(".")
     if code == [len(parts)]:  # the key is one element of its path (a flat state's dotted names)
         return (fqn,)
