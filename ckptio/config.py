@@ -85,6 +85,9 @@ MAX_BLOCK_SIZE_LIMIT = 64 * MiB
 #: compared by a checksum of all their bytes, larger ones by SAMPLED_ELEMENTS evenly spaced elements.
 FULL_DIGEST_BYTES = 1 * MiB
 SAMPLED_ELEMENTS = 4096
+#: Fragments of a save without a coordinator read at once when a load merges them (each a small GET:
+#: latency-bound, not bandwidth-bound).
+FRAGMENT_READS = 64
 
 
 def is_block_size(value: object) -> bool:

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 
+from ckptio.config import FRAGMENT_READS
 from ckptio.errors import CheckpointError
 from ckptio.format.fragments import check_set
 from ckptio.format.names import FragmentName, parse_fragment_name
 from ckptio.format.versions import merge_fragments
 from ckptio.gc_pause import paused_gc
 from ckptio.storage import FsspecStore
-
-#: Fragments read at once (each a small GET: latency-bound, not bandwidth-bound).
-PARALLEL_READS = 64
 
 
 class FragmentsFound(CheckpointError):
@@ -45,7 +43,7 @@ def complete_set(store: FsspecStore, names: list[str] | None = None) -> dict[str
 def merged_metadata(store: FsspecStore, fragments: dict[str, FragmentName]) -> bytes:
     """The metadata document of the complete set ``fragments`` (``complete_set``) at ``store``."""
     ranks = next(iter(fragments.values())).ranks
-    workers = max(1, min(PARALLEL_READS, len(fragments)))
+    workers = max(1, min(FRAGMENT_READS, len(fragments)))
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckptio-fragments") as pool:
         raws = dict(zip(fragments, pool.map(_read_fragment(store), fragments), strict=True))
     return merge_fragments(raws, ranks, store.url)
