@@ -189,7 +189,7 @@ def bytes_by_dtype(url: str, storage_options: dict | None) -> dict[str, list[int
 
     out: dict[str, list[int]] = {}
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    if fs.exists(f"{root}/ckptio.json"):
+    if not fs.exists(f"{root}/.metadata"):  # ckptio's: ckptio.json, or the fragments of a save without a coordinator
         manifest = ckptio.Reader(url, storage_options=storage_options).prefetch_metadata()
         for item in manifest.items.values():
             if item.dtype is not None:

@@ -71,7 +71,7 @@ def _warm_up(cfg: dict, writers: dict, mesh) -> None:
             spec = writers[name]
             if target["kind"] in cfg["writer_targets"][name]:
                 url = f"{target['base']}/warmup/{_slug(name)}"
-                dcp.save(tiny, storage_writer=spec.make_writer(url, target.get("storage_options")))
+                dcp.save(tiny, storage_writer=spec.make_writer(url, target.get("storage_options")), **spec.save_options)
                 dcp.load(tiny, storage_reader=spec.make_reader(url, target.get("storage_options")))
 
 
@@ -124,7 +124,9 @@ def _measure(spec, target: dict, rep: int, state: dict, mesh, reshard_mesh, spec
     cpu = counting.cpu_seconds()
     writer = phases.timed(spec.make_writer(url, options))
     with counting.PeakRSS() as rss:
-        record["save_s"] = _timed(lambda: dcp.save(state, storage_writer=writer, planner=spec.make_planner()))
+        record["save_s"] = _timed(
+            lambda: dcp.save(state, storage_writer=writer, planner=spec.make_planner(), **spec.save_options)
+        )
     record["save_phases"] = writer.phases
     record["save_cpu_s"] = counting.cpu_seconds() - cpu
     record["save_requests"] = counting.take_counts()

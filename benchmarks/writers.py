@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch.distributed.checkpoint as dcp
@@ -22,6 +22,8 @@ class WriterSpec:
     make_reader: Callable[[str, dict | None], object]
     make_planner: Callable[[], object | None] = lambda: None
     default_targets: tuple[str, ...] | None = None  # where it runs unless named with --writers (None: targets)
+    save_options: dict = field(default_factory=dict)  # further dcp.save arguments
+    by_default: bool = True  # False: only when named with --writers
 
 
 def _ckptio(mode: str, compression: str | None = None) -> WriterSpec:
@@ -34,6 +36,11 @@ def _ckptio(mode: str, compression: str | None = None) -> WriterSpec:
         ),
         lambda url, opts: ckptio.Reader(url, storage_options=opts),
     )
+
+
+def _without_coordinator(spec: WriterSpec) -> WriterSpec:
+    """``spec`` saving with ``dcp.save(..., use_collectives=False)``: each rank commits its own fragment."""
+    return replace(spec, name=f"{spec.name} no-coordinator", save_options={"use_collectives": False}, by_default=False)
 
 
 def _torch_writer(url: str, opts: dict | None):
@@ -59,6 +66,8 @@ WRITERS = [
     _ckptio("replica_group"),
     _ckptio("all_ranks", "zstd"),
     _ckptio("replica_group", "zstd"),
+    _without_coordinator(_ckptio("all_ranks")),
+    _without_coordinator(_ckptio("replica_group")),
     WriterSpec("torch FileSystemWriter", ("local",), _torch_writer, _torch_reader),
     WriterSpec("torch FileSystemWriter+zstd", ("local",), _torch_zstd_writer, _torch_reader),
     WriterSpec(
@@ -85,7 +94,7 @@ def select(names: list[str] | None, compressed: bool) -> list[WriterSpec]:
     chosen = [
         replace(w, targets=w.default_targets or w.targets)
         for w in WRITERS
-        if compressed or "zstd" not in w.name  # --compressed adds every +zstd writer
+        if w.by_default and (compressed or "zstd" not in w.name)  # --compressed adds every +zstd writer
     ]
     if names:
         wanted = {n.lower() for n in names}

@@ -393,3 +393,12 @@ def test_the_s3_client_benchmark_reads_back_what_each_client_wrote(moto_server):
     for row in rows:
         assert row["upload_cpu_s_per_gib"][0] > 0 and row["download_mb_s"][1] > 0
     assert "| moto | s3fs | unsigned |" in s3_clients.table(rows)
+
+
+def test_the_writers_without_a_coordinator_run_only_when_named():
+    from ckptio.bench.writers import select
+
+    assert not [w for w in select(None, compressed=True) if "no-coordinator" in w.name]
+    chosen = select(["no-coordinator"], compressed=False)
+    assert [w.name for w in chosen] == ["ckptio all_ranks no-coordinator", "ckptio replica_group no-coordinator"]
+    assert all(w.save_options == {"use_collectives": False} for w in chosen)
