@@ -6,6 +6,7 @@ metadata has replaced the old."""
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 from ckptio.errors import (
     CheckpointExistsError,
@@ -26,18 +27,25 @@ def check_target(store: FsspecStore, overwrite: bool) -> list[str]:
     overwrite supersedes (to delete once the new checkpoint has committed). Fragments of a save
     without a coordinator are not looked for (it would cost every save a listing): a ``ckptio.json``
     committed beside them is what loads read, and they are left for ``gc``."""
+    files = _committed_files(store, METADATA_NAME, decode_metadata)
+    if files is not None and not overwrite:
+        raise _exists(store.describe(METADATA_NAME))
+    return files or []
+
+
+def _committed_files(store: FsspecStore, name: str, decode: Callable[[bytes, str], Any]) -> list[str] | None:
+    """The data files the metadata document ``name`` at ``store`` names (``decode`` reads it); ``None``
+    when there is none, ``[]`` (and a warning) when it does not decode: an overwrite leaves those in place."""
     try:
-        old = store.read(METADATA_NAME)
+        old = store.read(name)
     except FileNotFoundError:
-        return []
+        return None
     except CheckpointNotFoundError as exc:  # e.g. no such bucket: nowhere to save to
         raise StorageError(f"cannot save to {store.url}: {exc}") from None
-    if not overwrite:
-        raise _exists(store.describe(METADATA_NAME))
     try:
-        return sorted(decode_metadata(old, store.describe(METADATA_NAME)).files)
+        return sorted(decode(old, store.describe(name)).files)
     except CheckpointFormatError as exc:
-        log.warning("ckptio: overwriting an unreadable checkpoint; its data files are left in place: %s", exc)
+        log.warning("ckptio: overwriting an unreadable %s; its data files are left in place: %s", name, exc)
         return []
 
 
@@ -53,17 +61,11 @@ def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
     """Before a save without a coordinator (on its rank 0 alone): a committed ``ckptio.json`` there
     would hide the fragments from every load, so it is refused, or with ``overwrite`` deleted with
     its data files. (Each rank's fragment is created only if absent: ``publish_fragment``.)"""
-    try:
-        old = store.read(METADATA_NAME)
-    except FileNotFoundError:
+    files = _committed_files(store, METADATA_NAME, decode_metadata)
+    if files is None:
         return
     if not overwrite:
         raise _exists(store.describe(METADATA_NAME))
-    try:
-        files = sorted(decode_metadata(old, store.describe(METADATA_NAME)).files)
-    except CheckpointFormatError as exc:
-        log.warning("ckptio: overwriting an unreadable checkpoint; its data files are left in place: %s", exc)
-        files = []
     store.remove(METADATA_NAME)
     store.delete_best_effort(files)
 
@@ -71,15 +73,12 @@ def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
 def publish_fragment(store: FsspecStore, name: str, document: bytes, files: dict[str, int], overwrite: bool) -> None:
     """Commit one rank's fragment as ``publish`` commits ``ckptio.json``: created only if absent, or
     with ``overwrite`` replacing the one an earlier save left (whose data files are then deleted)."""
-    superseded: list[str] = []
-    if overwrite:
-        try:
-            superseded = sorted(decode_fragment(store.read(name), store.describe(name))[0].files)
-        except FileNotFoundError:
-            pass
-        except CheckpointFormatError as exc:
-            log.warning("ckptio: overwriting an unreadable fragment; its data files are left in place: %s", exc)
-    publish(store, document, files, superseded, overwrite, name)
+    superseded = _committed_files(store, name, _fragment_manifest) if overwrite else None
+    publish(store, document, files, superseded or [], overwrite, name)
+
+
+def _fragment_manifest(raw: bytes, where: str) -> Any:
+    return decode_fragment(raw, where)[0]
 
 
 def publish(
