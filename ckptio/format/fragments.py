@@ -261,7 +261,8 @@ def _one_copy_each(
     per_rank: dict[str, dict[int, StoredItem]] = {}
     for key, by_rank in copies.items():
         first = items[key]
-        if all(_same_value(first, other) for other in by_rank.values()):
+        value = _value_of(first)
+        if all(_value_of(other) == value for other in by_rank.values()):
             continue
         fqn = key[0]
         if isinstance(state[fqn], BytesStorageMetadata):
@@ -282,24 +283,9 @@ def _one_copy_each(
 
 
 def _value_of(item: StoredItem) -> tuple:
-    return (
-        item.kind,
-        item.dtype,
-        item.shape,
-        item.logical_bytes,
-        item.codec,
-        item.block_size,
-        item.blocks,
-        item.inline,
-    )
-
-
-def _same_value(a: StoredItem, b: StoredItem) -> bool:
-    if (a.kind, a.dtype, a.shape, a.logical_bytes) != (b.kind, b.dtype, b.shape, b.logical_bytes):
-        return False
-    if (a.codec, a.block_size) == (b.codec, b.block_size):
-        return a.blocks == b.blocks  # equal CRCs of equally encoded blocks
-    return False  # encoded differently (ranks with different settings): kept apart, never merged unchecked
+    """What decides that two copies hold the same value: equal CRC32Cs of equally encoded blocks (copies
+    encoded differently, by ranks with different settings, are kept apart, never merged unchecked)."""
+    return (item.kind, item.dtype, item.shape, item.logical_bytes, item.codec, item.block_size, item.blocks)
 
 
 def _check_replicas(fragments: list[Fragment], items: dict, where: str) -> None:
