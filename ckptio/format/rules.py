@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextvars
 import math
 import operator
 from collections.abc import Sequence
@@ -98,20 +97,17 @@ def check_shape(shape: Any, itemsize: int, where: str) -> None:
         raise CheckpointFormatError(f"{where}: shape {list(shape)!r:.200} has more elements than a tensor can hold")
 
 
-#: Set while a fragment of a save without a coordinator is decoded: it holds the chunks its rank wrote,
-#: which need not cover their tensors (the merged set must, and is decoded without it).
-PART_OF_EACH_TENSOR: contextvars.ContextVar[bool] = contextvars.ContextVar("PART_OF_EACH_TENSOR", default=False)
-
-
 def check_chunks_tile(
     size: Sequence[int],
     count: int,
     offset_columns: Sequence[Sequence[int]],
     size_columns: Sequence[Sequence[int]],
     where: str,
+    cover: bool = True,
 ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[int]]:
     """A tensor's ``count`` chunks (a column per dimension) start at distinct offsets, lie inside its
-    shape and cover each element exactly once (at most once in a fragment: ``PART_OF_EACH_TENSOR``).
+    shape and cover each element exactly once (at most once without ``cover``: a rank's fragment of a
+    save without a coordinator holds the chunks that rank wrote; the merged set must cover).
     Returns each chunk's offsets, sizes and element count."""
     offsets = list(zip(*offset_columns, strict=True)) if size else [()] * count
     sizes = list(zip(*size_columns, strict=True)) if size else [()] * count
@@ -127,7 +123,7 @@ def check_chunks_tile(
             f"{where} has a chunk at {list(off)} of size {list(sz)} outside its shape {list(size)}"
         )
     volumes = list(map(math.prod, sizes))
-    short = sum(volumes) < math.prod(size) and not PART_OF_EACH_TENSOR.get()
+    short = sum(volumes) < math.prod(size) and cover
     if short or sum(volumes) > math.prod(size) or (count > 1 and _chunks_overlap(offset_columns, size_columns, where)):
         raise CheckpointFormatError(
             f"{where}: its chunks hold {sum(volumes)} elements for a shape {list(size)} of {math.prod(size)}; "

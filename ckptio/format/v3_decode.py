@@ -58,12 +58,15 @@ _SAVE_ID = re.compile(SAVE_ID)
 
 
 class _Context:
-    """What every key's checks need: the data files, the default block size, the document's length."""
+    """What every key's checks need: the data files, the default block size, the document's length, and
+    whether each tensor's chunks must cover it (not in a fragment: ``rules.check_chunks_tile``)."""
 
-    def __init__(self, names: tuple[str, ...], files: dict[str, int], block_size: Any, doc_bytes: int, where: str):
+    def __init__(
+        self, names: tuple[str, ...], files: dict[str, int], block_size: Any, doc_bytes: int, where: str, cover: bool
+    ):
         self.names = names
         self.sizes = [files[name] for name in names]
-        self.block_size, self.doc_bytes, self.where = block_size, doc_bytes, where
+        self.block_size, self.doc_bytes, self.where, self.cover = block_size, doc_bytes, where, cover
 
 
 def decode_files(value: Any, version: int, where: str) -> tuple[tuple[str, ...], dict[str, int], dict[str, int]]:
@@ -98,15 +101,15 @@ def decode_files(value: Any, version: int, where: str) -> tuple[tuple[str, ...],
 
 
 def decode_keys(
-    doc: dict[str, Any], names: tuple[str, ...], files: dict[str, int], doc_bytes: int, where: str
+    doc: dict[str, Any], names: tuple[str, ...], files: dict[str, int], doc_bytes: int, where: str, cover: bool = True
 ) -> tuple[dict[str, Any], StoredItems, dict[str, dict[int, Any]], Any]:
     """DCP's ``state_dict_metadata``, the item records, the per-rank copies and, when the document
     stores it as per-key paths, the planner data of a version 3 or 4 document's ``keys``, ``objects``
-    and ``tensors``."""
+    and ``tensors`` (``cover``: every tensor's chunks must cover it; not in a fragment)."""
     default_block = doc.get("block_size")
     if default_block is not None and not is_block_size(default_block):
         raise CheckpointFormatError(f"{where}: 'block_size' {default_block!r:.40} is not a valid block size")
-    context = _Context(names, files, default_block, doc_bytes, where)
+    context = _Context(names, files, default_block, doc_bytes, where, cover)
     state: dict[str, Any] = {}
     keys: dict[str, StoredKey] = {}
     per_rank: dict[str, dict[int, Any]] = {}
@@ -235,7 +238,7 @@ def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str]
             size_columns = [key_sizes[d::n] for d in range(n)]
             at += c * n
             starts, lengths, parts = check_chunks_tile(
-                size, c, offset_columns, size_columns, f"{where}: key {names[i]!r:.80}"
+                size, c, offset_columns, size_columns, f"{where}: key {names[i]!r:.80}", context.cover
             )
             boxes = [ChunkStorageMetadata(torch.Size(o), torch.Size(m)) for o, m in zip(starts, lengths, strict=True)]
             key.offsets += starts
@@ -306,7 +309,7 @@ def _decode_key(fqn: str, record: Any, context: _Context) -> tuple[Any, StoredKe
         raise CheckpointFormatError(f"{where} has {count!r:.40} items, more than its metadata could describe")
     key = StoredKey(fqn, kind == "tensor", context.names)
     if key.tensor:
-        md = _tensor_columns(key, record, count, where)
+        md = _tensor_columns(key, record, count, where, context.cover)
     else:
         md = BytesStorageMetadata()
         _object_columns(key, record, count, where)
@@ -314,7 +317,9 @@ def _decode_key(fqn: str, record: Any, context: _Context) -> tuple[Any, StoredKe
     return md, key
 
 
-def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: str) -> TensorStorageMetadata:
+def _tensor_columns(
+    key: StoredKey, record: dict[str, Any], count: int, where: str, cover: bool
+) -> TensorStorageMetadata:
     size = tuple(require_counts(record["size"], where))
     offsets, sizes = record["offsets"], record["sizes"]
     if not isinstance(offsets, list) or not isinstance(sizes, list) or not len(offsets) == len(sizes) == len(size):
@@ -324,7 +329,7 @@ def _tensor_columns(key: StoredKey, record: dict[str, Any], count: int, where: s
     dtype = dtype_from_name(record["dtype"], where)
     check_shape(size, dtype.itemsize, where)
     key.dtype = dtype_name(dtype)
-    key.offsets, key.sizes, volumes = check_chunks_tile(size, count, offset_columns, size_columns, where)
+    key.offsets, key.sizes, volumes = check_chunks_tile(size, count, offset_columns, size_columns, where, cover)
     key.logical = [n * dtype.itemsize for n in volumes]
     requires_grad = record["requires_grad"]
     if not isinstance(requires_grad, bool):

@@ -21,7 +21,7 @@ from ckptio.errors import CheckpointFormatError
 from ckptio.format.fragments import FRAGMENT_FIELD, Fragment, FragmentInfo, merge
 from ckptio.format.names import FORMAT_NAME, FORMAT_VERSION, FRAGMENT_VERSION, SPREAD_KEYS_VERSION
 from ckptio.format.records import Header, Manifest, StoredItem, manifest_of
-from ckptio.format.rules import PART_OF_EACH_TENSOR, check_planner_paths
+from ckptio.format.rules import check_planner_paths
 from ckptio.format.v1 import decode_version_1
 from ckptio.format.v3 import encode_document
 from ckptio.format.v3_decode import decode_files, decode_keys
@@ -73,11 +73,7 @@ def decode_metadata(raw: bytes, where: str) -> Manifest:
 def decode_fragment(raw: bytes, where: str) -> tuple[Manifest, FragmentInfo]:
     """A rank's fragment of a save without a coordinator: its items, and whose and which save's it is."""
     doc = _parse_json(raw, where)
-    token = PART_OF_EACH_TENSOR.set(True)
-    try:
-        manifest = _decode_document(doc, where, len(raw))
-    finally:
-        PART_OF_EACH_TENSOR.reset(token)
+    manifest = _decode_document(doc, where, len(raw), cover=False)  # its rank's part of each tensor
     return manifest, FragmentInfo.from_json(doc.get(FRAGMENT_FIELD), where)
 
 
@@ -95,7 +91,7 @@ def merge_fragments(fragments: dict[str, bytes], ranks: int, where: str) -> byte
     return encode_metadata(metadata, items, header, per_rank)
 
 
-def _decode_document(doc: Any, where: str, doc_bytes: int) -> Manifest:
+def _decode_document(doc: Any, where: str, doc_bytes: int, cover: bool = True) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CheckpointFormatError(f"{where} is not a ckptio metadata document (no 'format': 'ckptio')")
     version = doc.get("format_version")
@@ -109,7 +105,7 @@ def _decode_document(doc: Any, where: str, doc_bytes: int) -> Manifest:
             "to load it"
         )
     try:
-        return decode_version_3(doc, where, doc_bytes) if version >= 3 else decode_version_1(doc, where)
+        return decode_version_3(doc, where, doc_bytes, cover) if version >= 3 else decode_version_1(doc, where)
     except CheckpointFormatError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
@@ -139,10 +135,10 @@ def _parse_json(raw: bytes, where: str) -> Any:
         ) from None
 
 
-def decode_version_3(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
+def decode_version_3(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True) -> Manifest:
     names, files, writers = decode_files(doc.get("files"), doc["format_version"], where)
     header = Header.from_json(doc, where, checked_files=(files, writers))
-    state, items, per_rank, paths = decode_keys(doc, names, header.files, doc_bytes, where)
+    state, items, per_rank, paths = decode_keys(doc, names, header.files, doc_bytes, where, cover)
     if doc.get("planner_data") != "paths":  # stored as it is
         paths = check_planner_paths(doc.get("planner_data"), len(state), where)
     return manifest_of(header, state, items, per_rank, paths)
