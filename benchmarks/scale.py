@@ -289,10 +289,9 @@ def simulate_without_coordinator(layout: str, ranks: int, layers: int) -> dict:
     import tracemalloc
 
     import ckptio
-    from ckptio.format.fragments import Replica
     from ckptio.format.versions import decode_metadata
     from ckptio.loading.reader import read_metadata_bytes
-    from ckptio.saving.replicas import _writers
+    from ckptio.saving.replicas import split_by_holders
     from ckptio.saving.writer import FragmentSave
     from ckptio.storage import open_store
 
@@ -320,29 +319,20 @@ def simulate_without_coordinator(layout: str, ranks: int, layers: int) -> dict:
             planner.is_coordinator = True
             (final,), metadata = planner.create_global_plan([local])
             writer.prepare_global_plan([final])
-            shared: dict[tuple[int, ...], list] = {}
-            written = []
-            for item in final.items:
-                ranks_holding = tuple(holders.get(item.index, (rank,)))
-                if len(ranks_holding) == 1:
-                    written.append(item)
-                else:
-                    shared.setdefault(ranks_holding, []).append((item.index, item))
-            replicas = []
-            for ranks_holding, pairs in shared.items():
-                for (index, item), who in zip(pairs, _writers(ranks_holding, pairs, "all_ranks"), strict=True):
-                    if who == rank:
-                        written.append(item)
-                    else:
-                        replicas.append(Replica(index.fqn, tuple(index.offset or ()), who))
+            own = split_by_holders(
+                {item.index: item for item in final.items},
+                lambda item, held_by=holders, me=rank: tuple(held_by.get(item.index, (me,))),
+                rank,
+                "all_ranks",
+            )
             plan_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             results, offset = [], 0
-            for item in written:
+            for item in own.written.values():
                 result = _ckptio_result(item, rank, offset, writer.config.max_block_size)
                 offset += result.size_in_bytes
                 results.append(result)
-            writer._fragment.replicas = replicas
+            writer._fragment.replicas = own.replicas
             writer.finish(metadata, [results])
             finish_s.append(time.perf_counter() - start)
             if traced:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem
@@ -34,11 +34,22 @@ class OwnWrites:
 def own_writes(held: dict[MetadataIndex, WriteItem], state: dict[str, Any], rank: int, mode: str) -> OwnWrites:
     """Split what this rank holds (``held``: stored key -> item; ``state``: the planner's flat state dict)
     into what it writes and the chunks it leaves to another holder."""
+
+    def holders_of(item: WriteItem) -> tuple[int, ...]:
+        value = state.get(item.index.fqn)
+        return replica_ranks(value, rank) if isinstance(value, DTensor) else (rank,)
+
+    return split_by_holders(held, holders_of, rank, mode)
+
+
+def split_by_holders(
+    held: dict[MetadataIndex, WriteItem], holders_of: Callable[[WriteItem], tuple[int, ...]], rank: int, mode: str
+) -> OwnWrites:
+    """``own_writes`` given each item's holders (ascending ranks, this one among them) by ``holders_of``."""
     written: dict[MetadataIndex, WriteItem] = {}
     shared: dict[tuple[int, ...], list[tuple[MetadataIndex, WriteItem]]] = defaultdict(list)
     for index, item in held.items():
-        value = state.get(item.index.fqn)
-        holders = replica_ranks(value, rank) if isinstance(value, DTensor) else (rank,)
+        holders = holders_of(item)
         if len(holders) == 1:
             written[index] = item
         else:
