@@ -1,4 +1,4 @@
-"""Bytes in, bytes out: block checksums (CRC32C) and per-block compression.
+"""Bytes in, bytes out: block checksums (CRC32C), content digests and per-block compression.
 
 Every item is cut into fixed-size blocks. Each block is compressed on its own (so a ranged
 read never needs its neighbours) and kept raw when compression does not shrink it; the
@@ -32,6 +32,7 @@ from typing import Any, Iterable, Iterator
 
 import crc32c
 import numpy as np
+import xxhash
 import zstandard
 
 from ckptio.config import BLOCKS_PER_ITEM, MIN_BLOCK_SIZE
@@ -54,6 +55,14 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 def checksum(data: bytes | memoryview, crc: int = 0) -> int:
     """CRC32C of ``data``; pass the CRC of the preceding bytes as ``crc`` to continue it."""
     return crc32c.crc32c(data, crc)
+
+
+def block_digests(data: memoryview, block_size: int) -> bytes:
+    """The content digest of each ``block_size`` block of ``data`` (logical bytes), back to back: what an
+    incremental save compares with its base's. xxh3-128: 11.6 GB/s here in one thread (CRC32C: 12.7,
+    BLAKE3 several times slower), and it releases the GIL; CRC32C's 32 bits cannot declare two blocks equal."""
+    digest = xxhash.xxh3_128_digest
+    return b"".join([digest(data[start : start + block_size]) for start in range(0, len(data), block_size)])
 
 
 #: CRC32C's polynomial, bit-reflected as the checksums are computed (bit 31 holds x^0).

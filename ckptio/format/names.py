@@ -10,6 +10,12 @@ A checkpoint is a directory (or key prefix) holding::
     ckptio.rank-<r>-of-<n>.json       a save without a coordinator (``dcp.save(use_collectives=False)``):
                                       each rank's own metadata instead of ckptio.json; the checkpoint is
                                       committed once all n ranks' fragments of one save are there
+    ckptio.referenced-by-<name>.json  an incremental save (``WriterConfig.incremental_from``, format
+                                      version 7) named ``<name>``, a sibling in the same folder, reads
+                                      data files of this checkpoint: deletes keep them (``references.py``)
+
+An incremental checkpoint names the data files of sibling checkpoints it references as
+``../<sibling>/data-....ckio``: always the folder that wrote the bytes, so no load follows a chain.
 
 A rank whose only items are its own small per-rank state stores them inline in ckptio.json
 (base64, still checksummed per block) and creates no file.
@@ -28,12 +34,15 @@ from ckptio.errors import CheckpointFormatError
 
 FORMAT_NAME = "ckptio"
 #: The newest format this ckptio reads (``versions`` says how each is read, and which one a save writes).
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 #: The first format version whose data files may sit under spread key prefixes.
 SPREAD_KEYS_VERSION = 5
 #: The format version of a rank's fragment of a save without a coordinator (its tensors table may hold
 #: a key's one chunk that is part of the tensor: the ``boxed`` column).
 FRAGMENT_VERSION = 6
+#: The first format version whose items may be stored in a sibling checkpoint's data files (incremental
+#: saves) and whose blocks may carry a content digest (``digests``).
+INCREMENTAL_VERSION = 7
 #: Hex digits of a spread key prefix: 256 prefixes (S3 serves ~3,500 PUTs per second per partition).
 KEY_PREFIX_DIGITS = 2
 #: How version 5's ``files`` names the rule of its data files' key prefixes (``key_prefix``).
@@ -45,6 +54,11 @@ SAVE_ID = "[0-9a-f]{8,32}"
 _DATA_NAME = re.compile(rf"(?:([0-9a-f]{{{KEY_PREFIX_DIGITS}}})/)?data-({SAVE_ID})-r([0-9]{{5,}})\.ckio")
 _DATA_NAMES = re.compile(rf"^{_DATA_NAME.pattern}$", re.MULTILINE)  # one name per line
 _FRAGMENT_NAME = re.compile(r"ckptio\.rank-([0-9]{5,})-of-([0-9]{5,})\.json")
+#: A sibling checkpoint's folder name, as an incremental checkpoint names it: one path segment that
+#: cannot climb ('.', '..') or hide a separator or control character.
+_SIBLING = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+,@-]{0,254}")
+SIBLING_PREFIX = "../"
+REFERENCE_MARKER_PREFIX = "ckptio.referenced-by-"
 
 
 class ItemKind(str, enum.Enum):
@@ -124,6 +138,43 @@ def parse_data_file_name(name: str) -> DataFileName | None:
 
 def is_data_file_name(name: str) -> bool:
     return parse_data_file_name(name) is not None
+
+
+def is_sibling_name(name: Any) -> bool:
+    """Whether ``name`` may name a sibling checkpoint's folder (see ``_SIBLING``)."""
+    return isinstance(name, str) and _SIBLING.fullmatch(name) is not None
+
+
+def sibling_file_name(sibling: str, name: str) -> str:
+    """How a checkpoint names data file ``name`` of its sibling checkpoint ``sibling``."""
+    return f"{SIBLING_PREFIX}{sibling}/{name}"
+
+
+def split_sibling_file_name(name: str) -> tuple[str | None, str]:
+    """``(sibling, its data file name)`` of a sibling's data file, ``(None, name)`` for an own one."""
+    if not name.startswith(SIBLING_PREFIX):
+        return None, name
+    sibling, _, own = name[len(SIBLING_PREFIX) :].partition("/")
+    return sibling, own
+
+
+def own_file_names(names: Any) -> list[str]:
+    """The names among ``names`` of data files in the checkpoint's own folder (not a sibling's): what
+    deleting or replacing the checkpoint may delete."""
+    return [name for name in names if not name.startswith(SIBLING_PREFIX)]
+
+
+def reference_marker_name(referrer: str) -> str:
+    """The marker an incremental checkpoint named ``referrer`` leaves in each sibling it references."""
+    return f"{REFERENCE_MARKER_PREFIX}{referrer}.json"
+
+
+def parse_reference_marker_name(name: str) -> str | None:
+    """The referrer's folder name of a reference marker's name, else ``None``."""
+    if not name.startswith(REFERENCE_MARKER_PREFIX) or not name.endswith(".json"):
+        return None
+    referrer = name[len(REFERENCE_MARKER_PREFIX) : -len(".json")]
+    return referrer if is_sibling_name(referrer) else None
 
 
 class FragmentName(NamedTuple):

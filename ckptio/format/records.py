@@ -16,7 +16,15 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ckptio.errors import CheckpointFormatError
-from ckptio.format.names import FORMAT_NAME, FORMAT_VERSION, Codec, ItemKind, dtype_from_name
+from ckptio.format.names import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INCREMENTAL_VERSION,
+    Codec,
+    ItemKind,
+    dtype_from_name,
+    is_sibling_name,
+)
 from ckptio.format.rules import refuse_data_file_name, require_count, require_counts
 
 # ---------------------------------------------------------------------------------------
@@ -51,6 +59,7 @@ class StoredItem:
     block_size: int
     blocks: tuple[tuple[int, int], ...]  # (stored length, crc32c) per block
     inline: bytes | None = None  # stored bytes kept inside ckptio.json (file == "")
+    digests: bytes | None = None  # DIGEST_BYTES per block: the content digest of its logical bytes (version 7)
 
     @_cached
     def block_offsets(self) -> list[int]:
@@ -68,6 +77,18 @@ class StoredItem:
 
     def block_logical_len(self, index: int) -> int:
         return min(self.block_size, self.logical_bytes - index * self.block_size)
+
+
+#: Bytes of a block's content digest (xxh3-128; ``codec.block_digest``).
+DIGEST_BYTES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference(StoredItem):
+    """An item an incremental save did not write: its record is the one of a sibling checkpoint's stored
+    bytes (``file`` names them there); ``file_bytes``: that file's size, as its checkpoint records it."""
+
+    file_bytes: int = 0
 
 
 def block_logical_lengths(logical_bytes: int, block_size: int) -> list[int]:
@@ -112,6 +133,28 @@ class SavedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ChainRecord:
+    """An incremental checkpoint's place in its chain: the sibling it was saved against, how many
+    incremental saves lie between it and a full one (``depth``), and the stored bytes it references."""
+
+    base: str
+    depth: int
+    referenced_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> "ChainRecord":
+        if not isinstance(doc, dict) or not is_sibling_name(doc.get("base")):
+            raise CheckpointFormatError(f"{where}: 'chain' must be {{'base': a sibling's name, 'depth', ...}}")
+        field = FieldReader(doc, f"{where}: chain")
+        return cls(
+            doc["base"], require_count(doc.get("depth"), f"{where}: chain depth"), field.count("referenced_bytes") or 0
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Header:
     """Everything in ``ckptio.json`` besides the keys and item records: the schema's one owner."""
 
@@ -126,9 +169,11 @@ class Header:
     config: SavedConfig = SavedConfig()
     writer_ranks: dict[str, int] = dataclasses.field(default_factory=dict)  # data file -> rank that wrote it
     dcp_version: str | None = None
+    chain: ChainRecord | None = None  # an incremental save's (format version 7)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        chain = {"chain": self.chain.to_json()} if self.chain is not None else {}
+        return chain | {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
             "written_by": self.written_by,
@@ -156,6 +201,9 @@ class Header:
             files, writer_ranks = _data_files(field, where)
         config = FieldReader(field.mapping("config"), f"{where}: config")
         mesh = field.mapping("mesh", nullable=True)
+        chain = doc.get("chain")
+        if chain is not None and doc.get("format_version", 0) < INCREMENTAL_VERSION:
+            raise CheckpointFormatError(f"{where}: 'chain' is format version {INCREMENTAL_VERSION}'s")
         created = field.value("created_unix", (int, float), 0.0)
         if isinstance(created, bool) or not math.isfinite(created) or not 0 <= created < 1e11:
             raise CheckpointFormatError(f"{where}: 'created_unix' must be a plausible Unix time, got {created!r}")
@@ -175,6 +223,7 @@ class Header:
             ),
             writer_ranks=writer_ranks,
             dcp_version=field.value("dcp_version", str, None),
+            chain=None if chain is None else ChainRecord.from_json(chain, where),
         )
 
 

@@ -10,7 +10,10 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ckptio.format.names import CODECS, ItemKind
-from ckptio.format.records import StoredItem, block_logical_lengths
+from ckptio.format.records import DIGEST_BYTES, StoredItem, block_logical_lengths
+
+#: Entries of a packed ``digests`` column (4 bytes each) per block.
+DIGEST_ENTRIES = DIGEST_BYTES // 4
 
 
 class StoredKey:
@@ -18,7 +21,7 @@ class StoredKey:
 
     __slots__ = (
         "fqn", "tensor", "dtype", "dtypes", "offsets", "sizes", "logical", "file", "at", "codec", "block_size",
-        "starts", "crcs", "lengths", "inline", "ranks", "firsts", "_files", "_built", "_by_offset",
+        "starts", "crcs", "lengths", "inline", "ranks", "firsts", "digests", "_files", "_built", "_by_offset",
     )  # fmt: skip
 
     def __init__(self, fqn: str, tensor: bool, files: tuple[str, ...]):
@@ -32,6 +35,7 @@ class StoredKey:
         self.ranks: list[int] | None = None
         self.inline: dict[int, bytes] = {}
         self.lengths: list[int] | None = None
+        self.digests: Any = None  # PackedBlocks of DIGEST_ENTRIES per block (format version 7)
         self._built: dict[int, Any] = {}
         self._by_offset: dict[tuple[int, ...], int] | None = None
 
@@ -50,6 +54,7 @@ class StoredKey:
         logical, block_size = self.logical[i], self.block_size[i]
         lengths = self.lengths[start:end] if self.lengths else block_logical_lengths(logical, block_size)
         file = self.file[i]
+        digests = self.digests
         return StoredItem(
             file=self._files[file - 1] if file else "",
             offset=self.at[i],
@@ -61,6 +66,7 @@ class StoredKey:
             block_size=block_size,
             blocks=tuple(zip(lengths, self.crcs[start:end], strict=True)),
             inline=self.inline.get(i),
+            digests=None if digests is None else digests[start * DIGEST_ENTRIES : end * DIGEST_ENTRIES].tobytes(),
         )
 
     def position(self, offset: Any, hint: int | None, key: int = 0) -> int | None:

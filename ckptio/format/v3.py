@@ -59,7 +59,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ckptio.config import INT64_LIMIT
 from ckptio.errors import CheckpointError, CheckpointFormatError
-from ckptio.format.names import CODECS, KEY_PREFIX_RULE, dtype_name, parse_data_file_names
+from ckptio.format.names import (
+    CODECS,
+    KEY_PREFIX_RULE,
+    SIBLING_PREFIX,
+    dtype_name,
+    parse_data_file_name,
+    parse_data_file_names,
+    split_sibling_file_name,
+)
 from ckptio.format.records import planner_data_json
 
 #: Keys of at most this many chunks go to the ``tensors`` table. A ``keys`` record costs ~200 bytes and
@@ -314,17 +322,44 @@ def _key_record(
 
 
 def _encode_files(names: list[str], files: dict[str, int], writer_ranks: dict[str, int]) -> dict[str, Any]:
-    save_ids, ranks, spread = parse_data_file_names(names)
-    columns: dict[str, Any] = {
-        "save_ids": save_ids,
-        "ranks": encode_column(ranks),
-        "sizes": encode_column([files[name] for name in names]),
-    }
-    if spread:  # version 5
-        columns["key_prefix"] = KEY_PREFIX_RULE
+    if names and names[0].startswith(SIBLING_PREFIX):  # sorted: a sibling's files come first
+        columns = _encode_files_with_siblings(names)
+        ranks = columns["ranks"]
+    else:
+        save_ids, ranks, spread = parse_data_file_names(names)
+        columns = {"save_ids": save_ids, "ranks": ranks}
+        if spread:  # version 5
+            columns["key_prefix"] = KEY_PREFIX_RULE
     writers = [writer_ranks.get(name, rank) for name, rank in zip(names, ranks, strict=True)]
+    columns["ranks"] = encode_column(ranks)
+    columns["sizes"] = encode_column([files[name] for name in names])
     if writers != ranks:
         columns["writers"] = encode_column(writers)
+    return columns
+
+
+def _encode_files_with_siblings(names: list[str]) -> dict[str, Any]:
+    """Version 7: data files of sibling checkpoints (an incremental save's references) beside its own:
+    ``bases`` names each sibling (and its key-prefix rule), ``base`` numbers each file's (0: its own)."""
+    save_ids, ranks, base_numbers = [], [], []
+    bases: dict[str | None, int] = {None: 0}
+    spread_of: dict[str | None, bool] = {}
+    for name in names:
+        sibling, own = split_sibling_file_name(name)
+        parsed = parse_data_file_name(own)
+        if parsed is None or spread_of.setdefault(sibling, parsed.spread) != parsed.spread:
+            raise ValueError(f"{name!r} is not a ckptio data file name, or its folder mixes key-prefix rules")
+        save_ids.append(parsed.save_id)
+        ranks.append(parsed.rank)
+        base_numbers.append(bases.setdefault(sibling, len(bases)))
+    columns: dict[str, Any] = {"save_ids": save_ids, "ranks": ranks, "base": encode_column(base_numbers)}
+    columns["bases"] = [
+        {"name": sibling, **({"key_prefix": KEY_PREFIX_RULE} if spread_of[sibling] else {})}
+        for sibling in bases
+        if sibling is not None
+    ]
+    if spread_of.get(None):
+        columns["key_prefix"] = KEY_PREFIX_RULE
     return columns
 
 
@@ -387,6 +422,7 @@ _CODEC, _FILE, _OFFSET, _BLOCK_SIZE, _BLOCKS = map(
     operator.attrgetter, ("codec._value_", "file", "offset", "block_size", "blocks")
 )
 _LOGICAL_BYTES = operator.attrgetter("logical_bytes")
+_DIGESTS = operator.attrgetter("digests")
 _SECOND = operator.itemgetter(1)
 _CODEC_NUMBERS = {name: number for number, name in enumerate(CODECS)}
 
@@ -407,6 +443,9 @@ def _storage_columns(stored: list[Any], file_numbers: dict[str, int], block_size
     columns["crc32c"] = encode_packed(map(_SECOND, itertools.chain.from_iterable(map(_BLOCKS, stored))), "I")
     if any(codecs):
         columns["stored_lengths"] = encode_packed([n for item in stored for n, _ in item.blocks])
+    digests = list(map(_DIGESTS, stored))
+    if digests and None not in digests:  # version 7: every block's content digest, as 4 entries of 4 bytes
+        columns["digests"] = encode_packed(array.array(_TYPECODES["I"], b"".join(digests)), "I")
     inline = [_b64(item.inline) for item, file in zip(stored, item_files, strict=True) if file == ""]
     if inline:
         columns["inline"] = inline

@@ -25,12 +25,15 @@ from ckptio.errors import CheckpointFormatError
 from ckptio.format.names import (
     FORMAT_VERSION,
     FRAGMENT_VERSION,
+    INCREMENTAL_VERSION,
     KEY_PREFIX_RULE,
     SAVE_ID,
     SPREAD_KEYS_VERSION,
     data_file_name,
     dtype_from_name,
     dtype_name,
+    is_sibling_name,
+    sibling_file_name,
 )
 from ckptio.format.rules import (
     check_block_lengths,
@@ -46,7 +49,7 @@ from ckptio.format.rules import (
     refuse_data_file_name,
     require_counts,
 )
-from ckptio.format.stored_items import StoredItems, StoredKey
+from ckptio.format.stored_items import DIGEST_ENTRIES, StoredItems, StoredKey
 from ckptio.format.v3 import PackedBlocks, decode_column
 
 #: A rank number in ``ranks`` (as version 1's nine-digit limit).
@@ -62,11 +65,19 @@ class _Context:
     whether each tensor's chunks must cover it (not in a fragment: ``rules.check_chunks_tile``)."""
 
     def __init__(
-        self, names: tuple[str, ...], files: dict[str, int], block_size: Any, doc_bytes: int, where: str, cover: bool
+        self,
+        names: tuple[str, ...],
+        files: dict[str, int],
+        block_size: Any,
+        doc_bytes: int,
+        where: str,
+        cover: bool,
+        version: int = FORMAT_VERSION,
     ):
         self.names = names
         self.sizes = [files[name] for name in names]
         self.block_size, self.doc_bytes, self.where, self.cover = block_size, doc_bytes, where, cover
+        self.digests = version >= INCREMENTAL_VERSION  # block digests (incremental saves)
 
 
 def decode_files(value: Any, version: int, where: str) -> tuple[tuple[str, ...], dict[str, int], dict[str, int]]:
@@ -94,10 +105,53 @@ def decode_files(value: Any, version: int, where: str) -> tuple[tuple[str, ...],
         for save_id, rank in zip(save_ids, ranks, strict=True):  # which one
             if not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id)):
                 refuse_data_file_name(data_file_name(save_id, rank), where)  # names the file and raises
+    if "bases" in value:
+        names = _names_with_siblings(value, save_ids, ranks, spread, version, where)
+        if len(set(names)) != count:
+            raise CheckpointFormatError(f"{where}: 'files' names a data file twice")
+        return names, dict(zip(names, sizes, strict=True)), dict(zip(names, writers, strict=True))
     names = tuple(data_file_name(save_id, rank, spread) for save_id, rank in zip(save_ids, ranks, strict=True))
     if len(set(zip(save_ids, ranks, strict=True)) if len(distinct) > 1 else set(ranks)) != count:
         raise CheckpointFormatError(f"{where}: 'files' names a data file twice")
     return names, dict(zip(names, sizes, strict=True)), dict(zip(names, writers, strict=True))
+
+
+def _names_with_siblings(
+    value: dict[str, Any], save_ids: list[str], ranks: list[int], spread: bool, version: int, where: str
+) -> tuple[str, ...]:
+    """Version 7: the names of data files of sibling checkpoints (``bases``, numbered by ``base``) and
+    of its own. A sibling is one folder name beside the checkpoint's, never a path."""
+    bases = value["bases"]
+    if version < INCREMENTAL_VERSION or not isinstance(bases, list) or not bases:
+        raise CheckpointFormatError(
+            f"{where}: 'files' has 'bases' (data files of other checkpoints), which format version {version} does "
+            f"not have (version {INCREMENTAL_VERSION} and later do, as a non-empty list)"
+        )
+    siblings: list[tuple[str, bool]] = []
+    for base in bases:
+        if not isinstance(base, dict) or set(base) - {"name", "key_prefix"} or not is_sibling_name(base.get("name")):
+            raise CheckpointFormatError(
+                f"{where}: each of 'files.bases' must be {{'name': a sibling folder's name, 'key_prefix'?}}, got "
+                f"{base!r:.80}"
+            )
+        if base.get("key_prefix", KEY_PREFIX_RULE) != KEY_PREFIX_RULE:
+            raise CheckpointFormatError(
+                f"{where}: base {base['name']!r} has unknown key_prefix {base['key_prefix']!r:.40}"
+            )
+        siblings.append((base["name"], "key_prefix" in base))
+    if len({name for name, _ in siblings}) != len(siblings):
+        raise CheckpointFormatError(f"{where}: 'files.bases' names a sibling twice")
+    numbers = decode_column(value.get("base", 0), len(save_ids), f"{where}: files: base")
+    if numbers and max(numbers) > len(siblings):
+        raise CheckpointFormatError(f"{where}: 'files.base' numbers a base past the {len(siblings)} of 'bases'")
+    names = []
+    for save_id, rank, number in zip(save_ids, ranks, numbers, strict=True):
+        if number:
+            sibling, sibling_spread = siblings[number - 1]
+            names.append(sibling_file_name(sibling, data_file_name(save_id, rank, sibling_spread)))
+        else:
+            names.append(data_file_name(save_id, rank, spread))
+    return tuple(names)
 
 
 def decode_keys(
@@ -109,7 +163,7 @@ def decode_keys(
     default_block = doc.get("block_size")
     if default_block is not None and not is_block_size(default_block):
         raise CheckpointFormatError(f"{where}: 'block_size' {default_block!r:.40} is not a valid block size")
-    context = _Context(names, files, default_block, doc_bytes, where, cover)
+    context = _Context(names, files, default_block, doc_bytes, where, cover, doc.get("format_version", FORMAT_VERSION))
     state: dict[str, Any] = {}
     keys: dict[str, StoredKey] = {}
     per_rank: dict[str, dict[int, Any]] = {}
@@ -381,6 +435,10 @@ def _storage_columns_of(
         raise CheckpointFormatError(f"{where}: 'stored_lengths' must be present exactly when an item is compressed")
     if compressed:
         key.lengths = decode_column(record["stored_lengths"], total, f"{where}: stored_lengths", packed_only=True)
+    if "digests" in record:
+        if not context.digests:
+            raise CheckpointFormatError(f"{where}: a 'digests' column is format version {INCREMENTAL_VERSION}'s")
+        key.digests = PackedBlocks(record["digests"], DIGEST_ENTRIES * total, f"{where}: digests (16 bytes per block)")
     _check_stored_bytes(key, record.get("inline", []), context, where)
 
 

@@ -19,7 +19,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio.errors import CheckpointFormatError
 from ckptio.format.fragments import FRAGMENT_FIELD, Fragment, FragmentInfo, merge
-from ckptio.format.names import FORMAT_NAME, FORMAT_VERSION, FRAGMENT_VERSION, SPREAD_KEYS_VERSION
+from ckptio.format.names import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    FRAGMENT_VERSION,
+    INCREMENTAL_VERSION,
+    SIBLING_PREFIX,
+    SPREAD_KEYS_VERSION,
+)
 from ckptio.format.records import Header, Manifest, StoredItem, manifest_of
 from ckptio.format.rules import check_planner_paths
 from ckptio.format.v1 import decode_version_1
@@ -40,10 +47,14 @@ def encode_metadata(
     JSON document: format version 4, or 5 where the data files are under spread key prefixes (so a
     ckptio that does not know them refuses the checkpoint instead of missing its files); 3 on request,
     for a reader that predates the ``tensors`` table. With ``fragment``: a rank's fragment of a save
-    without a coordinator (``fragments.py``), version 6."""
+    without a coordinator (``fragments.py``), version 6. An incremental save's document (data files of
+    sibling checkpoints, block digests: ``incremental_from``), version 7."""
     spread = any("/" in name for name in header.files)  # the names themselves are checked by the encoder
+    incremental = header.chain is not None or any(name.startswith(SIBLING_PREFIX) for name in header.files)
     if fragment is not None:
         format_version = FRAGMENT_VERSION
+    elif format_version is None and (incremental or _digested(items)):
+        format_version = INCREMENTAL_VERSION
     elif format_version is None:
         format_version = SPREAD_KEYS_VERSION if spread else 4
     elif format_version not in (3, 4, 5) or (spread and format_version < SPREAD_KEYS_VERSION):
@@ -53,7 +64,7 @@ def encode_metadata(
         )
     block_size = header.config.max_block_size or next((i.block_size for i in items.values()), 64)
     doc = dataclasses.replace(header, format_version=format_version).to_json()
-    boxed = format_version >= FRAGMENT_VERSION
+    boxed = fragment is not None
     columns = encode_document(
         metadata, items, per_rank or {}, header.files, header.writer_ranks, block_size, format_version >= 4, boxed
     )
@@ -62,6 +73,12 @@ def encode_metadata(
     if fragment is not None:
         doc[FRAGMENT_FIELD] = fragment.to_json()
     return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()  # a tree we built
+
+
+def _digested(items: dict) -> bool:
+    """Whether the items carry block digests (a save with ``incremental_from`` set records them)."""
+    first = next(iter(items.values()), None)
+    return first is not None and first.digests is not None
 
 
 @paused_gc()

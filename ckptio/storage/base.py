@@ -12,7 +12,8 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import fsspec
 
 from ckptio.config import REMOTE_READ_GAP_BYTES, StorageConfig
-from ckptio.errors import StorageError
+from ckptio.errors import CheckpointError, StorageError
+from ckptio.format.names import SIBLING_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +72,15 @@ class FsspecStore:
             self.read_gap_bytes = config.read_gap_bytes
 
     def path(self, name: str) -> str:
-        return f"{self.root}/{name}"
+        return _beside(self.root, name)
 
     def describe(self, name: str) -> str:
-        return f"{self.url.rstrip('/')}/{name}"
+        return _beside(self.url.rstrip("/"), name)
+
+    def sibling(self, name: str) -> "FsspecStore":
+        """The store of the checkpoint folder ``name`` beside this one (same filesystem and settings)."""
+        root, url = _beside(self.root, SIBLING_PREFIX + name), _beside(self.url.rstrip("/"), SIBLING_PREFIX + name)
+        return type(self)(self.fs, root, url, self.config)
 
     # --- metadata-sized objects -------------------------------------------------------
     def exists(self, name: str) -> bool:
@@ -230,6 +236,20 @@ class FsspecStore:
             raise
         except Exception as exc:
             raise StorageError(f"failed to {action} {self.describe(name)}: {type(exc).__name__}: {exc}") from exc
+
+
+def _beside(root: str, name: str) -> str:
+    """``root/name``; a sibling checkpoint's file (``../<sibling>/...``, an incremental checkpoint's
+    reference, its folder name checked by the decoder) resolved in ``root``'s parent folder: object
+    stores take '..' as part of a key."""
+    if not name.startswith(SIBLING_PREFIX):
+        return f"{root}/{name}"
+    parent, _, _ = root.rpartition("/")
+    if not parent or parent.endswith(":/") or parent.endswith(":"):
+        raise CheckpointError(
+            f"{root}/{name}: a checkpoint at the top of its bucket or filesystem has no sibling folders to reference"
+        )
+    return f"{parent}/{name[len(SIBLING_PREFIX) :]}"
 
 
 def _as_range(request: ReadRequest) -> RangeRequest:

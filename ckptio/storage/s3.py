@@ -70,7 +70,7 @@ class S3Store(FsspecStore):
         self._limit: AdaptiveLimit | None = None
 
     def key(self, name: str) -> str:
-        return f"{self.prefix}/{name}" if self.prefix else name
+        return self.path(name).partition("/")[2]
 
     # --- the request primitive ----------------------------------------------------------
     async def _client(self, fs: fsspec.AbstractFileSystem | None = None) -> Any:

@@ -104,7 +104,7 @@ def test_saves_write_version_4_and_the_readable_view_keeps_each_codecs_oldest_ve
         value = torch.randn(100_000).to(dtype) if name == "planes" else torch.zeros(100_000, dtype=dtype)
         dcp.save({"t": value}, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(compression=compression)))
         raw = open(os.path.join(url, "ckptio.json"), "rb").read()
-        assert json.loads(raw)["format_version"] == 4 and FORMAT_VERSION == 6
+        assert json.loads(raw)["format_version"] == 4 and FORMAT_VERSION == 7
         view = legacy_document(decode_metadata(raw, "x"))
         assert view["format_version"] == (2 if name == "planes" else 1), name
         for document in (raw, json.dumps(view).encode()):  # the view is itself a loadable document
