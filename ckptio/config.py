@@ -217,6 +217,17 @@ class WriterConfig:
     #: written once, decided from their placements; objects and plain tensors by every rank holding them.
     #: A plain ``dcp.save`` decides it by its own ``use_collectives`` argument.
     use_collectives: bool = True
+    #: Incremental saves: the checkpoint to save against, a URL of a sibling checkpoint (beside this one,
+    #: as ``run/step-100`` is to ``run/step-200``), or ``"previous"``: the last checkpoint this process
+    #: saved. Every block whose content (xxh3-128 digest) equals the base's stored item is referenced there
+    #: instead of written; the checkpoint loads like any other, and deletes keep the data it references.
+    #: Any save with this set records the digests, so the first save of a chain (nothing to reference) is
+    #: a full one. ``None``: off.
+    incremental_from: str | None = None
+    #: A chain of incremental saves is this many saves long at most; the next save is a full one.
+    incremental_max_depth: int = 8
+    #: A save whose base referenced less than this share of its stored bytes is a full one.
+    incremental_min_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         for name, value in _environment_values(type(self)).items():
@@ -277,6 +288,21 @@ class WriterConfig:
             raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
         if self.key_prefix not in KEY_PREFIXES:
             raise ValueError(f"unknown key_prefix {self.key_prefix!r}; valid values are {list(KEY_PREFIXES)}")
+        if isinstance(self.incremental_from, os.PathLike):
+            self.incremental_from = os.fspath(self.incremental_from)
+        if self.incremental_from is not None and not (isinstance(self.incremental_from, str) and self.incremental_from):
+            raise ValueError(
+                f"incremental_from must be a checkpoint URL, 'previous' or None, got {self.incremental_from!r}"
+            )
+        if self.incremental_from is not None and self.local_tier is not None:
+            raise ValueError(
+                "ckptio does not combine incremental_from with a local tier (local_tier) yet: save incrementally "
+                "to the durable URL, or tiered in full"
+            )
+        if self.incremental_max_depth < 1:
+            raise ValueError(f"incremental_max_depth must be at least 1, got {self.incremental_max_depth}")
+        if not 0 <= self.incremental_min_fraction < 1:
+            raise ValueError(f"incremental_min_fraction must be within [0, 1), got {self.incremental_min_fraction}")
         if not 1 <= self.compression_level <= 22:
             raise ValueError(f"compression_level must be within 1..22, got {self.compression_level}")
 

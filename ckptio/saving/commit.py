@@ -14,9 +14,10 @@ from ckptio.errors import (
     CheckpointNotFoundError,
     StorageError,
 )
-from ckptio.format.names import METADATA_NAME
+from ckptio.format.names import METADATA_NAME, own_file_names
 from ckptio.format.versions import decode_fragment, decode_metadata
 from ckptio.loading.fragment_set import complete_set, merged_metadata
+from ckptio.saving.references import files_in_use
 from ckptio.storage import FsspecStore
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def _committed_files(store: FsspecStore, name: str, decode: Callable[[bytes, str
     except CheckpointNotFoundError as exc:  # e.g. no such bucket: nowhere to save to
         raise StorageError(f"cannot save to {store.url}: {exc}") from None
     try:
-        return sorted(decode(old, store.describe(name)).files)
+        return sorted(own_file_names(decode(old, store.describe(name)).files))
     except CheckpointFormatError as exc:
         log.warning("ckptio: overwriting an unreadable %s; its data files are left in place: %s", name, exc)
         return []
@@ -67,7 +68,7 @@ def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
     if not overwrite:
         raise _exists(store.describe(METADATA_NAME))
     store.remove(METADATA_NAME)
-    store.delete_best_effort(files)
+    store.delete_best_effort(_unreferenced(store, files))
 
 
 def publish_fragment(store: FsspecStore, name: str, document: bytes, files: dict[str, int], overwrite: bool) -> None:
@@ -106,7 +107,13 @@ def publish(
             raise _taken(store.describe(name), name == METADATA_NAME) from None
     stale = [file for file in superseded if file not in files]
     if stale:
-        store.delete_best_effort(stale)
+        store.delete_best_effort(_unreferenced(store, stale))
+
+
+def _unreferenced(store: FsspecStore, files: list[str]) -> list[str]:
+    """Of the data files a replaced checkpoint leaves, those no incremental checkpoint references."""
+    used, _ = files_in_use(store)
+    return [file for file in files if file not in used]
 
 
 def _taken(what: str, coordinated: bool) -> CheckpointExistsError:

@@ -17,9 +17,10 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 
 from ckptio.config import WriterConfig, cpu_threads
 from ckptio.errors import CheckpointError
-from ckptio.format.codec import BlockEncoder, block_size_for
+from ckptio.format.codec import BlockEncoder, block_digests, block_size_for
 from ckptio.format.names import Codec, ItemKind, dtype_from_name, dtype_name
 from ckptio.format.records import StoredItem
+from ckptio.saving.incremental import Base
 from ckptio.storage import FsspecStore
 
 
@@ -54,35 +55,49 @@ def pickled_objects(items: dict[MetadataIndex, WriteItem], planner: SavePlanner)
 
 
 def encode_items(
-    store: FsspecStore, file: str, items: Iterable[ItemBytes], config: WriterConfig, inline_limit: int = 0
+    store: FsspecStore,
+    file: str,
+    items: Iterable[ItemBytes],
+    config: WriterConfig,
+    inline_limit: int = 0,
+    base: Base | None = None,
 ) -> dict[MetadataIndex, StoredItem]:
-    """Store ``items`` in data file ``file`` (or inline, if they all fit in ``inline_limit`` bytes)."""
+    """Store ``items`` in data file ``file`` (or inline, if they all fit in ``inline_limit`` bytes). With
+    ``WriterConfig.incremental_from`` set, every block's content digest is recorded, and an item whose
+    bytes ``base`` already stores is referenced there instead of written (``incremental.py``)."""
     encoder = BlockEncoder(
         config.max_block_size, config.compression, config.compression_level, cpu_threads(config.max_concurrency)
     )
     sink = _InlineOrFileSink(store, file, inline_limit)
-    placed: list[tuple[ItemBytes, Codec, int, int, tuple[tuple[int, int], ...]]] = []  # + codec, offset, block size
+    digested = config.incremental_from is not None
+    placed: list[tuple[ItemBytes, Codec, int, int, tuple, bytes | None]] = []  # + codec, offset, block size, blocks
+    referenced: dict[MetadataIndex, StoredItem] = {}
     offset = 0
     try:
         for item in items:
             block_size = block_size_for(len(item.data), encoder.max_block_size)
+            digests = block_digests(item.data, block_size) if digested else None
+            reference = base.reference(item, block_size, digests) if base is not None else None
+            if reference is not None:
+                referenced[item.index] = reference
+                continue
             itemsize = dtype_from_name(item.dtype).itemsize if item.kind == ItemKind.TENSOR else 1
             codec, planes = encoder.codec_for(item.data, itemsize)
             blocks = []
             for stored, crc in encoder.encode(item.data, block_size, codec, planes):
                 sink.write(stored, crc)
                 blocks.append((len(stored), crc))
-            placed.append((item, codec, offset, block_size, tuple(blocks)))
+            placed.append((item, codec, offset, block_size, tuple(blocks), digests))
             offset += sum(n for n, _ in blocks)
-        sink.close()
+        sink.close(bool(placed))
     except BaseException:
         sink.abort()
         raise
     finally:
         encoder.close()
     inline = sink.inline
-    records = {}
-    for item, codec, at, block_size, blocks in placed:
+    records = referenced
+    for item, codec, at, block_size, blocks, digests in placed:
         end = at + sum(n for n, _ in blocks)
         records[item.index] = StoredItem(
             file="" if inline is not None else file,
@@ -95,6 +110,7 @@ def encode_items(
             block_size=block_size,
             blocks=blocks,
             inline=inline[at:end] if inline is not None else None,
+            digests=digests,
         )
     return records
 
@@ -106,7 +122,7 @@ class _InlineOrFileSink:
     def __init__(self, store: FsspecStore, name: str, limit: int):
         self.store, self.name, self.limit = store, name, limit
         self.buffer: bytearray | None = bytearray() if limit > 0 else None
-        self.sink = None if limit > 0 else store.open_sink(name)
+        self.sink = None  # opened on the first byte past the limit: a rank whose items are all referenced has none
         self.inline: bytes | None = None
 
     def write(self, data: Any, crc: int | None = None) -> None:
@@ -115,14 +131,19 @@ class _InlineOrFileSink:
             return
         if self.sink is None:
             self.sink = self.store.open_sink(self.name)
-            self.sink.write(self.buffer)
+            if self.buffer is not None:
+                self.sink.write(self.buffer)
             self.buffer = None
         self.sink.write(data, crc)
 
-    def close(self) -> None:
-        if self.sink is None:
+    def close(self, placed: bool) -> None:
+        """Finish the file; ``placed``: items were stored here (if only empty ones, the file is empty)."""
+        if self.buffer is not None:
             self.inline = bytes(self.buffer)
-        else:
+            return
+        if self.sink is None and placed:
+            self.sink = self.store.open_sink(self.name)
+        if self.sink is not None:
             self.sink.close()
 
     def abort(self) -> None:

@@ -28,7 +28,7 @@ from ckptio.config import StorageConfig, WriterConfig
 from ckptio.errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, StorageError
 from ckptio.format.fragments import FragmentInfo, Replica
 from ckptio.format.names import METADATA_NAME, ItemKind, data_file_name, fragment_name
-from ckptio.format.records import Header, MeshRecord, SavedConfig, StoredItem
+from ckptio.format.records import ChainRecord, Header, MeshRecord, Reference, SavedConfig, StoredItem
 from ckptio.format.versions import decode_fragment, decode_metadata, encode_metadata
 from ckptio.gc_pause import paused_gc
 from ckptio.saving import ordering, staging
@@ -43,9 +43,12 @@ from ckptio.saving.consistency import (
 )
 from ckptio.saving.data_file import encode_items, item_bytes, pickled_objects
 from ckptio.saving.fragments import fragment_metadata, fragment_save_id
+from ckptio.saving.incremental import Base, note_saved, resolve_base
 from ckptio.saving.planning import Holdings, assign_writers
+from ckptio.saving.references import by_sibling, mark_references
 from ckptio.saving.replicas import own_writes
 from ckptio.state.keys import canonical_planner_data, canonical_write_items
+from ckptio.storage import open_store
 from ckptio.storage.location import CheckpointLocation
 from ckptio.tiers import writing as tiers
 from ckptio.tiers.drain import Durable, drain_queue
@@ -155,6 +158,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         self._superseded: list[str] = []  # set in step 3, used in step 5 (coordinator)
         self._save_id: str | None = None  # set in step 4
         self._fragment: FragmentSave | None = None  # set in step 1 when the save has no coordinator
+        self._base: Base | None = None  # set in step 4: what an incremental save references
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -242,9 +246,12 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         if stored is None and (assigned or extras):  # not tiered, or the fast tier is full
             store = self._open_store()
             store.prepare_directory()
-            stored = encode_items(
-                store, file, item_bytes({**assigned, **extras}, planner, objects), self.config, inline_limit
-            )
+            self._base = self._incremental_base()
+            items = item_bytes({**assigned, **extras}, planner, objects)
+            stored = encode_items(store, file, items, self.config, inline_limit, self._base)
+        elif self.is_coordinator:
+            self._base = self._incremental_base()
+        note_saved(self.checkpoint_id)
         stored = stored or {}
         if self.config.differing_objects == "keep_per_rank":
             report.copies = {idx.fqn: rec for idx, rec in stored.items() if rec.kind == ItemKind.BYTES}
@@ -263,9 +270,13 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         items, files, writers = _written(results, reports)
         mesh = next((r.mesh for r in reports if r.mesh), None)
         header = _header(self.config, metadata, files, writers, mesh, self._save_id, world_size=len(results))
+        if by_sibling(files):
+            header = dataclasses.replace(header, chain=_chain(self._base, self.config, items.values()))
         metadata.planner_data = canonical_planner_data(metadata.planner_data)
         document = encode_metadata(metadata, items, header, per_rank)
         refuse_unloadable(document, self._open_store().describe(METADATA_NAME))
+        if header.chain is not None:
+            mark_references(self._open_store(), files, self._save_id)
         if self.config.local_tier:
             tiers.commit_locally(
                 local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_options, self.storage_config),
@@ -279,8 +290,18 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         metadata.storage_meta = self.storage_meta()
 
     # --- saves without a coordinator (``dcp.save(..., use_collectives=False)``) ------------------
+    def _incremental_base(self) -> Base | None:
+        return resolve_base(
+            self.checkpoint_id, self.config, lambda url: open_store(url, self.storage_options, self.storage_config)
+        )
+
     def _fragment_of_save(self) -> FragmentSave:
         """This rank's place in a save without a coordinator, or a clear refusal."""
+        if self.config.incremental_from is not None:
+            raise CheckpointError(
+                "ckptio does not combine incremental saves (WriterConfig.incremental_from) with dcp.save(..., "
+                "use_collectives=False) yet: save with collectives, or in full"
+            )
         if self.config.local_tier:
             raise CheckpointError(
                 "ckptio does not combine a local tier (WriterConfig.local_tier) with dcp.save(..., "
@@ -413,6 +434,17 @@ def _header(
     )
 
 
+def _chain(base: Base | None, config: WriterConfig, items: Any) -> ChainRecord:
+    """The chain record of an incremental save's metadata. A rank referenced a base the coordinator did
+    not resolve only if the base changed during the save: the depth is then taken as the bound's, so
+    the next save is a full one."""
+    referenced = sum(item.stored_bytes for item in items if isinstance(item, Reference))
+    if base is None:
+        log.warning("ckptio: ranks of this save resolved different incremental bases; the next save will be full")
+        return ChainRecord("unknown", config.incremental_max_depth, referenced)
+    return ChainRecord(base.name, base.depth, referenced)
+
+
 def _check_same_location(plans: list[SavePlan]) -> None:
     """Every rank must save to the same checkpoint: files split across paths never load."""
     locations: dict[str | None, list[int]] = {}
@@ -450,6 +482,9 @@ def _written(
     files: dict[str, int] = {}
     for name, size in zip(names, map(_STORED_BYTES, stored), strict=True):
         files[name] = files.get(name, 0) + size
+    for item in stored:  # a sibling's file, which an incremental save references: its size as recorded there
+        if isinstance(item, Reference):
+            files[item.file] = item.file_bytes
     ranks = itertools.chain.from_iterable(map(itertools.repeat, range(len(results)), map(len, results)))
     writers = dict(zip(names, ranks, strict=True))
     if any(report.copies for report in reports):  # keep_per_rank: a rank's assigned objects are in both lists

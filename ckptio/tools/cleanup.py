@@ -6,19 +6,28 @@ from __future__ import annotations
 import dataclasses
 
 from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, MixedFragmentsError
-from ckptio.format.names import METADATA_NAME, TORCH_DCP_METADATA_NAME, is_data_file_name
+from ckptio.format.names import (
+    METADATA_NAME,
+    TORCH_DCP_METADATA_NAME,
+    is_data_file_name,
+    parse_reference_marker_name,
+)
 from ckptio.format.records import Manifest
-from ckptio.format.versions import decode_fragment
+from ckptio.format.versions import decode_fragment, decode_metadata
 from ckptio.loading.fragment_set import complete_set, fragments_in
 from ckptio.loading.reader import read_manifest
+from ckptio.saving.references import by_sibling, files_in_use, release
 from ckptio.storage import FsspecStore
 
 
-def orphaned_files(store: FsspecStore, manifest: Manifest | None) -> list[str]:
-    """Data files beside the checkpoint that it does not use (left by saves that never committed);
-    every data file where nothing has committed (``manifest`` None)."""
-    used = manifest.files if manifest is not None else {}
-    return [n for n in store.list_names(nested=True) or [] if is_data_file_name(n) and n not in used]
+def orphaned_files(store: FsspecStore, manifest: Manifest | None, names: list[str] | None = None) -> list[str]:
+    """Data files beside the checkpoint that it does not use (left by saves that never committed), nor
+    a committed incremental checkpoint references; every other data file where nothing has committed
+    (``manifest`` None)."""
+    names = store.list_names(nested=True) if names is None else names
+    used = set(manifest.files) if manifest is not None else set()
+    used |= files_in_use(store, names, saving_counts=False)[0]
+    return [n for n in names or [] if is_data_file_name(n) and n not in used]
 
 
 @dataclasses.dataclass
@@ -37,7 +46,9 @@ def find_garbage(store: FsspecStore) -> Garbage:
     except (CheckpointNotFoundError, IncompleteCheckpointError, MixedFragmentsError):
         manifest = None
     uploads = [(name, upload_id) for name, upload_id in store.open_uploads() if is_data_file_name(name)]
-    return Garbage(stale_fragments(store, manifest) + orphaned_files(store, manifest), uploads)
+    names = store.list_names(nested=True) or []
+    stale_markers = files_in_use(store, names, saving_counts=False)[1]
+    return Garbage(stale_fragments(store, manifest) + stale_markers + orphaned_files(store, manifest, names), uploads)
 
 
 def stale_fragments(store: FsspecStore, manifest: Manifest | None) -> list[str]:
@@ -90,15 +101,40 @@ def checkpoint_format(store: FsspecStore) -> str | None:
     return found
 
 
-def delete_checkpoint(store: FsspecStore) -> None:
-    """Remove the checkpoint at ``store`` completely. Its commit marker goes first (a fragment set's
-    commit is every fragment: rank 0's goes first), so a deletion cut short leaves an uncommitted folder
-    (never loadable, cleaned by ``gc``), not a committed one with files missing; then every object under
-    it and any unfinished multipart upload."""
+def delete_checkpoint(store: FsspecStore) -> list[str]:
+    """Remove the checkpoint at ``store``. Its commit marker goes first (a fragment set's commit is every
+    fragment: rank 0's goes first), so a deletion cut short leaves an uncommitted folder (never loadable,
+    cleaned by ``gc``), not a committed one with files missing; then every object under it and any
+    unfinished multipart upload, except the data files incremental checkpoints beside it reference (and
+    their markers): those stay until the last of them is deleted, and are returned. The siblings this
+    checkpoint referenced are released (``references.release``)."""
+    bases = _referenced_siblings(store)
     for marker in COMMIT_MARKERS:
         store.remove(marker)
     for name in sorted(fragments_in(store.list_names() or [])):
         store.remove(name)
     for name, upload_id in store.open_uploads():
         store.abort_upload(name, upload_id)
-    store.remove_all()
+    names = store.list_names(nested=True) or []
+    used, stale = files_in_use(store, names)
+    if used:
+        kept = used | {name for name in names if parse_reference_marker_name(name)} - set(stale)
+        for name in names:
+            if name not in kept:
+                store.remove(name)
+    else:
+        store.remove_all()
+    release(store, bases)
+    return sorted(used)
+
+
+def _referenced_siblings(store: FsspecStore) -> list[str]:
+    """The sibling checkpoints whose data the checkpoint at ``store`` references (none if unreadable)."""
+    try:
+        raw = store.read(METADATA_NAME)
+    except FileNotFoundError:
+        return []
+    try:
+        return sorted(by_sibling(decode_metadata(raw, store.describe(METADATA_NAME)).files))
+    except CheckpointError:
+        return []

@@ -127,6 +127,22 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_delete(args: argparse.Namespace) -> int:
+    from ckptio.storage import open_store
+    from ckptio.tools.cleanup import checkpoint_format, delete_checkpoint
+
+    store = open_store(args.url, _storage_options(args))
+    if checkpoint_format(store) != "ckptio" and not args.force:
+        print(f"{args.url} holds no committed ckptio checkpoint; pass --force to remove what is there", file=sys.stderr)
+        return 1
+    kept = delete_checkpoint(store)
+    print(
+        f"deleted {args.url}"
+        + (f"; kept {len(kept)} data file(s) that incremental checkpoints beside it use" if kept else "")
+    )
+    return 0
+
+
 def _gc_local_tier(args: argparse.Namespace, local_tier: str) -> int:
     from ckptio.config import WriterConfig
     from ckptio.tools.tier_status import node_steps, remove_node_steps
@@ -251,6 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
         "and its unfinished drain is completed before the command exits (run it while no job of this run runs here)",
     )
     p.set_defaults(func=cmd_latest)
+    p = with_url(
+        sub.add_parser(
+            "delete",
+            help="delete a checkpoint (its commit first); data files that incremental checkpoints beside it "
+            "reference stay until the last of those is deleted",
+        )
+    )
+    p.add_argument("--force", action="store_true", help="also where no committed ckptio checkpoint is found")
+    p.set_defaults(func=cmd_delete)
     p = with_url(
         sub.add_parser(
             "merge",

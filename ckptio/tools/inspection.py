@@ -11,7 +11,14 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ckptio.errors import CheckpointNotFoundError, StorageError
-from ckptio.format.names import METADATA_NAME, ItemKind, dtype_name, parse_data_file_name
+from ckptio.format.names import (
+    METADATA_NAME,
+    ItemKind,
+    dtype_name,
+    parse_data_file_name,
+    parse_reference_marker_name,
+    split_sibling_file_name,
+)
 from ckptio.format.records import Manifest, StoredItem
 from ckptio.format.v1 import legacy_document
 from ckptio.loading.reader import read_manifest
@@ -34,7 +41,7 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
         node_copy_path = local_step_path(local_tier, url, storage_options) if local_tier else None
         if node_copy_path is None or not os.path.exists(os.path.join(node_copy_path, METADATA_NAME)):
             raise
-        _, manifest = open_checkpoint(node_copy_path)
+        store, manifest = open_checkpoint(node_copy_path)
         durable = False if isinstance(exc, CheckpointNotFoundError) else f"unreachable ({exc})"
     if local_tier is not None:
         tiers = {"durable_committed": durable, "node": node_copy(url, local_tier, storage_options)}
@@ -63,6 +70,12 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
         )
     stored_total = sum(k["stored_bytes"] for k in keys)
     logical_total = sum(k["logical_bytes"] for k in keys)
+    referenced: dict[str, int] = defaultdict(int)  # sibling -> stored bytes of this checkpoint's items there
+    for items in by_key.values():
+        for item in items:
+            sibling, _ = split_sibling_file_name(item.file)
+            if sibling is not None:
+                referenced[sibling] += item.stored_bytes
     return {
         "url": url,
         "written_by": header.written_by,
@@ -80,6 +93,12 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
         "stored_bytes": stored_total,
         "logical_bytes": logical_total,
         "compression_ratio": round(logical_total / stored_total, 3) if stored_total else 1.0,
+        # an incremental save's: the stored bytes in its own files, and those it references in siblings
+        "owned_bytes": stored_total - sum(referenced.values()),
+        "referenced_bytes": dict(sorted(referenced.items())),
+        "chain": header.chain.to_json() if header.chain else None,
+        # the incremental checkpoints beside it that reference its files (their markers here)
+        "referenced_by": sorted(filter(None, map(parse_reference_marker_name, store.list_names() or []))),
         "keys": keys,
         "tiers": tiers,
         # the metadata itself, one JSON object per item (version 3 stores it as packed columns)
@@ -113,6 +132,18 @@ def format_description(desc: dict[str, Any]) -> str:
     ]
     for name, size in sorted(desc["files"].items()):
         lines.append(f"  {name}  {_size(size)}  written by rank {desc['writer_ranks'].get(name, '?')}")
+    if desc.get("referenced_bytes") or desc.get("referenced_by"):
+        lines.append(
+            f"incremental  owns {_size(desc['owned_bytes'])}; references "
+            + (", ".join(f"{_size(n)} in {sibling}" for sibling, n in desc["referenced_bytes"].items()) or "nothing")
+            + (
+                f" (chain depth {desc['chain']['depth']}, saved against {desc['chain']['base']})"
+                if desc["chain"]
+                else ""
+            )
+        )
+        if desc.get("referenced_by"):
+            lines.append(f"  referenced by {', '.join(desc['referenced_by'])}: deletes keep the files they use")
     if desc.get("tiers"):
         lines += _tier_lines(desc["tiers"])
     header = ("key", "dtype", "shape", "chunks", "stored", "logical", "ratio", "files")
@@ -125,7 +156,7 @@ def format_description(desc: dict[str, Any]) -> str:
             _size(k["stored_bytes"]),
             _size(k["logical_bytes"]),
             str(k["compression_ratio"]),
-            ",".join(f"{parse_data_file_name(f).rank:05d}" if f else "inline" for f in k["files"]),
+            ",".join(_file_label(f) for f in k["files"]),
         )
         for k in desc["keys"]
     ]
@@ -134,6 +165,15 @@ def format_description(desc: dict[str, Any]) -> str:
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return "\n".join(lines)
+
+
+def _file_label(name: str) -> str:
+    """A data file as the key table shows it: its rank, after its folder when a sibling holds it."""
+    if not name:
+        return "inline"
+    sibling, own = split_sibling_file_name(name)
+    rank = f"{parse_data_file_name(own).rank:05d}"
+    return f"{sibling}:{rank}" if sibling else rank
 
 
 def _tier_lines(tiers: dict[str, Any]) -> list[str]:

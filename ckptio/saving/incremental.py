@@ -1,0 +1,144 @@
+"""Incremental saves (``WriterConfig.incremental_from``): the checkpoint a save is made against, and for
+each item whether that checkpoint's stored bytes already hold it.
+
+Rules, the same on every rank (each decides alone from the same base, no collective):
+
+- The base is ``incremental_from``: a checkpoint URL, or ``"previous"``: the last checkpoint this
+  process saved with ckptio. It must be a sibling (a folder beside the new checkpoint's: the
+  ``run/step-N`` layout), committed, and saved with block digests (format version 7, any save with
+  ``incremental_from`` set records them). A named base that is not is an error; ``"previous"`` that is
+  not starts the chain over with a full save (logged).
+- The chain is bounded: a save whose base is ``incremental_max_depth`` incremental saves from a full one,
+  or whose base referenced less than ``incremental_min_fraction`` of its bytes, is a full save (so no
+  chain grows without end, and a state that changes too much stops paying for references).
+- An item is referenced when the base stored the same key and chunk with the same dtype, shape, length
+  and block size, and every block's xxh3-128 digest of its logical bytes equals the base's: the new
+  checkpoint's record is then the base's (codec, blocks, CRC32Cs), pointing at the folder that wrote
+  the bytes (a base's own references are copied as they are, so loads never follow a chain). Anything
+  else is written whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ckptio.errors import CheckpointError, CheckpointNotFoundError
+from ckptio.format.names import INCREMENTAL_VERSION, is_sibling_name, sibling_file_name
+from ckptio.format.records import Manifest, Reference, StoredItem
+from ckptio.loading.reader import read_manifest
+
+log = logging.getLogger(__name__)
+
+PREVIOUS = "previous"
+#: The checkpoint location of this process's last save with ckptio (``incremental_from="previous"``).
+_last_saved: list[str] = []
+
+
+def note_saved(checkpoint_id: str) -> None:
+    _last_saved[:] = [checkpoint_id]
+
+
+@dataclasses.dataclass
+class Base:
+    """The checkpoint an incremental save references: its folder name beside the new one's, its
+    decoded metadata, and the new checkpoint's depth in the chain."""
+
+    name: str
+    manifest: Manifest
+    depth: int
+
+    def reference(self, item: Any, block_size: int, digests: bytes) -> Reference | None:
+        """The base's record of ``item`` (``data_file.ItemBytes``) as a reference, when its stored bytes
+        hold exactly this item's, else ``None``."""
+        try:
+            old = self.manifest.items[item.index]
+        except KeyError:
+            return None
+        if (
+            old.digests != digests
+            or not old.file  # kept inline in the base's metadata: nothing to point at
+            or old.block_size != block_size
+            or old.logical_bytes != len(item.data)
+            or (old.kind, old.dtype, old.shape) != (item.kind, item.dtype, item.shape)
+        ):
+            return None
+        file = old.file if old.file.startswith("../") else sibling_file_name(self.name, old.file)
+        fields = {f.name: getattr(old, f.name) for f in dataclasses.fields(StoredItem)}
+        return Reference(**{**fields, "file": file, "file_bytes": self.manifest.header.files[old.file]})
+
+
+def folder_and_name(url: str) -> tuple[str, str]:
+    """A checkpoint location's parent folder and its own name (local paths made absolute)."""
+    if "://" not in url:
+        url = os.path.abspath(url)
+    parent, _, name = url.rstrip("/").rpartition("/")
+    return parent, name
+
+
+def resolve_base(checkpoint_id: str, config, open_store) -> Base | None:
+    """The base of a save to ``checkpoint_id`` under ``config`` (``WriterConfig``), or ``None`` for a full
+    save; ``open_store(url)`` opens a location with the save's storage options."""
+    wanted = config.incremental_from
+    if wanted is None:
+        return None
+    named = wanted != PREVIOUS
+    url = wanted if named else (_last_saved[0] if _last_saved else None)
+    if url is None:
+        return None
+    parent, name = folder_and_name(url)
+    own_parent, own_name = folder_and_name(checkpoint_id)
+    problem = None
+    if parent != own_parent or not is_sibling_name(name):
+        problem = (
+            f"it is not a checkpoint in the same folder as {checkpoint_id} (an incremental checkpoint references "
+            "its siblings only, as run/step-200 references run/step-100)"
+        )
+    elif name == own_name:
+        problem = "it is the checkpoint being saved"
+    manifest = None
+    if problem is None:
+        try:
+            manifest = read_manifest(open_store(url))
+        except (CheckpointNotFoundError, CheckpointError) as exc:
+            problem = f"it cannot be read ({exc})"
+    if manifest is not None and not _digested(manifest):
+        problem = (
+            f"it was saved without block digests (format version {manifest.header.format_version}; a save records "
+            f"them from version {INCREMENTAL_VERSION} on when WriterConfig.incremental_from is set)"
+        )
+    if problem is not None:
+        if named:
+            raise CheckpointError(
+                f"incremental_from={url!r} cannot be this save's base: {problem}. Name another checkpoint, or save "
+                "in full (incremental_from=None) once to start a chain"
+            )
+        log.warning("ckptio: saving %s in full: the previous checkpoint %s %s", checkpoint_id, url, problem)
+        return None
+    chain = manifest.header.chain
+    depth = (chain.depth if chain is not None else 0) + 1
+    if depth > config.incremental_max_depth:
+        log.info("ckptio: saving %s in full: its chain reached incremental_max_depth=%d", checkpoint_id, depth - 1)
+        return None
+    stored = sum(size for file, size in manifest.header.files.items() if not file.startswith("../"))
+    stored += chain.referenced_bytes if chain is not None else 0
+    if chain is not None and chain.referenced_bytes < config.incremental_min_fraction * stored:
+        log.info(
+            "ckptio: saving %s in full: its base %s referenced %d of %d stored bytes (incremental_min_fraction=%g)",
+            checkpoint_id,
+            url,
+            chain.referenced_bytes,
+            stored,
+            config.incremental_min_fraction,
+        )
+        return None
+    return Base(name, manifest, depth)
+
+
+def _digested(manifest: Manifest) -> bool:
+    items: Mapping = manifest.items
+    first = next(iter(items.values()), None) if len(items) else None
+    return first is None or first.digests is not None

@@ -1,0 +1,119 @@
+"""Which data files of a checkpoint other checkpoints reference, so that deleting or replacing it keeps them.
+
+An incremental save (``WriterConfig.incremental_from``) stores references to stored bytes of sibling
+checkpoints in the same folder (always to the folder whose save wrote them). Before it commits, it leaves
+in each such sibling a marker, ``ckptio.referenced-by-<its folder name>.json``, listing the files it
+needs there, and then checks they are all still present (a deletion that began first either sees the
+marker or has removed a file, and the save fails instead of committing a broken checkpoint).
+
+A marker is *live* while its referrer is committed (its ``ckptio.json`` exists) or may still be saving
+(its folder has no ``ckptio.json`` yet): deletes and overwrites keep the files live markers list.
+``ckptio gc`` (which must not run beside a save) treats the markers of uncommitted referrers as stale.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ckptio.errors import CheckpointError, CorruptCheckpointError
+from ckptio.format.names import (
+    METADATA_NAME,
+    is_data_file_name,
+    parse_reference_marker_name,
+    reference_marker_name,
+    split_sibling_file_name,
+)
+from ckptio.storage import FsspecStore
+
+
+def folder_name(store: FsspecStore) -> str:
+    return store.url.rstrip("/").rpartition("/")[2]
+
+
+def by_sibling(files: Any) -> dict[str, list[str]]:
+    """Sibling folder -> the names there of the sibling data files among ``files`` (names as a checkpoint
+    stores them: ``../<sibling>/<name>``)."""
+    found: dict[str, list[str]] = {}
+    for name in files:
+        sibling, own = split_sibling_file_name(name)
+        if sibling is not None:
+            found.setdefault(sibling, []).append(own)
+    return found
+
+
+def mark_references(store: FsspecStore, files: dict[str, int], save_id: str | None) -> None:
+    """Before an incremental save at ``store`` commits: a marker in every sibling it references, then
+    every referenced file checked present at its recorded size (else the save fails, naming it)."""
+    referrer = folder_name(store)
+    for sibling, names in sorted(by_sibling(files).items()):
+        base = store.sibling(sibling)
+        marker = {"referrer": referrer, "save_id": save_id, "files": sorted(names)}
+        base.put_atomic(reference_marker_name(referrer), json.dumps(marker).encode())
+        present = base.list_sizes() or {}
+        for name in names:
+            recorded = files[f"../{sibling}/{name}"]
+            if present.get(name) != recorded:
+                raise CheckpointError(
+                    f"{base.describe(name)}, which this incremental save references, "
+                    f"{'is gone' if name not in present else 'changed size'} (deleted while the save ran?); the "
+                    "save was not committed. Save again (in full, or against a checkpoint that is still there)"
+                )
+
+
+def files_in_use(
+    store: FsspecStore, names: list[str] | None = None, saving_counts: bool = True
+) -> tuple[set[str], list[str]]:
+    """The data files at ``store`` that other checkpoints reference (by their live markers), and the
+    names of the markers that are stale. ``saving_counts``: a referrer without a commit may be saving
+    (deletes keep its files); ``gc`` passes False."""
+    names = store.list_names() if names is None else names
+    used: set[str] = set()
+    stale: list[str] = []
+    for name in names or []:
+        referrer = parse_reference_marker_name(name)
+        if referrer is None:
+            continue
+        listed = _marker_files(store, name)
+        live = listed is not None and _referrer_live(store, referrer, saving_counts)
+        if live:
+            used.update(listed)
+        else:
+            stale.append(name)
+    return used, stale
+
+
+def release(store: FsspecStore, bases: list[str]) -> None:
+    """After the checkpoint at ``store`` is deleted: its markers in the siblings it referenced go, and a
+    sibling that was deleted but kept for it (no ``ckptio.json``, no live marker left) goes whole."""
+    referrer = folder_name(store)
+    for sibling in bases:
+        base = store.sibling(sibling)
+        base.remove(reference_marker_name(referrer))
+        if base.exists(METADATA_NAME):
+            continue
+        names = base.list_names() or []
+        used, _ = files_in_use(base, names)
+        if not used:
+            base.remove_all()
+
+
+def _marker_files(store: FsspecStore, name: str) -> list[str] | None:
+    try:
+        marker = json.loads(store.read(name))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise CorruptCheckpointError(
+            f"{store.describe(name)} is not a reference marker (JSON); it protects data files another checkpoint "
+            "uses. Restore it, or delete the checkpoints of this folder with ckptio"
+        ) from None
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) and is_data_file_name(f) for f in files):
+        raise CorruptCheckpointError(f"{store.describe(name)} does not list data files; restore it")
+    return files
+
+
+def _referrer_live(store: FsspecStore, referrer: str, saving_counts: bool) -> bool:
+    other = store.sibling(referrer)
+    return other.exists(METADATA_NAME) or (saving_counts and bool(other.list_names()))
