@@ -135,11 +135,13 @@ class SavedConfig:
 @dataclasses.dataclass(frozen=True)
 class ChainRecord:
     """An incremental checkpoint's place in its chain: the sibling it was saved against, how many
-    incremental saves lie between it and a full one (``depth``), and the stored bytes it references."""
+    incremental saves lie between it and a full one (``depth``), and of its items' stored bytes (its
+    own, inline ones included, and referenced) those it references."""
 
     base: str
     depth: int
     referenced_bytes: int
+    stored_bytes: int
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -149,9 +151,10 @@ class ChainRecord:
         if not isinstance(doc, dict) or not is_sibling_name(doc.get("base")):
             raise CheckpointFormatError(f"{where}: 'chain' must be {{'base': a sibling's name, 'depth', ...}}")
         field = FieldReader(doc, f"{where}: chain")
-        return cls(
-            doc["base"], require_count(doc.get("depth"), f"{where}: chain depth"), field.count("referenced_bytes") or 0
-        )
+        referenced, stored = field.count("referenced_bytes") or 0, field.count("stored_bytes") or 0
+        if referenced > stored:
+            raise CheckpointFormatError(f"{where}: 'chain' references more bytes than its items store")
+        return cls(doc["base"], require_count(doc.get("depth"), f"{where}: chain depth"), referenced, stored)
 
 
 @dataclasses.dataclass(frozen=True)

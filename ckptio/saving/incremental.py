@@ -123,15 +123,13 @@ def resolve_base(checkpoint_id: str, config, open_store) -> Base | None:
     if depth > config.incremental_max_depth:
         log.info("ckptio: saving %s in full: its chain reached incremental_max_depth=%d", checkpoint_id, depth - 1)
         return None
-    stored = sum(size for file, size in manifest.header.files.items() if not file.startswith("../"))
-    stored += chain.referenced_bytes if chain is not None else 0
-    if chain is not None and chain.referenced_bytes < config.incremental_min_fraction * stored:
+    if chain is not None and chain.referenced_bytes < config.incremental_min_fraction * chain.stored_bytes:
         log.info(
             "ckptio: saving %s in full: its base %s referenced %d of %d stored bytes (incremental_min_fraction=%g)",
             checkpoint_id,
             url,
             chain.referenced_bytes,
-            stored,
+            chain.stored_bytes,
             config.incremental_min_fraction,
         )
         return None

@@ -438,11 +438,13 @@ def _chain(base: Base | None, config: WriterConfig, items: Any) -> ChainRecord:
     """The chain record of an incremental save's metadata. A rank referenced a base the coordinator did
     not resolve only if the base changed during the save: the depth is then taken as the bound's, so
     the next save is a full one."""
+    items = list(items)
     referenced = sum(item.stored_bytes for item in items if isinstance(item, Reference))
+    stored = sum(item.stored_bytes for item in items)
     if base is None:
         log.warning("ckptio: ranks of this save resolved different incremental bases; the next save will be full")
-        return ChainRecord("unknown", config.incremental_max_depth, referenced)
-    return ChainRecord(base.name, base.depth, referenced)
+        return ChainRecord("unknown", config.incremental_max_depth, referenced, stored)
+    return ChainRecord(base.name, base.depth, referenced, stored)
 
 
 def _check_same_location(plans: list[SavePlan]) -> None:

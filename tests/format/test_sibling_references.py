@@ -1,0 +1,89 @@
+"""Format version 7's references to sibling checkpoints and block digests, read as untrusted input: a
+sibling is one folder name beside the checkpoint (never a path out of the run folder), and every field is
+checked before any file is opened."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptio
+from ckptio.errors import CheckpointFormatError
+from ckptio.format.names import METADATA_NAME
+from ckptio.format.versions import decode_metadata
+from ckptio.storage import open_store
+
+
+@pytest.fixture
+def incremental_doc(tmp_path) -> dict:
+    """The metadata of a checkpoint that references its sibling ``step-1``."""
+    config = ckptio.WriterConfig(incremental_from="previous", inline_limit=0)
+    frozen = torch.arange(4096.0).reshape(64, 64)
+    for step in (1, 2):
+        state = {"frozen": frozen, "adapter": torch.full((4, 64), float(step))}
+        dcp.save(state, storage_writer=ckptio.Writer(str(tmp_path / "run" / f"step-{step}"), config))
+    return json.loads(open_store(str(tmp_path / "run" / "step-2")).read(METADATA_NAME))
+
+
+def _decode(doc: dict) -> None:
+    decode_metadata(json.dumps(doc).encode(), "crafted")
+
+
+def test_the_saved_document_names_its_sibling_and_decodes(incremental_doc):
+    assert incremental_doc["format_version"] == 7
+    assert incremental_doc["files"]["bases"] == [{"name": "step-1"}]
+    manifest = decode_metadata(json.dumps(incremental_doc).encode(), "saved")
+    assert sorted(manifest.files)[0].startswith("../step-1/data-")
+    assert all(len(item.digests) == 16 * len(item.blocks) for item in manifest.items.values())
+
+
+@pytest.mark.parametrize(
+    "name", ["..", ".", "a/b", "../step-0", "/abs", "", "x\n", "step-1/..", 7, None, "a" * 300, ".hidden"]
+)
+def test_a_sibling_name_that_is_not_one_folder_beside_it_is_refused(incremental_doc, name):
+    incremental_doc["files"]["bases"] = [{"name": name}]
+    with pytest.raises(CheckpointFormatError, match="sibling"):
+        _decode(incremental_doc)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda d: d.update(format_version=6), "format version 6"),
+        (lambda d: d["files"].update(base=5), "past the 1 of 'bases'"),
+        (lambda d: d["files"].update(bases=[]), "non-empty list"),
+        (lambda d: d["files"].update(bases=[{"name": "step-1"}, {"name": "step-1"}]), "twice"),
+        (lambda d: d["files"]["bases"][0].update(key_prefix="md5-9"), "key_prefix"),
+        (lambda d: d["files"]["bases"][0].update(path="/etc"), "sibling"),
+        (lambda d: d["chain"].update(referenced_bytes=d["chain"]["stored_bytes"] + 1), "more bytes"),
+        (lambda d: d["chain"].update(base="../x"), "chain"),
+        (lambda d: d["chain"].update(depth=-1), "depth"),
+    ],
+)
+def test_malformed_references_and_chains_are_named_format_errors(incremental_doc, change, match):
+    change(incremental_doc)
+    with pytest.raises(CheckpointFormatError, match=match):
+        _decode(incremental_doc)
+
+
+def _tables(doc: dict) -> list[dict]:
+    return [t for t in (doc.get("tensors"), doc.get("objects")) if t] + list(doc["keys"].values())
+
+
+def test_digests_of_the_wrong_length_or_in_an_older_version_are_refused(incremental_doc):
+    table = next(t for t in _tables(incremental_doc) if "digests" in t)
+    table["digests"] = table["digests"][:-8]
+    with pytest.raises(CheckpointFormatError, match="digests"):
+        _decode(incremental_doc)
+
+
+def test_digests_before_version_7_are_refused(tmp_path):
+    url = str(tmp_path / "plain")
+    dcp.save({"w": torch.ones(8)}, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(incremental_from="previous")))
+    doc = json.loads(open_store(url).read(METADATA_NAME))
+    doc["format_version"] = 4
+    with pytest.raises(CheckpointFormatError, match="'digests' column is format version 7"):
+        _decode(doc)

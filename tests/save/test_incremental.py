@@ -1,0 +1,214 @@
+"""Incremental saves (``WriterConfig.incremental_from``): a save stores only the items whose bytes its base
+does not already hold, references the rest, and loads like any checkpoint (every link of a chain, on the
+save mesh and resharded, through dcp.load and ckptio.load, local and S3, raw and zstd); deletes keep what a
+newer checkpoint references; a missing or damaged referenced file is a named error; chains are bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckptio
+from ckptio.errors import CheckpointError, CorruptCheckpointError
+from ckptio.format.names import METADATA_NAME, reference_marker_name
+from ckptio.storage import open_store
+from ckptio.tools.cleanup import collect_garbage, delete_checkpoint, find_garbage
+from ckptio.tools.cli import main as cli_main
+from tests.conftest import s3_objects
+from tests.helpers import incremental_ranks
+from tests.helpers.documents import load_error
+from tests.helpers.harness import spawn
+
+HSDP = {"model.base": [("R",), ("S", 0)], "model.lora_a": [("S", 1), ("R",)], "emb": [("R",), ("S", 0)]}
+CASE = {"save_mesh": [2, 2], "save_placements": HSDP}
+ONE = {"model.base": [("R",)], "model.lora_a": [("R",)], "emb": [("R",)]}
+
+
+def _own_and_referenced(url: str, options: dict | None = None) -> tuple[list[str], list[str]]:
+    doc = json.loads(open_store(url, options).read(METADATA_NAME))
+    bases = [b["name"] for b in doc["files"].get("bases", [])]
+    return bases, doc.get("chain")
+
+
+def test_a_chain_saved_on_2x2_loads_every_link_on_2x2_1x4_and_one_process(tmp_path):
+    run = str(tmp_path / "run")
+    listed = spawn(4, incremental_ranks.save_chain, run, CASE, [1, 2, 3])[0]
+    full_bytes = sum(os.path.getsize(f"{run}/step-1/{n}") for n in listed[0] if n.startswith("data-"))
+    for step in (2, 3):
+        bases, chain = _own_and_referenced(f"{run}/step-{step}")
+        assert bases == ["step-1"] and chain["depth"] == step - 1  # references name the folder that wrote the bytes
+        own = sum(os.path.getsize(f"{run}/step-{step}/{n}") for n in listed[step - 1] if n.startswith("data-"))
+        # the frozen base (12 KiB per replica) and the unchanged embedding shards are referenced
+        assert 0 < own < full_bytes / 2, (own, full_bytes)
+    assert sorted(os.listdir(f"{run}/step-1")) == sorted(
+        listed[0] + [reference_marker_name("step-2"), reference_marker_name("step-3")]
+    )
+    loads = {
+        "2x2": (4, [2, 2], HSDP, "dcp"),
+        "1x4": (4, [1, 4], {**HSDP, "model.base": [("R",), ("S", 1)], "model.lora_a": [("R",), ("S", 0)]}, "ckptio"),
+        "one process": (1, [1], ONE, "dcp"),
+    }
+    for name, (world, mesh, placements, through) in loads.items():
+        case = {**CASE, "load_mesh": mesh, "load_placements": placements}
+        got = spawn(world, incremental_ranks.load_steps, run, case, [1, 2, 3], through)
+        assert got == [{1: [], 2: [], 3: []}] * world, name
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_chain_on_s3_loads_resharded_and_keeps_referenced_objects_when_its_base_is_deleted(s3, compression):
+    base_url, options = s3
+    run = f"{base_url}/run"
+    case = {
+        "save_mesh": [2],
+        "save_placements": {"model.base": [("S", 0)], "model.lora_a": [("R",)], "emb": [("S", 0)]},
+        "compression": compression,
+        "storage_options": options,
+    }
+    spawn(2, incremental_ranks.save_chain, run, case, [1, 2])
+    assert _own_and_referenced(f"{run}/step-2", options)[0] == ["step-1"]
+    delete_checkpoint(open_store(f"{run}/step-1", options))
+    left = s3_objects(options, f"{run}/step-1/")
+    assert f"run/step-1/{METADATA_NAME}" not in left and any(k.endswith(".ckio") for k in left), left
+    loading = {**case, "load_mesh": [1], "load_placements": ONE}
+    assert spawn(1, incremental_ranks.load_steps, run, loading, [2]) == [{2: []}]
+    delete_checkpoint(open_store(f"{run}/step-2", options))  # its last referrer: the kept objects go too
+    assert s3_objects(options, f"{run}/") == {}
+
+
+def _save(url: str, values: dict, **config) -> None:
+    dcp.save(values, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(max_block_size=4096, **config)))
+
+
+def _state(changed: float = 0.0) -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"frozen": torch.randn(256, 64, generator=g), "adapter": torch.randn(8, 64, generator=g) + changed}
+
+
+def _load(url: str) -> dict:
+    out = {"frozen": torch.zeros(256, 64), "adapter": torch.zeros(8, 64)}
+    dcp.load(out, storage_reader=ckptio.Reader(url))
+    return out
+
+
+def test_a_referenced_file_damaged_or_deleted_behind_ckptios_back_is_named_by_load_and_verify(tmp_path, capsys):
+    run = tmp_path / "run"
+    _save(str(run / "step-1"), _state(), incremental_from="previous")
+    _save(str(run / "step-2"), _state(1.0), incremental_from=str(run / "step-1"))
+    assert torch.equal(_load(str(run / "step-2"))["frozen"], _state()["frozen"])
+    (data,) = [p for p in (run / "step-1").iterdir() if p.suffix == ".ckio"]
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    error = load_error(str(run / "step-2"), _state())
+    assert isinstance(error, CorruptCheckpointError) and f"step-1/{data.name}" in str(error), error
+    assert cli_main(["verify", str(run / "step-2")]) != 0
+    assert f"step-1/{data.name}" in capsys.readouterr().err
+    data.unlink()
+    error = load_error(str(run / "step-2"), _state())
+    assert isinstance(error, CorruptCheckpointError) and f"step-1/{data.name}" in str(error), error
+    assert "missing" in str(error)
+
+
+def test_deletes_overwrites_and_gc_keep_what_a_newer_checkpoint_references(tmp_path):
+    run = tmp_path / "run"
+    _save(str(run / "step-1"), _state(), incremental_from="previous")
+    _save(str(run / "step-2"), _state(1.0), incremental_from="previous")
+    _save(str(run / "step-3"), _state(2.0), incremental_from="previous")
+    # replacing step-1 in full keeps its old file, which step-2 and step-3 reference
+    old_files = sorted(p.name for p in (run / "step-1").iterdir() if p.suffix == ".ckio")
+    _save(str(run / "step-1"), _state(5.0), overwrite=True)
+    assert set(old_files) < {p.name for p in (run / "step-1").iterdir()}
+    assert torch.equal(_load(str(run / "step-3"))["frozen"], _state()["frozen"])
+    # gc of the folder removes nothing a committed referrer uses
+    assert find_garbage(open_store(str(run / "step-1"))).files == []
+    kept = delete_checkpoint(open_store(str(run / "step-1")))
+    assert kept == old_files
+    assert torch.equal(_load(str(run / "step-3"))["adapter"], _state(2.0)["adapter"])
+    delete_checkpoint(open_store(str(run / "step-2")))
+    assert (run / "step-1").exists()  # step-3 still references it
+    delete_checkpoint(open_store(str(run / "step-3")))
+    assert not (run / "step-1").exists() and not (run / "step-3").exists()
+
+
+def test_gc_removes_the_markers_of_referrers_that_never_committed(tmp_path):
+    run = tmp_path / "run"
+    _save(str(run / "step-1"), _state(), incremental_from="previous")
+    _save(str(run / "step-2"), _state(1.0), incremental_from="previous")
+    os.remove(run / "step-2" / METADATA_NAME)  # as if step-2's save had died before its commit
+    store = open_store(str(run / "step-1"))
+    garbage = find_garbage(store)
+    assert garbage.files == [reference_marker_name("step-2")]
+    assert collect_garbage(store, garbage) == {}
+    assert torch.equal(_load(str(run / "step-1"))["frozen"], _state()["frozen"])
+
+
+def test_chains_are_bounded_by_depth_and_by_the_share_of_referenced_bytes(tmp_path):
+    run = tmp_path / "run"
+    for step in range(1, 5):
+        _save(str(run / f"step-{step}"), _state(step), incremental_from="previous", incremental_max_depth=2)
+    chains = [_own_and_referenced(str(run / f"step-{s}"))[1] for s in range(1, 5)]
+    assert [c and c["depth"] for c in chains] == [None, 1, 2, None]  # step-4 is full again
+    # the frozen tensor is 97% of the bytes (64 KiB of 66 KiB): an adapter-only save references that share
+    _save(str(run / "step-5"), _state(5), incremental_from="previous", incremental_min_fraction=0.99)
+    _save(str(run / "step-6"), _state(6), incremental_from="previous", incremental_min_fraction=0.99)
+    _save(str(run / "step-7"), _state(7), incremental_from="previous", incremental_min_fraction=0.95)
+    assert _own_and_referenced(str(run / "step-5"))[1]["depth"] == 1
+    assert _own_and_referenced(str(run / "step-6"))[1] is None  # step-5 referenced < 99%: full
+    assert _own_and_referenced(str(run / "step-7"))[1]["depth"] == 1
+
+
+def test_a_base_that_cannot_be_referenced_is_a_named_error_or_with_previous_a_full_save(tmp_path, caplog):
+    run = tmp_path / "run"
+    dcp.save(_state(), storage_writer=dcp.FileSystemWriter(str(run / "torch")))
+    _save(str(run / "plain"), _state())  # ckptio without incremental_from: no digests
+    for base, why in [
+        (run / "torch", "cannot be read"),
+        (run / "plain", "without block digests"),
+        (tmp_path / "elsewhere" / "step-1", "not a checkpoint in the same folder"),
+        (run / "missing", "cannot be read"),
+    ]:
+        with pytest.raises(CheckpointException) as info:
+            _save(str(run / "step-2"), _state(1.0), incremental_from=str(base))
+        error = ckptio.unwrap(info.value)
+        assert isinstance(error, CheckpointError) and why in str(error), error
+        assert not (run / "step-2" / METADATA_NAME).exists()
+    _save(str(run / "step-3"), _state(1.0), incremental_from="previous")  # previous: 'plain', no digests
+    assert _own_and_referenced(str(run / "step-3")) == ([], None)
+    assert "saving" in caplog.text and "in full" in caplog.text
+
+
+def test_two_jobs_saving_against_one_base_at_once_both_load_and_both_keep_it(tmp_path):
+    run = tmp_path / "run"
+    _save(str(run / "step-1"), _state(), incremental_from="previous")
+    errors: list[BaseException] = []
+
+    def save(name: str, changed: float) -> None:
+        try:
+            _save(str(run / name), _state(changed), incremental_from=str(run / "step-1"))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(f"job-{i}", float(i))) for i in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    delete_checkpoint(open_store(str(run / "step-1")))
+    for i in (1, 2):
+        assert torch.equal(_load(str(run / f"job-{i}"))["adapter"], _state(float(i))["adapter"])
+
+
+def test_everything_changed_writes_no_references(tmp_path):
+    run = tmp_path / "run"
+    _save(str(run / "step-1"), _state(), incremental_from="previous")
+    changed = {k: v + 1 for k, v in _state().items()}
+    _save(str(run / "step-2"), changed, incremental_from="previous")
+    assert _own_and_referenced(str(run / "step-2")) == ([], None)
+    assert json.loads((run / "step-2" / METADATA_NAME).read_text())["format_version"] == 7  # digests kept
