@@ -114,6 +114,13 @@ def _parser() -> argparse.ArgumentParser:
         "from the fast tier vs from S3, S3 bytes with one rank's fast tier emptied (default on; --no-tiered skips)",
     )
     p.add_argument(
+        "--incremental",
+        action="store_true",
+        help="on every target, incremental saves (WriterConfig.incremental_from) beside full saves of three states: "
+        "a LoRA-shaped fine-tune (frozen bf16 base, 5%% trainable), a sparse embedding table (1%% of rows change) "
+        "and a full training step (everything changes): bytes and objects written, save and load time, CPU",
+    )
+    p.add_argument(
         "--all-stagers",
         action="store_true",
         help="async section: also ckptio + ckptio.Stager and ckptio + torch's DefaultStager (default: ckptio's "
@@ -245,6 +252,7 @@ def run(args: argparse.Namespace) -> dict:
             by_state[state_cfg["data"]] = [r for r in state_records if "raw_bandwidth" not in r]
         async_rows, plan_rows = _async_and_plan_sections(args, cfg, targets, progress_file, backend)
         tiered_rows = _tiered_section(args, cfg, targets, progress_file, backend)
+        incremental_rows = _incremental_section(args, cfg, targets, progress_file, backend)
         listings = {r["url"]: r["listing"] for rows in by_state.values() for r in rows if "listing" in r}
         results = []
         for data, rows in by_state.items():  # each state's byte counts are its own
@@ -278,6 +286,7 @@ def run(args: argparse.Namespace) -> dict:
         "shared_reads": shared_reads,
         "async_saves": async_rows,
         "tiered": tiered_rows,
+        "incremental": incremental_rows,
         "plan_time": plan_rows,
         "scale": _scale_section(args),
     }
@@ -378,6 +387,16 @@ def _tiered_section(args, cfg: dict, targets: list[dict], progress_file: str, ba
     return tiered.summarize(records)
 
 
+def _incremental_section(args, cfg: dict, targets: list[dict], progress_file: str, backend: str) -> list[dict]:
+    """``--incremental`` on every target."""
+    from . import incremental
+
+    if not args.incremental:
+        return []
+    steps = args.repeats * len(targets) * len(incremental.STATES)
+    return incremental.summarize(_spawn_with_progress(args, incremental.run_rank, cfg, progress_file, steps, backend))
+
+
 @contextlib.contextmanager
 def _warnings_to(log_path: str | None):
     """This process's Python warnings and log records go to ``log_path`` too (None: unchanged)."""
@@ -470,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     tiers = report.tiered_table(doc["tiered"])
     if tiers:
         print("\nTiered saves (fast tier on the local disk, drained to S3; slowest rank, median (min-max)):\n" + tiers)
+    incremental = report.incremental_table(doc.get("incremental", []))
+    if incremental:
+        title = "Incremental saves beside full saves of the same state (slowest rank, median (min-max))"
+        print(f"\n{title}:\n{incremental}")
     plans = report.plan_table(doc["plan_time"])
     if plans:
         print("\nPlan time (dcp.save until write_data; torch's plan cache on):\n" + plans)
@@ -496,6 +519,11 @@ def main(argv: list[str] | None = None) -> int:
         if not r["bit_exact"]
     ]
     bad += [{"writer": "ckptio tiered", "target": r["target"]} for r in doc["tiered"] if not r["bit_exact"]]
+    bad += [
+        {"writer": f"ckptio incremental ({r['state']})", "target": r["target"]}
+        for r in doc.get("incremental", [])
+        if not r["bit_exact"]
+    ]
     if bad:
         print("LOAD MISMATCH for: " + ", ".join(f"{r['writer']} on {r['target']}" for r in bad), file=sys.stderr)
         return 1

@@ -336,6 +336,46 @@ def tiered_table(rows: list[dict], markdown: bool = False) -> str:
     return _grid(header, [[name, *(fn(r) for r in rows)] for name, fn in lines], markdown)
 
 
+def incremental_table(rows: list[dict], markdown: bool = False) -> str:
+    """``--incremental``: one column per (state, target); the slowest rank's times, median (min-max) over
+    repeats, ratios per repeat (incremental over full save of the same state)."""
+    if not rows:
+        return ""
+
+    def stat(row: dict, field: str, unit: str = "x", digits: int = 2) -> str:
+        v = row[field]
+        return f"{v['median']:.{digits}f}{unit} ({v['min']:.{digits}f}-{v['max']:.{digits}f})"
+
+    def written(row: dict, which: str) -> str:
+        w = row[f"{which}_written"]
+        return f"{_mib(w['bytes'])} MiB in {w['objects']} objects"
+
+    lines = [
+        ("changed between the saves (logical)", lambda r: f"{_mib(r['changed_bytes'])} MiB"),
+        ("full save writes", lambda r: written(r, "full")),
+        ("incremental save writes", lambda r: written(r, "incremental")),
+        ("  its data files / changed bytes", lambda r: f"{r['data_over_changed']:.3f}x"),
+        ("  bytes written / full save's", lambda r: stat(r, "written_bytes", digits=3)),
+        ("full save, s", lambda r: stat(r, "full_save_s", " s", 3)),
+        ("incremental save, s", lambda r: stat(r, "incremental_save_s", " s", 3)),
+        ("  incremental / full save time", lambda r: stat(r, "save_time")),
+        ("  incremental / full save CPU (all ranks)", lambda r: stat(r, "save_cpu")),
+        ("load, depth 1 / full", lambda r: stat(r, "load_time_depth_1")),
+        (
+            "load at the depth bound / full",
+            lambda r: f"{stat(r, 'load_time_at_bound')} at depth {r['deep_depth']}",
+        ),
+        ("resharded load (Wx1), depth 1 / full (repeat 0)", lambda r: f"{r.get('reshard_load_time', 0):.2f}x"),
+        (
+            f"RSS growth over {rows[0]['rss_growth_saves']} incremental saves in a row",
+            lambda r: f"{r['rss_growth_bytes'] / (1 << 20):+.0f} MiB",
+        ),
+        ("bit-exact", lambda r: "yes" if r["bit_exact"] else "NO"),
+    ]
+    header = ["", *(f"{r['state']}, {r['target']} ({r['repeats']} repeats)" for r in rows)]
+    return _grid(header, [[name, *(fn(r) for r in rows)] for name, fn in lines], markdown)
+
+
 def plan_table(rows: list[dict], markdown: bool = False) -> str:
     """``--plan-tensors``: plan time (dcp.save until write_data) of save 1 and of the later saves."""
     if not rows:
@@ -556,6 +596,17 @@ def markdown_report(doc: dict[str, Any]) -> str:
             "while the drain runs against the same loop with no save. Memory: largest per-rank RSS growth.",
             "",
             tiers,
+        ]
+    incremental = incremental_table(doc.get("incremental", []), markdown=True)
+    if incremental:
+        parts += [
+            "",
+            "## Incremental saves (WriterConfig.incremental_from) beside full saves of the same state",
+            "",
+            "Slowest rank per repeat, median (min-max); ratios per repeat. Bytes and objects from the listings "
+            "(an incremental save's marker in its base's folder included).",
+            "",
+            incremental,
         ]
     plans = plan_table(doc.get("plan_time", []), markdown=True)
     if plans:

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 
 from ckptio.config import WriterConfig, cpu_threads
 from ckptio.errors import CheckpointError
-from ckptio.format.codec import BlockEncoder, block_digests, block_size_for
+from ckptio.format.codec import BlockEncoder, block_size_for
 from ckptio.format.names import Codec, ItemKind, dtype_from_name, dtype_name
 from ckptio.format.records import StoredItem
 from ckptio.saving.incremental import Base
@@ -76,18 +76,18 @@ def encode_items(
     try:
         for item in items:
             block_size = block_size_for(len(item.data), encoder.max_block_size)
-            digests = block_digests(item.data, block_size) if digested else None
-            reference = base.reference(item, block_size, digests) if base is not None else None
+            reference = base.reference(item, block_size) if base is not None else None
             if reference is not None:
                 referenced[item.index] = reference
                 continue
             itemsize = dtype_from_name(item.dtype).itemsize if item.kind == ItemKind.TENSOR else 1
             codec, planes = encoder.codec_for(item.data, itemsize)
-            blocks = []
-            for stored, crc in encoder.encode(item.data, block_size, codec, planes):
+            blocks, digests = [], []
+            for stored, crc, digest in encoder.encode(item.data, block_size, codec, planes, digested):
                 sink.write(stored, crc)
                 blocks.append((len(stored), crc))
-            placed.append((item, codec, offset, block_size, tuple(blocks), digests))
+                digests.append(digest)
+            placed.append((item, codec, offset, block_size, tuple(blocks), b"".join(digests) if digested else None))
             offset += sum(n for n, _ in blocks)
         sink.close(bool(placed))
     except BaseException:

@@ -27,8 +27,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptio.errors import CheckpointError, CheckpointNotFoundError
-from ckptio.format.names import INCREMENTAL_VERSION, is_sibling_name, sibling_file_name
-from ckptio.format.records import Manifest, Reference, StoredItem
+from ckptio.format.codec import block_digest
+from ckptio.format.names import INCREMENTAL_VERSION, SIBLING_PREFIX, is_sibling_name, sibling_file_name
+from ckptio.format.records import DIGEST_BYTES, Manifest, Reference, StoredItem
 from ckptio.loading.reader import read_manifest
 
 log = logging.getLogger(__name__)
@@ -51,22 +52,28 @@ class Base:
     manifest: Manifest
     depth: int
 
-    def reference(self, item: Any, block_size: int, digests: bytes) -> Reference | None:
+    def reference(self, item: Any, block_size: int) -> Reference | None:
         """The base's record of ``item`` (``data_file.ItemBytes``) as a reference, when its stored bytes
-        hold exactly this item's, else ``None``."""
+        hold exactly this item's, else ``None``. Digests are compared block by block and the first that
+        differs ends it: where everything changed, one block per item is hashed here (the writer hashes
+        every block again, cheaply, while it is in cache after its checksum)."""
         try:
             old = self.manifest.items[item.index]
         except KeyError:
             return None
         if (
-            old.digests != digests
+            old.digests is None
             or not old.file  # kept inline in the base's metadata: nothing to point at
             or old.block_size != block_size
             or old.logical_bytes != len(item.data)
             or (old.kind, old.dtype, old.shape) != (item.kind, item.dtype, item.shape)
         ):
             return None
-        file = old.file if old.file.startswith("../") else sibling_file_name(self.name, old.file)
+        data, size = item.data, DIGEST_BYTES
+        for k, start in enumerate(range(0, len(data), block_size)):
+            if block_digest(data[start : start + block_size]) != old.digests[k * size : (k + 1) * size]:
+                return None
+        file = old.file if old.file.startswith(SIBLING_PREFIX) else sibling_file_name(self.name, old.file)
         fields = {f.name: getattr(old, f.name) for f in dataclasses.fields(StoredItem)}
         return Reference(**{**fields, "file": file, "file_bytes": self.manifest.header.files[old.file]})
 
@@ -110,13 +117,16 @@ def resolve_base(checkpoint_id: str, config, open_store) -> Base | None:
             f"it was saved without block digests (format version {manifest.header.format_version}; a save records "
             f"them from version {INCREMENTAL_VERSION} on when WriterConfig.incremental_from is set)"
         )
+    if problem is not None and not named and parent != own_parent:  # a new run's first save: nothing to say
+        log.info("ckptio: saving %s in full: the previous checkpoint %s is not beside it", checkpoint_id, url)
+        return None
     if problem is not None:
         if named:
             raise CheckpointError(
                 f"incremental_from={url!r} cannot be this save's base: {problem}. Name another checkpoint, or save "
                 "in full (incremental_from=None) once to start a chain"
             )
-        log.warning("ckptio: saving %s in full: the previous checkpoint %s %s", checkpoint_id, url, problem)
+        log.warning("ckptio: saving %s in full: the previous checkpoint %s is no base: %s", checkpoint_id, url, problem)
         return None
     chain = manifest.header.chain
     depth = (chain.depth if chain is not None else 0) + 1

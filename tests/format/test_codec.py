@@ -12,7 +12,7 @@ from ckptio.format.codec import BlockEncoder, block_size_for, checksum, decode_b
 
 def test_blocks_raw_roundtrip_and_checksums():
     data = memoryview(bytes(range(256)) * 10)
-    blocks = list(BlockEncoder(1024).encode(data, 1024))
+    blocks = [(stored, crc) for stored, crc, _ in BlockEncoder(1024).encode(data, 1024)]
     assert [len(b) for b, _ in blocks] == [1024, 1024, 512]
     assert [c for _, c in blocks] == [checksum(data[i : i + 1024]) for i in range(0, 2560, 1024)]
     assert checksum(b"123456789") == 0xE3069283  # the CRC-32C check value
@@ -21,11 +21,22 @@ def test_blocks_raw_roundtrip_and_checksums():
 def test_blocks_zstd_shrinks_compressible_and_keeps_random_raw():
     enc = BlockEncoder(4096, "zstd")
     zeros = list(enc.encode(memoryview(bytes(8192)), 4096))
-    assert all(len(b) < 100 for b, _ in zeros)
+    assert all(len(b) < 100 for b, _, _ in zeros)
     assert decode_block(zeros[0][0], 4096, "zstd") == bytes(4096)
     noise = os.urandom(4096)
-    ((stored, _),) = enc.encode(memoryview(noise), 4096)
+    ((stored, _, _),) = enc.encode(memoryview(noise), 4096)
     assert bytes(stored) == noise and decode_block(stored, 4096, "zstd") == noise
+
+
+def test_digests_come_with_the_blocks_only_when_asked_and_are_of_the_logical_bytes():
+    from ckptio.format.codec import block_digest
+
+    data = memoryview(bytes(4096) + os.urandom(4096))
+    assert all(d is None for _, _, d in BlockEncoder(4096, "zstd").encode(data, 4096))
+    blocks = list(BlockEncoder(4096, "zstd").encode(data, 4096, digests=True))
+    assert len(blocks[0][0]) < 100  # stored compressed, digested as logical bytes
+    assert [d for _, _, d in blocks] == [block_digest(data[:4096]), block_digest(data[4096:])]
+    assert len(blocks[0][2]) == 16 and blocks[0][2] != blocks[1][2]
 
 
 def test_block_size_adapts_to_item_size():
@@ -47,19 +58,19 @@ def test_byte_planes_round_trip_and_beat_whole_block_zstd(dtype):
     blocks = list(enc.encode(data, 16384, codec, planes))
     decoded = b"".join(
         bytes(decode_block(stored, min(16384, len(data) - i * 16384), codec, values.element_size()))
-        for i, (stored, _) in enumerate(blocks)
+        for i, (stored, _, _) in enumerate(blocks)
     )
     assert decoded == bytes(data)
     # against a simple reference (plain slicing), decoded into a fresh buffer and into a destination
     k = values.element_size()
-    for i, (stored, _) in enumerate(blocks):
+    for i, (stored, _, _) in enumerate(blocks):
         logical = bytes(data[i * 16384 : (i + 1) * 16384])
         into = memoryview(bytearray(len(logical)))
         for out in (None, into):
             joined = bytes(decode_block(stored, len(logical), codec, k, out))
             assert [joined[p::k] for p in range(k)] == [logical[p::k] for p in range(k)]
-    whole = sum(len(b) for b, _ in BlockEncoder(16384, "zstd").encode(data, 16384, Codec.ZSTD))
-    assert sum(len(b) for b, _ in blocks) < whole
+    whole = sum(len(b) for b, _, _ in BlockEncoder(16384, "zstd").encode(data, 16384, Codec.ZSTD))
+    assert sum(len(b) for b, _, _ in blocks) < whole
 
 
 def test_small_integers_take_whole_block_zstd_where_it_is_smaller():
@@ -70,13 +81,13 @@ def test_small_integers_take_whole_block_zstd_where_it_is_smaller():
     enc = BlockEncoder(16384, "zstd")
     codec, planes = enc.codec_for(data, 8)
     assert codec == Codec.ZSTD and planes == ()
-    chosen = sum(len(b) for b, _ in enc.encode(data, 16384, codec, planes))
+    chosen = sum(len(b) for b, _, _ in enc.encode(data, 16384, codec, planes))
     mask = (True,) * 8
-    by_planes = sum(len(b) for b, _ in enc.encode(data, 16384, Codec.ZSTD_BYTEPLANES, mask))
+    by_planes = sum(len(b) for b, _, _ in enc.encode(data, 16384, Codec.ZSTD_BYTEPLANES, mask))
     assert chosen < by_planes
     decoded = b"".join(
         bytes(decode_block(b, min(16384, len(data) - i * 16384), codec, 8))
-        for i, (b, _) in enumerate(enc.encode(data, 16384, codec, planes))
+        for i, (b, _, _) in enumerate(enc.encode(data, 16384, codec, planes))
     )
     assert decoded == bytes(data)
 

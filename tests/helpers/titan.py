@@ -70,10 +70,21 @@ class Run:
     """One job: build the trainer's parts, resume, train ``steps``, checkpointing on the way."""
 
     def __init__(
-        self, folder: str, layout: str, *, manager: str = "ckptio", compile: bool = False, sd_adapter=None, **options
+        self,
+        folder: str,
+        layout: str,
+        *,
+        manager: str = "ckptio",
+        compile: bool = False,
+        sd_adapter=None,
+        frozen: str | None = None,
+        **options,
     ):
         self.layout = layout
         self.model = build_model(layout.split("+")[0])
+        for name, parameter in self.model.named_parameters():  # frozen (a fine-tune's base): no grad, no moments
+            if frozen is not None and name.startswith(frozen):
+                parameter.requires_grad_(False)
         parts = [torch.compile(self.model, backend="eager")] if compile else [self.model]
         self.optimizers = OptimizersContainer.Config(
             param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],

@@ -180,6 +180,21 @@ def test_async_saves_and_keep_latest_k_delete_whole_checkpoints(tmp_path):
     assert resumed[0]["resumed"] == 6 and differences(first[0]["snapshots"][6], resumed[0]["loaded"]) == []
 
 
+def test_incremental_saves_with_keep_latest_k_keep_what_the_kept_steps_reference(tmp_path):
+    """writer_options.incremental_from='previous' with a frozen block: every step after the first references
+    the frozen block's bytes in step-2; keep_latest_k deletes step-2 but keeps those files until no kept step
+    references them; the resume is exact."""
+    folder = str(tmp_path / "checkpoint")
+    options = {"keep_latest_k": 2, "frozen": "blocks.0.", "writer_options": {"incremental_from": "previous"}}
+    first = spawn(2, titan.train_with, folder, "fsdp:2", 6, options)
+    assert committed(folder) == ["step-4", "step-6"]
+    kept = sorted(os.listdir(os.path.join(folder, "step-2")))  # deleted, its referenced files kept
+    assert "ckptio.json" not in kept and any(n.endswith(".ckio") for n in kept), kept
+    assert "ckptio.referenced-by-step-6.json" in kept, kept
+    ((resumed,), _) = spawn(2, titan.each, (titan.resume_or_error, (folder, "fsdp:2"), {"frozen": "blocks.0."}))
+    assert resumed["resumed"] == 6 and differences(first[0]["snapshots"][6], resumed["loaded"]) == []
+
+
 def test_tiered_checkpoints_resume_from_the_node_and_on_a_replaced_node(tmp_path):
     """writer_options.local_tier: saves land on the node and drain to the folder; a resume whose newest
     step never committed on the folder loads it from the node (and commits it), a replaced node's from
