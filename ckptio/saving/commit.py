@@ -103,7 +103,7 @@ def publish(
         try:
             store.put_if_absent(name, document)
         except FileExistsError:
-            store.delete_best_effort(sorted(files))
+            store.delete_best_effort(sorted(own_file_names(files)))  # never a sibling's, which it referenced
             raise _taken(store.describe(name), name == METADATA_NAME) from None
     stale = [file for file in superseded if file not in files]
     if stale:

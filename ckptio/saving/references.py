@@ -22,8 +22,10 @@ from ckptio.format.names import (
     is_data_file_name,
     parse_reference_marker_name,
     reference_marker_name,
+    sibling_file_name,
     split_sibling_file_name,
 )
+from ckptio.loading.fragment_set import fragments_in
 from ckptio.storage import FsspecStore
 
 
@@ -52,7 +54,7 @@ def mark_references(store: FsspecStore, files: dict[str, int], save_id: str | No
         base.put_atomic(reference_marker_name(referrer), json.dumps(marker).encode())
         present = base.list_sizes() or {}
         for name in names:
-            recorded = files[f"../{sibling}/{name}"]
+            recorded = files[sibling_file_name(sibling, name)]
             if present.get(name) != recorded:
                 raise CheckpointError(
                     f"{base.describe(name)}, which this incremental save references, "
@@ -90,9 +92,9 @@ def release(store: FsspecStore, bases: list[str]) -> None:
     for sibling in bases:
         base = store.sibling(sibling)
         base.remove(reference_marker_name(referrer))
-        if base.exists(METADATA_NAME):
-            continue
         names = base.list_names() or []
+        if _committed(base, names):
+            continue
         used, _ = files_in_use(base, names)
         if not used:
             base.remove_all()
@@ -116,4 +118,13 @@ def _marker_files(store: FsspecStore, name: str) -> list[str] | None:
 
 def _referrer_live(store: FsspecStore, referrer: str, saving_counts: bool) -> bool:
     other = store.sibling(referrer)
-    return other.exists(METADATA_NAME) or (saving_counts and bool(other.list_names()))
+    if other.exists(METADATA_NAME):
+        return True
+    names = other.list_names() or []
+    return _committed(other, names) or (saving_counts and bool(names))
+
+
+def _committed(store: FsspecStore, names: list[str]) -> bool:
+    """Whether ``store`` holds a checkpoint (its ``ckptio.json``, or fragments of a save without a
+    coordinator: any, as a set that may still be completing counts too)."""
+    return METADATA_NAME in names or store.exists(METADATA_NAME) or bool(fragments_in(names))

@@ -484,11 +484,13 @@ def _written(
     files: dict[str, int] = {}
     for name, size in zip(names, map(_STORED_BYTES, stored), strict=True):
         files[name] = files.get(name, 0) + size
-    for item in stored:  # a sibling's file, which an incremental save references: its size as recorded there
-        if isinstance(item, Reference):
-            files[item.file] = item.file_bytes
     ranks = itertools.chain.from_iterable(map(itertools.repeat, range(len(results)), map(len, results)))
     writers = dict(zip(names, ranks, strict=True))
+    if by_sibling(files):  # an incremental save's references: a sibling's file has the size recorded there
+        for item in stored:
+            if isinstance(item, Reference):
+                files[item.file] = item.file_bytes
+                writers.pop(item.file, None)  # written by the rank its name gives, not the one referencing it
     if any(report.copies for report in reports):  # keep_per_rank: a rank's assigned objects are in both lists
         counted = {(item.file, item.offset) for item in stored}
         for report in reports:

@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
@@ -75,8 +76,9 @@ def test_a_chain_on_s3_loads_resharded_and_keeps_referenced_objects_when_its_bas
     delete_checkpoint(open_store(f"{run}/step-1", options))
     left = s3_objects(options, f"{run}/step-1/")
     assert f"run/step-1/{METADATA_NAME}" not in left and any(k.endswith(".ckio") for k in left), left
-    loading = {**case, "load_mesh": [1], "load_placements": ONE}
-    assert spawn(1, incremental_ranks.load_steps, run, loading, [2]) == [{2: []}]
+    # two ranks holding replicas: their reads of the referenced objects are shared (dedup_reads="auto" on S3)
+    loading = {**case, "load_mesh": [2], "load_placements": ONE}
+    assert spawn(2, incremental_ranks.load_steps, run, loading, [2]) == [{2: []}] * 2
     delete_checkpoint(open_store(f"{run}/step-2", options))  # its last referrer: the kept objects go too
     assert s3_objects(options, f"{run}/") == {}
 
@@ -113,6 +115,26 @@ def test_a_referenced_file_damaged_or_deleted_behind_ckptios_back_is_named_by_lo
     error = load_error(str(run / "step-2"), _state())
     assert isinstance(error, CorruptCheckpointError) and f"step-1/{data.name}" in str(error), error
     assert "missing" in str(error)
+
+
+def test_export_convert_and_inspect_read_through_references(tmp_path, capsys):
+    run = tmp_path / "run"
+    _save(str(run / "step-1"), _state(), incremental_from="previous")
+    _save(str(run / "step-2"), _state(1.0), incremental_from="previous")
+    ckptio.export_safetensors(str(run / "step-2"), str(tmp_path / "hf"))
+    exported = load_file(str(tmp_path / "hf" / "model-00001-of-00001.safetensors"))
+    assert torch.equal(exported["frozen"], _state()["frozen"])
+    assert torch.equal(exported["adapter"], _state(1.0)["adapter"])
+    assert cli_main(["convert", str(run / "step-2"), str(tmp_path / "out.pt")]) == 0
+    converted = torch.load(tmp_path / "out.pt")
+    assert torch.equal(converted["frozen"], _state()["frozen"])
+    capsys.readouterr()
+    assert cli_main(["inspect", str(run / "step-2"), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["referenced_bytes"] == {"step-1": 256 * 64 * 4} and described["owned_bytes"] == 8 * 64 * 4
+    assert described["chain"]["base"] == "step-1"
+    assert cli_main(["inspect", str(run / "step-1"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["referenced_by"] == ["step-2"]
 
 
 def test_deletes_overwrites_and_gc_keep_what_a_newer_checkpoint_references(tmp_path):
