@@ -85,3 +85,24 @@ def test_key_prefix_from_the_environment_and_unknown_rules_refused(monkeypatch, 
     monkeypatch.delenv("CKPTIO_KEY_PREFIX")
     with pytest.raises(ValueError, match=r"unknown key_prefix 'rank'; valid values are \[None, 'hash'\]"):
         ckptio.WriterConfig(key_prefix="rank")
+
+
+def test_incremental_saves_from_a_dict_or_the_environment_and_their_bounds_checked(monkeypatch, clean_env, tmp_path):
+    assert ckptio.WriterConfig.from_dict({"incremental_from": "previous"}).incremental_from == "previous"
+    monkeypatch.setenv("CKPTIO_INCREMENTAL_FROM", "previous")
+    monkeypatch.setenv("CKPTIO_INCREMENTAL_MAX_DEPTH", "3")
+    config = ckptio.WriterConfig()
+    assert (config.incremental_from, config.incremental_max_depth) == ("previous", 3)
+    monkeypatch.setenv("CKPTIO_INCREMENTAL_FROM", "none")
+    assert ckptio.WriterConfig(incremental_from="previous").incremental_from is None
+    monkeypatch.delenv("CKPTIO_INCREMENTAL_FROM")
+    monkeypatch.delenv("CKPTIO_INCREMENTAL_MAX_DEPTH")
+    assert ckptio.WriterConfig(incremental_from=tmp_path / "step-1").incremental_from == str(tmp_path / "step-1")
+    for wrong, match in [
+        ({"incremental_from": ""}, "incremental_from must be"),
+        ({"incremental_max_depth": 0}, "incremental_max_depth"),
+        ({"incremental_min_fraction": 1.0}, "incremental_min_fraction"),
+        ({"incremental_from": "previous", "local_tier": str(tmp_path)}, "local tier"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ckptio.WriterConfig(**wrong)

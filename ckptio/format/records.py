@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
@@ -83,12 +83,27 @@ class StoredItem:
 DIGEST_BYTES = 16
 
 
+class Extent(NamedTuple):
+    """A run of an item's stored blocks that lies in one data file (``file``, from ``offset``)."""
+
+    file: str
+    offset: int
+    length: int
+
+
+#: How the metadata names an item stored in pieces (``Manifest.extents``): ``~<n>``, never a data file.
+VIRTUAL_PREFIX = "~"
+
+
 @dataclasses.dataclass(frozen=True)
 class Reference(StoredItem):
-    """An item an incremental save did not write: its record is the one of a sibling checkpoint's stored
-    bytes (``file`` names them there); ``file_bytes``: that file's size, as its checkpoint records it."""
+    """An item an incremental save stored at least in part in sibling checkpoints' data files:
+    ``extents``, the runs of files that hold its blocks in order. With one run, ``file`` and ``offset``
+    are that run's; with several, ``file`` is a virtual name (``VIRTUAL_PREFIX``) and ``offset`` 0.
+    ``sibling_sizes``: the size of each sibling's file named, as its checkpoint records it."""
 
-    file_bytes: int = 0
+    extents: tuple[Extent, ...] = ()
+    sibling_sizes: tuple[tuple[str, int], ...] = ()
 
 
 def block_logical_lengths(logical_bytes: int, block_size: int) -> list[int]:
@@ -292,6 +307,8 @@ class Manifest:
     metadata: Metadata
     items: Mapping[MetadataIndex, StoredItem]  # version 3: records built on first use (stored_items.py)
     per_rank: dict[str, dict[int, StoredItem]] = dataclasses.field(default_factory=dict)  # kept per-rank objects
+    #: items stored in pieces (version 7): the virtual file name their records give -> its runs
+    extents: dict[str, tuple[Extent, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def files(self) -> dict[str, int]:
@@ -315,10 +332,15 @@ def planner_data_json(planner_data: Any) -> Any:
 
 
 def manifest_of(
-    header: Header, state: dict[str, Any], items: Any, per_rank: dict[str, Any], planner_data: Any
+    header: Header,
+    state: dict[str, Any],
+    items: Any,
+    per_rank: dict[str, Any],
+    planner_data: Any,
+    extents: dict[str, tuple[Extent, ...]] | None = None,
 ) -> Manifest:
     """The manifest of a decoded document (``planner_data`` already checked by ``rules``)."""
     metadata = Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=items)
     if header.dcp_version is not None:
         metadata.version = header.dcp_version
-    return Manifest(header=header, metadata=metadata, items=items, per_rank=per_rank)
+    return Manifest(header=header, metadata=metadata, items=items, per_rank=per_rank, extents=extents or {})

@@ -41,6 +41,16 @@ Version 3 writes, besides the header fields every version has::
   rank's name is on.
 
 A tensor's chunk is stored in ``prod(sizes) * itemsize`` bytes, an object in ``length``: neither is written.
+
+Version 7 (incremental saves, ``saving/incremental.py``) adds ``digests`` to the storage columns (a BLOCKS
+string of 16 bytes per block: xxh3-128 of its logical bytes), ``bases`` and ``base`` to ``files`` (data
+files of sibling checkpoints, named ``../<sibling>/data-....ckio``), a ``chain`` record, and::
+
+    "extents": {"items": 2, "count": COL, "file": COL, "at": COL, "length": COL}
+
+for items stored in pieces (some blocks in the base's file, the changed ones in its own): such an item's
+``file`` numbers a virtual file after the data files, its blocks back to back, made of ``count`` runs
+``(file, at, length)`` of data files.
 """
 
 from __future__ import annotations
@@ -68,7 +78,7 @@ from ckptio.format.names import (
     parse_data_file_names,
     split_sibling_file_name,
 )
-from ckptio.format.records import planner_data_json
+from ckptio.format.records import Reference, planner_data_json
 
 #: Keys of at most this many chunks go to the ``tensors`` table. A ``keys`` record costs ~200 bytes and
 #: ~20 us of decoding of its own, and saves ~8 bytes per chunk of a 2-D key split along one dimension
@@ -194,6 +204,9 @@ def encode_document(
     names = sorted(files)
     file_numbers = dict(zip(names, range(1, len(names) + 1), strict=True))
     file_numbers[""] = 0
+    pieces = _stored_in_pieces(items, per_rank) if names and names[0].startswith(SIBLING_PREFIX) else []
+    for k, item in enumerate(pieces):  # virtual files, numbered after the data files
+        file_numbers[item.file] = len(names) + 1 + k
     paths = _paths_by_key(metadata)
     state = metadata.state_dict_metadata
     # objects stored once go to one table (at thousands of ranks, mostly each rank's own data-loader key);
@@ -213,6 +226,8 @@ def encode_document(
         "planner_data": "paths" if paths is not None else planner_data_json(metadata.planner_data),
         "keys": keys,
     }
+    if pieces:
+        doc["extents"] = _extents_table(pieces, file_numbers)
     if tensors:
         doc["tensors"] = _tensor_table(tensors, state, items, paths, file_numbers, block_size)
     if objects:
@@ -222,6 +237,25 @@ def encode_document(
         table.update(_storage_columns(stored, file_numbers, block_size))
         doc["objects"] = table
     return doc
+
+
+def _stored_in_pieces(items: Mapping[Any, Any], per_rank: dict[str, dict[int, Any]]) -> list[Any]:
+    """The items an incremental save stored in pieces (``records.Reference`` of several extents)."""
+    every = itertools.chain(items.values(), *(copies.values() for copies in per_rank.values()))
+    return [item for item in every if isinstance(item, Reference) and len(item.extents) > 1]
+
+
+def _extents_table(pieces: list[Any], file_numbers: dict[str, int]) -> dict[str, Any]:
+    """Version 7's ``extents``: per virtual file (an item stored in pieces) its ``count`` of runs, and per
+    run its data file's number, offset and length."""
+    runs = [extent for item in pieces for extent in item.extents]
+    return {
+        "items": len(pieces),
+        "count": encode_column([len(item.extents) for item in pieces]),
+        "file": encode_column([file_numbers[run.file] for run in runs]),
+        "at": encode_column([run.offset for run in runs]),
+        "length": encode_column([run.length for run in runs]),
+    }
 
 
 def _tabled(md: Any, boxed_chunks: bool = False) -> bool:

@@ -35,6 +35,7 @@ from ckptio.format.names import (
     is_sibling_name,
     sibling_file_name,
 )
+from ckptio.format.records import VIRTUAL_PREFIX, Extent
 from ckptio.format.rules import (
     check_block_lengths,
     check_block_sizes,
@@ -152,6 +153,40 @@ def _names_with_siblings(
         else:
             names.append(data_file_name(save_id, rank, spread))
     return tuple(names)
+
+
+def decode_extents(
+    value: Any, names: tuple[str, ...], files: dict[str, int], version: int, doc_bytes: int, where: str
+) -> dict[str, tuple[Extent, ...]]:
+    """Version 7's ``extents``: the runs of data files that hold each item an incremental save stored in
+    pieces, by the virtual file name (``~<n>``) its records then number after the data files. Every run
+    lies inside its data file (never a virtual one) and holds at least a byte."""
+    if value is None:
+        return {}
+    what = f"{where}: extents"
+    if version < INCREMENTAL_VERSION or not isinstance(value, dict):
+        raise CheckpointFormatError(f"{what}: an object of format version {INCREMENTAL_VERSION} and later")
+    count = value.get("items")
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= doc_bytes:
+        raise CheckpointFormatError(f"{what}: 'items' must count the items stored in pieces, got {count!r:.40}")
+    runs_per_item = decode_column(value.get("count"), count, f"{what}: count")
+    total = sum(runs_per_item)
+    if min(runs_per_item) < 1 or total > doc_bytes:
+        raise CheckpointFormatError(f"{what}: each item is stored in at least one run, all within the document")
+    file, at, length = (decode_column(value.get(k), total, f"{what}: {k}") for k in ("file", "at", "length"))
+    if min(file) < 1 or max(file) > len(names) or min(length) < 1:
+        raise CheckpointFormatError(
+            f"{what}: every run names one of the {len(names)} data files and holds at least one byte"
+        )
+    check_spans(file, at, length, names, [files[name] for name in names], what)
+    out: dict[str, tuple[Extent, ...]] = {}
+    first = 0
+    for k, n in enumerate(runs_per_item):
+        out[f"{VIRTUAL_PREFIX}{k + 1}"] = tuple(
+            Extent(names[file[i] - 1], at[i], length[i]) for i in range(first, first + n)
+        )
+        first += n
+    return out
 
 
 def decode_keys(

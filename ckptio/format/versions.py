@@ -31,7 +31,7 @@ from ckptio.format.records import Header, Manifest, StoredItem, manifest_of
 from ckptio.format.rules import check_planner_paths
 from ckptio.format.v1 import decode_version_1
 from ckptio.format.v3 import encode_document
-from ckptio.format.v3_decode import decode_files, decode_keys
+from ckptio.format.v3_decode import decode_extents, decode_files, decode_keys
 from ckptio.gc_pause import paused_gc
 
 
@@ -155,7 +155,11 @@ def _parse_json(raw: bytes, where: str) -> Any:
 def decode_version_3(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True) -> Manifest:
     names, files, writers = decode_files(doc.get("files"), doc["format_version"], where)
     header = Header.from_json(doc, where, checked_files=(files, writers))
-    state, items, per_rank, paths = decode_keys(doc, names, header.files, doc_bytes, where, cover)
+    extents = decode_extents(doc.get("extents"), names, files, doc["format_version"], doc_bytes, where)
+    if extents:  # items stored in pieces name their virtual files after the data files
+        names += tuple(extents)
+        files = {**files, **{name: sum(run.length for run in runs) for name, runs in extents.items()}}
+    state, items, per_rank, paths = decode_keys(doc, names, files, doc_bytes, where, cover)
     if doc.get("planner_data") != "paths":  # stored as it is
         paths = check_planner_paths(doc.get("planner_data"), len(state), where)
-    return manifest_of(header, state, items, per_rank, paths)
+    return manifest_of(header, state, items, per_rank, paths, extents)

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from ckptio.errors import CheckpointError
 from ckptio.format.records import Manifest
 from ckptio.hf.format import DTYPE_NAMES, INDEX_NAME
+from ckptio.loading.extents import byte_source, recorded_sizes
 from ckptio.loading.fetch import load_items
 from ckptio.loading.reader import Reader, check_file_sizes
 from ckptio.storage import FsspecStore, open_store
@@ -171,8 +172,10 @@ def _assemble(reader: Reader, manifest: Manifest, shard: list[ExportedTensor]) -
                 lengths=chunk.sizes,
             )
             pairs.append((read_item, manifest.items[index]))
-    store = reader._open_store()
-    load_items(store, pairs, _AssemblyPlanner(full), True, manifest.files, reader.storage_config.max_concurrency)
+    store = byte_source(reader._open_store(), manifest)
+    load_items(
+        store, pairs, _AssemblyPlanner(full), True, recorded_sizes(manifest), reader.storage_config.max_concurrency
+    )
     return full
 
 

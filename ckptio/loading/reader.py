@@ -28,6 +28,7 @@ from ckptio.errors import (
 from ckptio.format.names import METADATA_NAME, TORCH_DCP_METADATA_NAME, parse_data_file_name
 from ckptio.format.records import Manifest, StoredItem
 from ckptio.format.versions import decode_metadata
+from ckptio.loading.extents import byte_source, recorded_sizes
 from ckptio.loading.fetch import load_jobs, prepared_jobs
 from ckptio.loading.fragment_set import FragmentsFound, complete_set, merged_metadata
 from ckptio.loading.read_once import DIRECT, load_group, read_once
@@ -191,7 +192,7 @@ class Reader(CheckpointLocation, StorageReader):
         return future
 
     def _read_direct(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        store = self._open_store()
+        store = byte_source(self._open_store(), self.manifest)
         restore_objects_under_held_keys(planner, plan)
         shared = plan.storage_data if isinstance(plan.storage_data, SharedReadPlan) else None
         if shared is None:
@@ -211,7 +212,7 @@ class Reader(CheckpointLocation, StorageReader):
         """Read from the nearest tier; a fast-tier file that fails a check is dropped and its items
         read again from the durable tier."""
         restore_objects_under_held_keys(planner, plan)
-        local, durable = self._tier_store(), self._open_store()
+        local, durable = self._tier_store(), byte_source(self._open_store(), self.manifest)
         self.bytes_read = {"local": 0, "durable": 0}
         while True:
             pairs = [(read_item, self.item_for(read_item)) for read_item in plan.items]
@@ -248,7 +249,7 @@ class Reader(CheckpointLocation, StorageReader):
 
     # --- the item source (``sources.ItemSource``) that plain and shared reads load from -----------
     def file_sizes(self) -> dict[str, int]:
-        return self.manifest.files if self.manifest else {}
+        return recorded_sizes(self.manifest) if self.manifest else {}
 
     def stored_record(self, key: MetadataIndex) -> StoredItem:
         return self._items[key]

@@ -19,7 +19,7 @@ from ckptio.config import WriterConfig, cpu_threads
 from ckptio.errors import CheckpointError
 from ckptio.format.codec import BlockEncoder, block_size_for
 from ckptio.format.names import Codec, ItemKind, dtype_from_name, dtype_name
-from ckptio.format.records import StoredItem
+from ckptio.format.records import VIRTUAL_PREFIX, Extent, Reference, StoredItem
 from ckptio.saving.incremental import Base
 from ckptio.storage import FsspecStore
 
@@ -76,9 +76,15 @@ def encode_items(
     try:
         for item in items:
             block_size = block_size_for(len(item.data), encoder.max_block_size)
-            reference = base.reference(item, block_size) if base is not None else None
-            if reference is not None:
-                referenced[item.index] = reference
+            old = base.record(item, block_size) if base is not None else None
+            found = base.unchanged_blocks(item, old) if old is not None else None
+            if found is not None and any(found[0]):
+                if any(not same for same in found[0]):
+                    sink.spill()  # its changed blocks are named by file and offset: never inline
+                virtual = f"{VIRTUAL_PREFIX}{file}#{len(referenced)}"
+                record = _with_references(item, old, found, base, encoder, sink, Extent(file, offset, 0), virtual)
+                referenced[item.index] = record
+                offset += sum(run.length for run in record.extents if run.file == file)
                 continue
             itemsize = dtype_from_name(item.dtype).itemsize if item.kind == ItemKind.TENSOR else 1
             codec, planes = encoder.codec_for(item.data, itemsize)
@@ -89,7 +95,7 @@ def encode_items(
                 digests.append(digest)
             placed.append((item, codec, offset, block_size, tuple(blocks), b"".join(digests) if digested else None))
             offset += sum(n for n, _ in blocks)
-        sink.close(bool(placed))
+        sink.close(bool(placed) or any(r.file == file for record in referenced.values() for r in record.extents))
     except BaseException:
         sink.abort()
         raise
@@ -115,6 +121,55 @@ def encode_items(
     return records
 
 
+def _with_references(
+    item: ItemBytes,
+    old: StoredItem,
+    found: tuple[list[bool], list[bytes | None]],
+    base: Base,
+    encoder: BlockEncoder,
+    sink: "_InlineOrFileSink",
+    at: Extent,
+    virtual: str,
+) -> Reference:
+    """The record of ``item`` whose unchanged blocks (``found``) are the base's stored ones, its changed
+    ones written to ``sink`` at ``at`` (encoded as the base's, so that one codec reads the item)."""
+    unchanged, digests = found
+    codec, size = old.codec, old.block_size
+    mask: tuple[bool, ...] = ()
+    if codec == Codec.ZSTD_BYTEPLANES:  # planes to compress, as this save would choose them (any choice reads)
+        chosen, planes = encoder.codec_for(item.data, old.itemsize)
+        mask = planes if chosen == codec else (True,) * old.itemsize
+    blocks, runs, written = [], [], 0
+    for k, (same, place) in enumerate(zip(unchanged, base.block_places(old), strict=True)):
+        if same:
+            blocks.append(old.blocks[k])
+        else:
+            ((stored, crc, _),) = encoder.encode(item.data[k * size : (k + 1) * size], size, codec, mask)
+            sink.write(stored, crc)
+            blocks.append((len(stored), crc))
+            place = Extent(at.file, at.offset + written, len(stored))
+            written += len(stored)
+        if runs and runs[-1].file == place.file and runs[-1].offset + runs[-1].length == place.offset:
+            runs[-1] = Extent(place.file, runs[-1].offset, runs[-1].length + place.length)
+        else:
+            runs.append(place)
+    whole = len(runs) == 1  # in one file, back to back: an ordinary record
+    return Reference(
+        file=runs[0].file if whole else virtual,
+        offset=runs[0].offset if whole else 0,
+        logical_bytes=len(item.data),
+        kind=item.kind,
+        dtype=item.dtype,
+        shape=item.shape,
+        codec=codec,
+        block_size=size,
+        blocks=tuple(blocks),
+        digests=b"".join(digests),
+        extents=tuple(runs),
+        sibling_sizes=base.sizes_of(run.file for run in runs),
+    )
+
+
 class _InlineOrFileSink:
     """Holds up to ``limit`` bytes in memory; past that, streams to the real data file.
     If the limit is never crossed, ``inline`` holds everything and no file is created."""
@@ -129,12 +184,16 @@ class _InlineOrFileSink:
         if self.buffer is not None and len(self.buffer) + len(data) <= self.limit:
             self.buffer += data
             return
+        self.spill()
+        self.sink.write(data, crc)
+
+    def spill(self) -> None:
+        """From now on into the data file (what was held so far first)."""
         if self.sink is None:
             self.sink = self.store.open_sink(self.name)
-            if self.buffer is not None:
+            if self.buffer:
                 self.sink.write(self.buffer)
             self.buffer = None
-        self.sink.write(data, crc)
 
     def close(self, placed: bool) -> None:
         """Finish the file; ``placed``: items were stored here (if only empty ones, the file is empty)."""

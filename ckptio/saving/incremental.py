@@ -29,7 +29,7 @@ from typing import Any
 from ckptio.errors import CheckpointError, CheckpointNotFoundError
 from ckptio.format.codec import block_digest
 from ckptio.format.names import INCREMENTAL_VERSION, SIBLING_PREFIX, is_sibling_name, sibling_file_name
-from ckptio.format.records import DIGEST_BYTES, Manifest, Reference, StoredItem
+from ckptio.format.records import DIGEST_BYTES, Extent, Manifest, StoredItem
 from ckptio.loading.reader import read_manifest
 
 log = logging.getLogger(__name__)
@@ -52,11 +52,9 @@ class Base:
     manifest: Manifest
     depth: int
 
-    def reference(self, item: Any, block_size: int) -> Reference | None:
-        """The base's record of ``item`` (``data_file.ItemBytes``) as a reference, when its stored bytes
-        hold exactly this item's, else ``None``. Digests are compared block by block and the first that
-        differs ends it: where everything changed, one block per item is hashed here (the writer hashes
-        every block again, cheaply, while it is in cache after its checksum)."""
+    def record(self, item: Any, block_size: int) -> StoredItem | None:
+        """The base's record of ``item`` (``data_file.ItemBytes``) when it stores the same kind of item (key,
+        chunk, dtype, shape, length, block size) with digests in a file, else ``None``."""
         try:
             old = self.manifest.items[item.index]
         except KeyError:
@@ -69,13 +67,43 @@ class Base:
             or (old.kind, old.dtype, old.shape) != (item.kind, item.dtype, item.shape)
         ):
             return None
-        data, size = item.data, DIGEST_BYTES
-        for k, start in enumerate(range(0, len(data), block_size)):
-            if block_digest(data[start : start + block_size]) != old.digests[k * size : (k + 1) * size]:
-                return None
-        file = old.file if old.file.startswith(SIBLING_PREFIX) else sibling_file_name(self.name, old.file)
-        fields = {f.name: getattr(old, f.name) for f in dataclasses.fields(StoredItem)}
-        return Reference(**{**fields, "file": file, "file_bytes": self.manifest.header.files[old.file]})
+        return old
+
+    def unchanged_blocks(self, item: Any, old: StoredItem) -> tuple[list[bool], list[bytes]] | None:
+        """Which blocks of ``item`` hold what ``old`` does, and every block's digest; ``None`` when its first
+        and last blocks both changed (taken as all changed: the writer hashes each block again, cheaply,
+        while it is in cache after its checksum, instead of every block twice)."""
+        data, size, n = item.data, old.block_size, len(old.blocks)
+        digests: list[bytes | None] = [None] * n
+
+        def same(k: int) -> bool:
+            if digests[k] is None:
+                digests[k] = block_digest(data[k * size : (k + 1) * size])
+            return digests[k] == old.digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
+
+        if n and not same(0) and not same(n - 1):
+            return None
+        return [same(k) for k in range(n)], digests
+
+    def block_places(self, old: StoredItem) -> list[Extent]:
+        """Where each stored block of ``old`` lies, named as the new checkpoint names files (``../<name>/``
+        for the base's own), in order: its file (a data file, never a virtual one), offset and length."""
+        runs = self.manifest.extents.get(old.file) or (Extent(old.file, old.offset, old.stored_bytes),)
+        places, run, at = [], 0, 0  # the run holding the next block, and the block's offset in it
+        for length, _ in old.blocks:
+            while at >= runs[run].length:
+                run, at = run + 1, 0
+            places.append(Extent(self._name(runs[run].file), runs[run].offset + at, length))
+            at += length
+        return places
+
+    def sizes_of(self, names: Any) -> tuple[tuple[str, int], ...]:
+        """``(name, size)`` of each sibling file named (as the new checkpoint names it), as recorded here."""
+        own = {self._name(name): size for name, size in self.manifest.header.files.items()}
+        return tuple(sorted((name, own[name]) for name in set(names) if name.startswith(SIBLING_PREFIX)))
+
+    def _name(self, file: str) -> str:
+        return file if file.startswith(SIBLING_PREFIX) else sibling_file_name(self.name, file)
 
 
 def folder_and_name(url: str) -> tuple[str, str]:
@@ -102,7 +130,7 @@ def resolve_base(checkpoint_id: str, config, open_store) -> Base | None:
     if parent != own_parent or not is_sibling_name(name):
         problem = (
             f"it is not a checkpoint in the same folder as {checkpoint_id} (an incremental checkpoint references "
-            "its siblings only, as run/step-200 references run/step-100)"
+            "its siblings only, as run/step-200 references run/step-100, named with letters, digits and ._=+,@-)"
         )
     elif name == own_name:
         problem = "it is the checkpoint being saved"

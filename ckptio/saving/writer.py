@@ -27,8 +27,16 @@ from torch.futures import Future
 from ckptio.config import StorageConfig, WriterConfig
 from ckptio.errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, StorageError
 from ckptio.format.fragments import FragmentInfo, Replica
-from ckptio.format.names import METADATA_NAME, ItemKind, data_file_name, fragment_name
-from ckptio.format.records import ChainRecord, Header, MeshRecord, Reference, SavedConfig, StoredItem
+from ckptio.format.names import METADATA_NAME, SIBLING_PREFIX, ItemKind, data_file_name, fragment_name
+from ckptio.format.records import (
+    VIRTUAL_PREFIX,
+    ChainRecord,
+    Header,
+    MeshRecord,
+    Reference,
+    SavedConfig,
+    StoredItem,
+)
 from ckptio.format.versions import decode_fragment, decode_metadata, encode_metadata
 from ckptio.gc_pause import paused_gc
 from ckptio.saving import ordering, staging
@@ -439,7 +447,13 @@ def _chain(base: Base | None, config: WriterConfig, items: Any) -> ChainRecord:
     not resolve only if the base changed during the save: the depth is then taken as the bound's, so
     the next save is a full one."""
     items = list(items)
-    referenced = sum(item.stored_bytes for item in items if isinstance(item, Reference))
+    referenced = sum(
+        run.length
+        for item in items
+        if isinstance(item, Reference)
+        for run in item.extents
+        if run.file.startswith(SIBLING_PREFIX)
+    )
     stored = sum(item.stored_bytes for item in items)
     if base is None:
         log.warning("ckptio: ranks of this save resolved different incremental bases; the next save will be full")
@@ -484,13 +498,10 @@ def _written(
     files: dict[str, int] = {}
     for name, size in zip(names, map(_STORED_BYTES, stored), strict=True):
         files[name] = files.get(name, 0) + size
-    ranks = itertools.chain.from_iterable(map(itertools.repeat, range(len(results)), map(len, results)))
+    ranks = list(itertools.chain.from_iterable(map(itertools.repeat, range(len(results)), map(len, results))))
     writers = dict(zip(names, ranks, strict=True))
-    if by_sibling(files):  # an incremental save's references: a sibling's file has the size recorded there
-        for item in stored:
-            if isinstance(item, Reference):
-                files[item.file] = item.file_bytes
-                writers.pop(item.file, None)  # written by the rank its name gives, not the one referencing it
+    if any(name.startswith((SIBLING_PREFIX, VIRTUAL_PREFIX)) for name in files):
+        _count_references(stored, ranks, files, writers)
     if any(report.copies for report in reports):  # keep_per_rank: a rank's assigned objects are in both lists
         counted = {(item.file, item.offset) for item in stored}
         for report in reports:
@@ -502,6 +513,27 @@ def _written(
     files.pop("", None)  # inline in ckptio.json
     writers.pop("", None)
     return items, files, writers
+
+
+def _count_references(
+    stored: list[StoredItem], ranks: list[int], files: dict[str, int], writers: dict[str, int]
+) -> None:
+    """The data files of an incremental save's references (``records.Reference``): a sibling's has the
+    size recorded there and the writer its name gives; an item stored in pieces counts its own runs in
+    the rank's file, and its virtual name is no file."""
+    for item, rank in zip(stored, ranks, strict=True):
+        if not isinstance(item, Reference):
+            continue
+        if item.file.startswith(VIRTUAL_PREFIX):
+            files.pop(item.file, None)
+            writers.pop(item.file, None)
+            for run in item.extents:
+                if not run.file.startswith(SIBLING_PREFIX):
+                    files[run.file] = files.get(run.file, 0) + run.length
+                    writers[run.file] = rank
+        for name, size in item.sibling_sizes:
+            files[name] = size
+            writers.pop(name, None)
 
 
 @dataclasses.dataclass

@@ -87,3 +87,50 @@ def test_digests_before_version_7_are_refused(tmp_path):
     doc["format_version"] = 4
     with pytest.raises(CheckpointFormatError, match="'digests' column is format version 7"):
         _decode(doc)
+
+
+@pytest.fixture
+def pieces_doc(tmp_path) -> dict:
+    """The metadata of a checkpoint whose one tensor is stored in pieces: its changed first block in its
+    own file, the rest in its sibling ``step-1``'s."""
+    config = ckptio.WriterConfig(incremental_from="previous", inline_limit=0, max_block_size=1024)
+    weights = torch.arange(4096.0)
+    for step in (1, 2):
+        weights[0] = step
+        dcp.save({"w": weights}, storage_writer=ckptio.Writer(str(tmp_path / "run" / f"step-{step}"), config))
+    return json.loads(open_store(str(tmp_path / "run" / "step-2")).read(METADATA_NAME))
+
+
+def test_an_item_in_pieces_names_its_runs_and_decodes(pieces_doc):
+    manifest = decode_metadata(json.dumps(pieces_doc).encode(), "saved")
+    ((virtual, runs),) = manifest.extents.items()
+    assert [run.file.startswith("../step-1/") for run in runs] == [False, True]
+    assert [run.length for run in runs] == [1024, 15 * 1024]
+    assert next(iter(manifest.items.values())).file == virtual
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda d: d.update(format_version=6), "format version 6 does not have"),
+        (lambda d: d["extents"].update(items=0), "'items'"),
+        (lambda d: d["extents"].update(items=2), "entries"),
+        (lambda d: d["extents"].update(file=0), "names one of the"),
+        (lambda d: d["extents"].update(file=9), "names one of the"),
+        (lambda d: d["extents"].update(length=0), "at least one byte"),
+        (lambda d: d["extents"].update(at=10**9), "spans bytes"),
+        (lambda d: d["extents"].update(count=0), "at least one run"),
+        (lambda d: d["extents"].update(count=10**12), "within the document"),
+    ],
+)
+def test_malformed_runs_of_an_item_in_pieces_are_named_format_errors(pieces_doc, change, match):
+    change(pieces_doc)
+    with pytest.raises(CheckpointFormatError, match=match):
+        _decode(pieces_doc)
+
+
+def test_an_item_past_its_pieces_is_refused(pieces_doc):
+    table = pieces_doc["tensors"]
+    table["at"] = 1  # the item now ends a byte past its virtual file
+    with pytest.raises(CheckpointFormatError, match="spans bytes"):
+        _decode(pieces_doc)

@@ -41,12 +41,14 @@ def test_a_chain_saved_on_2x2_loads_every_link_on_2x2_1x4_and_one_process(tmp_pa
     run = str(tmp_path / "run")
     listed = spawn(4, incremental_ranks.save_chain, run, CASE, [1, 2, 3])[0]
     full_bytes = sum(os.path.getsize(f"{run}/step-1/{n}") for n in listed[0] if n.startswith("data-"))
-    for step in (2, 3):
+    # references name the folder that wrote the bytes: step-3 those of step-1 and the embedding blocks
+    # step-2 changed but step-3 did not
+    for step, expected in ((2, ["step-1"]), (3, ["step-1", "step-2"])):
         bases, chain = _own_and_referenced(f"{run}/step-{step}")
-        assert bases == ["step-1"] and chain["depth"] == step - 1  # references name the folder that wrote the bytes
+        assert bases == expected and chain["depth"] == step - 1
         own = sum(os.path.getsize(f"{run}/step-{step}/{n}") for n in listed[step - 1] if n.startswith("data-"))
-        # the frozen base (12 KiB per replica) and the unchanged embedding shards are referenced
-        assert 0 < own < full_bytes / 2, (own, full_bytes)
+        # the frozen base, and of the embedding table all but the blocks of the rows that changed
+        assert 0 < own < full_bytes / 4, (own, full_bytes)
     assert sorted(os.listdir(f"{run}/step-1")) == sorted(
         listed[0] + [reference_marker_name("step-2"), reference_marker_name("step-3")]
     )
@@ -234,3 +236,10 @@ def test_everything_changed_writes_no_references(tmp_path):
     _save(str(run / "step-2"), changed, incremental_from="previous")
     assert _own_and_referenced(str(run / "step-2")) == ([], None)
     assert json.loads((run / "step-2" / METADATA_NAME).read_text())["format_version"] == 7  # digests kept
+
+
+def test_an_incremental_save_without_collectives_is_refused_by_name(tmp_path):
+    config = ckptio.WriterConfig(incremental_from="previous")
+    with pytest.raises(CheckpointError, match="does not combine incremental saves"):
+        dcp.save(_state(), storage_writer=ckptio.Writer(str(tmp_path / "step-1"), config), use_collectives=False)
+    assert not (tmp_path / "step-1").exists()
