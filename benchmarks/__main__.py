@@ -121,6 +121,11 @@ def _parser() -> argparse.ArgumentParser:
         "and a full training step (everything changes): bytes and objects written, save and load time, CPU",
     )
     p.add_argument(
+        "--incremental-states",
+        default="lora,sparse,full",
+        help="with --incremental: which states (default lora,sparse,full)",
+    )
+    p.add_argument(
         "--all-stagers",
         action="store_true",
         help="async section: also ckptio + ckptio.Stager and ckptio + torch's DefaultStager (default: ckptio's "
@@ -393,8 +398,14 @@ def _incremental_section(args, cfg: dict, targets: list[dict], progress_file: st
 
     if not args.incremental:
         return []
-    steps = args.repeats * len(targets) * len(incremental.STATES)
-    return incremental.summarize(_spawn_with_progress(args, incremental.run_rank, cfg, progress_file, steps, backend))
+    states = [s.strip() for s in args.incremental_states.split(",") if s.strip()]
+    if not states or set(states) - set(incremental.STATES):
+        known = ", ".join(incremental.STATES)
+        usage_error(f"--incremental-states takes some of {known}, got {args.incremental_states!r}")
+    section = {**cfg, "incremental_states": states}
+    steps = args.repeats * len(targets) * len(states)
+    records = _spawn_with_progress(args, incremental.run_rank, section, progress_file, steps, backend)
+    return incremental.summarize(records)
 
 
 @contextlib.contextmanager

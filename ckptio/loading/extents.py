@@ -12,7 +12,9 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+from ckptio.config import MAX_REQUEST_BYTES
 from ckptio.format.records import Extent, Manifest
+from ckptio.loading.ranges import ReadPiece, plan_requests
 from ckptio.storage import ReadRequest
 
 
@@ -45,7 +47,14 @@ class ExtentSource:
             real += pieces
             owner += [i] * len(pieces)
         counts = [0] * len(requests)
-        for i, got in zip(owner, self.inner.read_into(real), strict=True):
+        if len(real) > len(requests):  # runs of one file a few blocks apart: read together, as the caller plans
+            planned = plan_requests(_pieces(real), MAX_REQUEST_BYTES, self.inner.read_gap_bytes)
+            got = self.inner.read_into(planned)
+            if all(n == _length(request) for n, request in zip(got, planned, strict=True)):
+                for i, request in zip(owner, real, strict=True):
+                    counts[i] += _length(request)
+                return counts
+        for i, got in zip(owner, self.inner.read_into(real), strict=True):  # exact counts of a short read
             counts[i] += got
         return counts
 
@@ -93,6 +102,20 @@ class ExtentSource:
             buffers = kept
             k += 1
         return out
+
+
+def _pieces(requests: list[ReadRequest]) -> list[ReadPiece]:
+    out, at = [], 0
+    for request in requests:
+        at = request.offset
+        for buffer in request.buffers:
+            out.append(ReadPiece(request.name, at, buffer))
+            at += len(buffer)
+    return out
+
+
+def _length(request: ReadRequest) -> int:
+    return sum(len(buffer) for buffer in request.buffers)
 
 
 def _starts(runs: tuple[Extent, ...]) -> list[int]:
