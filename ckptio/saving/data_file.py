@@ -63,8 +63,9 @@ def encode_items(
     base: Base | None = None,
 ) -> dict[MetadataIndex, StoredItem]:
     """Store ``items`` in data file ``file`` (or inline, if they all fit in ``inline_limit`` bytes). With
-    ``WriterConfig.incremental_from`` set, every block's content digest is recorded, and an item whose
-    bytes ``base`` already stores is referenced there instead of written (``incremental.py``)."""
+    ``WriterConfig.incremental_from`` set, every block's content digest is recorded, and the blocks
+    ``base`` already stores are referenced there instead of written (``incremental.py``): an item of such
+    blocks and changed ones is stored in pieces."""
     encoder = BlockEncoder(
         config.max_block_size, config.compression, config.compression_level, cpu_threads(config.max_concurrency)
     )

@@ -55,6 +55,7 @@ class Base:
     name: str
     manifest: Manifest
     depth: int
+    _sizes: dict[str, int] | None = dataclasses.field(default=None, repr=False)  # file -> size, new names
 
     def record(self, item: Any, block_size: int) -> StoredItem | None:
         """The base's record of ``item`` (``data_file.ItemBytes``) when it stores the same kind of item (key,
@@ -104,8 +105,9 @@ class Base:
 
     def sizes_of(self, names: Any) -> tuple[tuple[str, int], ...]:
         """``(name, size)`` of each sibling file named (as the new checkpoint names it), as recorded here."""
-        own = {self._name(name): size for name, size in self.manifest.header.files.items()}
-        return tuple(sorted((name, own[name]) for name in set(names) if name.startswith(SIBLING_PREFIX)))
+        if self._sizes is None:
+            self._sizes = {self._name(name): size for name, size in self.manifest.header.files.items()}
+        return tuple(sorted((name, self._sizes[name]) for name in set(names) if name.startswith(SIBLING_PREFIX)))
 
     def _name(self, file: str) -> str:
         return file if file.startswith(SIBLING_PREFIX) else sibling_file_name(self.name, file)
