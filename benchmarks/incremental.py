@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 import zlib
 from collections import defaultdict
 
@@ -36,6 +35,7 @@ from ckptio.storage import open_store
 
 from . import counting, workload
 from .runner import mesh_of, report_progress
+from .tiered import stats
 
 STATES = ("lora", "sparse", "full")
 #: The chain's bound in this section: the last link loaded is this many incremental saves deep.
@@ -263,16 +263,16 @@ def summarize(records: list[dict]) -> list[dict]:
         slowest = {f: [max(r[f] for r in reps[k]) for k in order] for f in TIMES}
         row: dict = {"state": kind, "target": target, "repeats": len(order)}
         for f, values in slowest.items():
-            row[f] = _stats(values)
+            row[f] = stats(values)
         for name, top, bottom in RATIOS:
-            row[name] = _stats([a / b for a, b in zip(slowest[top], slowest[bottom], strict=True)])
+            row[name] = stats([a / b for a, b in zip(slowest[top], slowest[bottom], strict=True)])
         cpu = {w: [sum(r[f"{w}_save_cpu_s"] for r in reps[k]) for k in order] for w in ("full", "incremental")}
-        row["save_cpu"] = _stats([a / b for a, b in zip(cpu["incremental"], cpu["full"], strict=True)])
+        row["save_cpu"] = stats([a / b for a, b in zip(cpu["incremental"], cpu["full"], strict=True)])
         first = [next(r for r in reps[k] if r["rank"] == 0) for k in order]
         row["changed_bytes"] = first[0]["changed_bytes"]
         for w in ("full", "incremental"):
             row[f"{w}_written"] = first[0][f"{w}_written"]
-        row["written_bytes"] = _stats([f["incremental_written"]["bytes"] / f["full_written"]["bytes"] for f in first])
+        row["written_bytes"] = stats([f["incremental_written"]["bytes"] / f["full_written"]["bytes"] for f in first])
         row["data_over_changed"] = first[0]["incremental_written"]["data_bytes"] / max(1, first[0]["changed_bytes"])
         if "full_reshard_load_s" in first[0]:
             row["reshard_load_time"] = max(r["incremental_reshard_load_s"] for r in reps[order[0]]) / max(
@@ -288,7 +288,3 @@ def summarize(records: list[dict]) -> list[dict]:
         )
         rows.append(row)
     return rows
-
-
-def _stats(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

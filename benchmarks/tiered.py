@@ -285,21 +285,21 @@ def summarize(records: list[dict]) -> list[dict]:
         slowest = {field: [max(r[field] for r in reps[k]) for k in sorted(reps)] for field in TIMES}
         row: dict = {"target": target, "repeats": len(reps)}
         for field, values in slowest.items():
-            row[field] = _stats(values)
+            row[field] = stats(values)
         for name, top, bottom in RATIOS:
-            row[name] = _stats([a / b for a, b in zip(slowest[top], slowest[bottom], strict=True)])
+            row[name] = stats([a / b for a, b in zip(slowest[top], slowest[bottom], strict=True)])
         ranks = [r for k in sorted(reps) for r in reps[k]]
-        row["training_speed_during_drain"] = _stats(
+        row["training_speed_during_drain"] = stats(
             [
                 statistics.mean(r["steps_per_s_during_drain"] / r["steps_per_s_without"] for r in reps[k])
                 for k in sorted(reps)
             ]
         )
-        row["commit_s"] = _stats([next(r["drain_s"] for r in reps[k] if r["rank"] == 0) for k in sorted(reps)])
-        row["save_and_drain_cpu_s"] = _stats(
+        row["commit_s"] = stats([next(r["drain_s"] for r in reps[k] if r["rank"] == 0) for k in sorted(reps)])
+        row["save_and_drain_cpu_s"] = stats(
             [sum(r["async_save_and_drain_cpu_s"] for r in reps[k]) for k in sorted(reps)]
         )
-        row["save_and_drain_server_cpu_s"] = _stats(
+        row["save_and_drain_server_cpu_s"] = stats(
             [max(r["async_save_and_drain_server_cpu_s"] for r in reps[k]) for k in sorted(reps)]
         )
         row |= _memory([r for r in recs if r.get("memory")])
@@ -317,7 +317,8 @@ def summarize(records: list[dict]) -> list[dict]:
     return rows
 
 
-def _stats(values: list[float]) -> dict:
+def stats(values: list[float]) -> dict:
+    """Median, min and max of per-repeat figures (the incremental section's too)."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
