@@ -17,7 +17,7 @@ from ckptio.errors import (
 from ckptio.format.names import METADATA_NAME, own_file_names
 from ckptio.format.versions import decode_fragment, decode_metadata
 from ckptio.loading.fragment_set import complete_set, merged_metadata
-from ckptio.saving.references import files_in_use
+from ckptio.saving.references import by_sibling, files_in_use, release
 from ckptio.storage import FsspecStore
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def _committed_files(store: FsspecStore, name: str, decode: Callable[[bytes, str
     except CheckpointNotFoundError as exc:  # e.g. no such bucket: nowhere to save to
         raise StorageError(f"cannot save to {store.url}: {exc}") from None
     try:
-        return sorted(own_file_names(decode(old, store.describe(name)).files))
+        return sorted(decode(old, store.describe(name)).files)  # a sibling's too (``publish`` keeps those)
     except CheckpointFormatError as exc:
         log.warning("ckptio: overwriting an unreadable %s; its data files are left in place: %s", name, exc)
         return []
@@ -68,7 +68,8 @@ def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
     if not overwrite:
         raise _exists(store.describe(METADATA_NAME))
     store.remove(METADATA_NAME)
-    store.delete_best_effort(_unreferenced(store, files))
+    store.delete_best_effort(_unreferenced(store, own_file_names(files)))
+    release(store, sorted(by_sibling(files)))
 
 
 def publish_fragment(store: FsspecStore, name: str, document: bytes, files: dict[str, int], overwrite: bool) -> None:
@@ -105,9 +106,12 @@ def publish(
         except FileExistsError:
             store.delete_best_effort(sorted(own_file_names(files)))  # never a sibling's, which it referenced
             raise _taken(store.describe(name), name == METADATA_NAME) from None
-    stale = [file for file in superseded if file not in files]
+    stale = own_file_names(file for file in superseded if file not in files)
     if stale:
         store.delete_best_effort(_unreferenced(store, stale))
+    dropped = by_sibling(superseded).keys() - by_sibling(files).keys()
+    if dropped:  # the replaced checkpoint referenced siblings this one does not: they need not keep those files
+        release(store, sorted(dropped))
 
 
 def _unreferenced(store: FsspecStore, files: list[str]) -> list[str]:

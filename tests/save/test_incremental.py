@@ -267,3 +267,14 @@ def test_an_item_in_pieces_loads_and_a_truncated_piece_is_named(tmp_path, gap):
         f.truncate(100 * 1024)
     error = load_error(str(run / "step-2"), {"table": torch.zeros(512, 64)})
     assert isinstance(error, CorruptCheckpointError) and base_file.name in str(error), error
+
+
+def test_replacing_an_incremental_checkpoint_in_full_releases_what_it_referenced(tmp_path):
+    run = tmp_path / "run"
+    _save(str(run / "step-1"), _state(), incremental_from="previous")
+    _save(str(run / "step-2"), _state(1.0), incremental_from="previous")
+    assert (run / "step-1" / reference_marker_name("step-2")).exists()
+    delete_checkpoint(open_store(str(run / "step-1")))  # kept for step-2
+    _save(str(run / "step-2"), _state(2.0), overwrite=True)  # now in full: step-1's kept files go
+    assert not (run / "step-1").exists()
+    assert torch.equal(_load(str(run / "step-2"))["frozen"], _state()["frozen"])
