@@ -126,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
         help="with --incremental: which states (default lora,sparse,full)",
     )
     p.add_argument(
+        "--incremental-depth",
+        type=int,
+        default=4,
+        help="with --incremental: the chain's bound, the depth of the link loaded beside a full save (default 4); "
+        "also the saves in a row whose memory is followed, plus 2",
+    )
+    p.add_argument(
         "--all-stagers",
         action="store_true",
         help="async section: also ckptio + ckptio.Stager and ckptio + torch's DefaultStager (default: ckptio's "
@@ -402,7 +409,14 @@ def _incremental_section(args, cfg: dict, targets: list[dict], progress_file: st
     if not states or set(states) - set(incremental.STATES):
         known = ", ".join(incremental.STATES)
         usage_error(f"--incremental-states takes some of {known}, got {args.incremental_states!r}")
-    section = {**cfg, "incremental_states": states}
+    if args.incremental_depth < 2:
+        usage_error(f"--incremental-depth must be at least 2, got {args.incremental_depth}")
+    section = {
+        **cfg,
+        "incremental_states": states,
+        "incremental_depth": args.incremental_depth,
+        "incremental_memory_saves": args.incremental_depth + 2,
+    }
     steps = args.repeats * len(targets) * len(states)
     records = _spawn_with_progress(args, incremental.run_rank, section, progress_file, steps, backend)
     return incremental.summarize(records)

@@ -12,7 +12,7 @@ training changes it:
 Per state, target and repeat: a chain is started with a save that records digests (``step-0``); the
 state changes; its next step is saved both in full (``full-1``) and incrementally against ``step-0``
 (``step-1``), in alternating order; both are loaded on the save mesh (and at repeat 0 resharded), timed
-and checked bit-exact; then the chain goes on to the depth bound (``MAX_DEPTH``) and its last link is
+and checked bit-exact; then the chain goes on to the depth bound (``--incremental-depth``) and its last link is
 loaded against a full save of the same state. Bytes and objects written per save come from the listings
 (an incremental save's markers in its base's folder included).
 """
@@ -38,7 +38,7 @@ from .runner import mesh_of, report_progress
 from .tiered import stats
 
 STATES = ("lora", "sparse", "full")
-#: The chain's bound in this section: the last link loaded is this many incremental saves deep.
+#: The chain's bound in this section (``--incremental-depth``): the last link loaded is this deep.
 MAX_DEPTH = 4
 COLS = workload.COLS
 #: Share of the lora state's bytes in its trainable adapters (weights and two AdamW moments).
@@ -118,7 +118,7 @@ def run_rank(cfg: dict) -> list[dict]:
             for rep in range(cfg["repeats"]):
                 records.append(run.repeat(rep, state, mesh, reshard_mesh))
                 report_progress(cfg, "incremental", kind, target["name"], rep)
-            records.append(run.memory_over_saves(state, MEMORY_SAVES))
+            records.append(run.memory_over_saves(state, cfg.get("incremental_memory_saves", MEMORY_SAVES)))
     return records
 
 
@@ -126,8 +126,9 @@ class _Run:
     def __init__(self, cfg: dict, target: dict, kind: str, rank: int):
         self.cfg, self.target, self.kind, self.rank = cfg, target, kind, rank
         self.options = target.get("storage_options")
+        self.depth = cfg.get("incremental_depth", MAX_DEPTH)
         self.chain = ckptio.WriterConfig(
-            mode="replica_group", incremental_from="previous", incremental_max_depth=MAX_DEPTH
+            mode="replica_group", incremental_from="previous", incremental_max_depth=self.depth
         )
         self.plain = ckptio.WriterConfig(mode="replica_group")
 
@@ -148,15 +149,15 @@ class _Run:
             if rep == 0:
                 record[f"{which}_reshard_load_s"], _ = self._load(url, None, reshard_mesh)
         # on to the depth bound (step-1 was saved against step-0: depth 1)
-        for step in range(2, MAX_DEPTH + 1):
+        for step in range(2, self.depth + 1):
             _train(self.kind, self.cfg["size_bytes"], state, step)
             self._save(f"{base}/step-{step}", state, self._against(f"{base}/step-{step - 1}"))
         self._save(f"{base}/full-deep", state, self.plain)
         snapshot = {k: (v.to_local().clone() if isinstance(v, DTensor) else v.clone()) for k, v in state.items()}
         record["deep_full_load_s"], _ = self._load(f"{base}/full-deep", snapshot, mesh)
-        deep = self._load(f"{base}/step-{MAX_DEPTH}", snapshot, mesh)
+        deep = self._load(f"{base}/step-{self.depth}", snapshot, mesh)
         record["deep_incremental_load_s"], record["deep_mismatches"] = deep
-        record["deep_depth"] = self._depth(f"{base}/step-{MAX_DEPTH}")
+        record["deep_depth"] = self._depth(f"{base}/step-{self.depth}")
         dist.barrier()
         if self.rank == 0 and not self.cfg["keep"]:
             counting.remove(base, self.options)
