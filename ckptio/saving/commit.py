@@ -111,12 +111,20 @@ def publish(
         store.delete_best_effort(_unreferenced(store, stale))
     dropped = by_sibling(superseded).keys() - by_sibling(files).keys()
     if dropped:  # the replaced checkpoint referenced siblings this one does not: they need not keep those files
-        release(store, sorted(dropped))
+        try:
+            release(store, sorted(dropped))
+        except StorageError as exc:  # committed already: what is left is kept, never wrongly deleted
+            log.warning("ckptio: cannot release %s of the checkpoint it replaced; gc removes it: %s", dropped, exc)
 
 
 def _unreferenced(store: FsspecStore, files: list[str]) -> list[str]:
-    """Of the data files a replaced checkpoint leaves, those no incremental checkpoint references."""
-    used, _ = files_in_use(store)
+    """Of the data files a replaced checkpoint leaves, those no incremental checkpoint references (none,
+    when the markers cannot be listed: ``gc`` removes them later)."""
+    try:
+        used, _ = files_in_use(store)
+    except StorageError as exc:
+        log.warning("ckptio: cannot list %s for the files references keep; replaced files left: %s", store.url, exc)
+        return []
     return [file for file in files if file not in used]
 
 

@@ -7,7 +7,8 @@ needs there, and then checks they are all still present (a deletion that began f
 marker or has removed a file, and the save fails instead of committing a broken checkpoint).
 
 A marker is *live* while its referrer is committed (its ``ckptio.json`` exists) or may still be saving
-(its folder has no ``ckptio.json`` yet): deletes and overwrites keep the files live markers list.
+(its folder has no ``ckptio.json`` yet): deletes and overwrites keep the files live markers list. What
+decides a deletion is listed strictly: a listing that fails raises, it is never taken for an empty folder.
 ``ckptio gc`` (which must not run beside a save) treats the markers of uncommitted referrers as stale.
 """
 
@@ -69,7 +70,7 @@ def files_in_use(
     """The data files at ``store`` that other checkpoints reference (by their live markers), and the
     names of the markers that are stale. ``saving_counts``: a referrer without a commit may be saving
     (deletes keep its files); ``gc`` passes False."""
-    names = store.list_names() if names is None else names
+    names = store.list_names(strict=True) if names is None else names  # a failed listing is no empty folder
     used: set[str] = set()
     stale: list[str] = []
     for name in names or []:
@@ -92,8 +93,8 @@ def release(store: FsspecStore, bases: list[str]) -> None:
     for sibling in bases:
         base = store.sibling(sibling)
         base.remove(reference_marker_name(referrer))
-        names = base.list_names() or []
-        if _committed(base, names):
+        names = base.list_names(strict=True) or []
+        if _committed(names):
             continue
         used, _ = files_in_use(base, names)
         if not used:
@@ -118,13 +119,13 @@ def _marker_files(store: FsspecStore, name: str) -> list[str] | None:
 
 def _referrer_live(store: FsspecStore, referrer: str, saving_counts: bool) -> bool:
     other = store.sibling(referrer)
-    if other.exists(METADATA_NAME):
+    if other.exists(METADATA_NAME):  # a request, where listing a folder of thousands of files is many
         return True
-    names = other.list_names() or []
-    return _committed(other, names) or (saving_counts and bool(names))
+    names = other.list_names(strict=True) or []
+    return _committed(names) or (saving_counts and bool(names))
 
 
-def _committed(store: FsspecStore, names: list[str]) -> bool:
-    """Whether ``store`` holds a checkpoint (its ``ckptio.json``, or fragments of a save without a
-    coordinator: any, as a set that may still be completing counts too)."""
-    return METADATA_NAME in names or store.exists(METADATA_NAME) or bool(fragments_in(names))
+def _committed(names: list[str]) -> bool:
+    """Whether a folder listing ``names`` (a strict listing) holds a checkpoint: its ``ckptio.json``, or
+    fragments of a save without a coordinator (any: a set that may still be completing counts too)."""
+    return METADATA_NAME in names or bool(fragments_in(names))

@@ -115,7 +115,7 @@ def delete_checkpoint(store: FsspecStore) -> list[str]:
         store.remove(name)
     for name, upload_id in store.open_uploads():
         store.abort_upload(name, upload_id)
-    names = store.list_names(nested=True) or []
+    names = store.list_names(nested=True, strict=True) or []  # a failed listing must not read as "no markers"
     used, stale = files_in_use(store, names)
     if used:
         kept = used | {name for name in names if parse_reference_marker_name(name)} - set(stale)

@@ -278,3 +278,24 @@ def test_replacing_an_incremental_checkpoint_in_full_releases_what_it_referenced
     _save(str(run / "step-2"), _state(2.0), overwrite=True)  # now in full: step-1's kept files go
     assert not (run / "step-1").exists()
     assert torch.equal(_load(str(run / "step-2"))["frozen"], _state()["frozen"])
+
+
+def test_a_listing_that_fails_during_a_delete_keeps_every_referenced_file(s3_proxy):
+    """Which files a delete may remove is decided from a listing of the folder's markers: a listing
+    that fails (403 here, not retried) raises; it is never taken for a folder without markers."""
+    from tests.helpers.faultproxy import Fault
+
+    proxy, base_url, options = s3_proxy
+    run = f"{base_url}/run"
+    for step, changed in ((1, 0.0), (2, 1.0)):
+        config = ckptio.WriterConfig(max_block_size=4096, incremental_from="previous")
+        dcp.save(_state(changed), storage_writer=ckptio.Writer(f"{run}/step-{step}", config, storage_options=options))
+    # the listing of every file below the folder (no delimiter): where its markers and data files are found
+    every_file = Fault(lambda r: r.operation == "LIST" and r.query.get("delimiter", [""]) == [""], 403, times=1)
+    proxy.faults.append(every_file)
+    with pytest.raises(ckptio.StorageError, match="cannot list"):
+        delete_checkpoint(open_store(f"{run}/step-1", options))
+    assert every_file.hits == 1
+    out = {"frozen": torch.zeros(256, 64), "adapter": torch.zeros(8, 64)}
+    dcp.load(out, storage_reader=ckptio.Reader(f"{run}/step-2", storage_options=options))
+    assert torch.equal(out["frozen"], _state()["frozen"])
