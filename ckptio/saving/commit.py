@@ -68,8 +68,7 @@ def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
     if not overwrite:
         raise _exists(store.describe(METADATA_NAME))
     store.remove(METADATA_NAME)
-    store.delete_best_effort(_unreferenced(store, own_file_names(files)))
-    release(store, sorted(by_sibling(files)))
+    _drop_replaced(store, files, {})
 
 
 def publish_fragment(store: FsspecStore, name: str, document: bytes, files: dict[str, int], overwrite: bool) -> None:
@@ -106,6 +105,13 @@ def publish(
         except FileExistsError:
             store.delete_best_effort(sorted(own_file_names(files)))  # never a sibling's, which it referenced
             raise _taken(store.describe(name), name == METADATA_NAME) from None
+    _drop_replaced(store, superseded, files)
+
+
+def _drop_replaced(store: FsspecStore, superseded: list[str], files: dict[str, int]) -> None:
+    """After a checkpoint's metadata was replaced (by a document naming ``files``): delete the data files
+    of the old one (``superseded``) the new one does not name and no incremental checkpoint references,
+    and release the siblings only the old one referenced."""
     stale = own_file_names(file for file in superseded if file not in files)
     if stale:
         store.delete_best_effort(_unreferenced(store, stale))

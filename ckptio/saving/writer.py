@@ -251,14 +251,13 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
                 stored = self._write_tiered(file, {**assigned, **extras}, replicas, planner, objects, inline_limit)
             elif not self.is_coordinator:
                 tiers.queue_prune(self._drain_key(), self._durable(), self.config)
+        if assigned or extras or self.is_coordinator:  # what this rank writes against; the chain's record
+            self._base = self._incremental_base()
         if stored is None and (assigned or extras):  # not tiered, or the fast tier is full
             store = self._open_store()
             store.prepare_directory()
-            self._base = self._incremental_base()
             items = item_bytes({**assigned, **extras}, planner, objects)
             stored = encode_items(store, file, items, self.config, inline_limit, self._base)
-        elif self.is_coordinator:
-            self._base = self._incremental_base()
         note_saved(self.checkpoint_id)
         stored = stored or {}
         if self.config.differing_objects == "keep_per_rank":

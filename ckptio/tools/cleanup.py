@@ -20,13 +20,16 @@ from ckptio.saving.references import by_sibling, files_in_use, release
 from ckptio.storage import FsspecStore
 
 
-def orphaned_files(store: FsspecStore, manifest: Manifest | None, names: list[str] | None = None) -> list[str]:
+def orphaned_files(
+    store: FsspecStore, manifest: Manifest | None, names: list[str] | None = None, in_use: set[str] | None = None
+) -> list[str]:
     """Data files beside the checkpoint that it does not use (left by saves that never committed), nor
-    a committed incremental checkpoint references; every other data file where nothing has committed
-    (``manifest`` None)."""
+    a committed incremental checkpoint references (``in_use``, if already found); every other data file
+    where nothing has committed (``manifest`` None)."""
     names = store.list_names(nested=True) if names is None else names
-    used = set(manifest.files) if manifest is not None else set()
-    used |= files_in_use(store, names, saving_counts=False)[0]
+    if in_use is None:
+        in_use = files_in_use(store, names or [], saving_counts=False)[0]
+    used = in_use | (set(manifest.files) if manifest is not None else set())
     return [n for n in names or [] if is_data_file_name(n) and n not in used]
 
 
@@ -47,8 +50,9 @@ def find_garbage(store: FsspecStore) -> Garbage:
         manifest = None
     uploads = [(name, upload_id) for name, upload_id in store.open_uploads() if is_data_file_name(name)]
     names = store.list_names(nested=True) or []
-    stale_markers = files_in_use(store, names, saving_counts=False)[1]
-    return Garbage(stale_fragments(store, manifest) + stale_markers + orphaned_files(store, manifest, names), uploads)
+    in_use, stale_markers = files_in_use(store, names, saving_counts=False)
+    orphans = orphaned_files(store, manifest, names, in_use)
+    return Garbage(stale_fragments(store, manifest) + stale_markers + orphans, uploads)
 
 
 def stale_fragments(store: FsspecStore, manifest: Manifest | None) -> list[str]:

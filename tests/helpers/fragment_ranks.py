@@ -114,19 +114,23 @@ def load_and_compare(url: str, case: dict[str, Any], through: str = "dcp") -> li
     reference = state(case["load_mesh"], case["load_placements"], case["seed"], per_rank=per_rank)
     if dist.is_initialized():
         dist.barrier()  # rank 0 hosts the group's store: it must not leave while a rank still builds a mesh
-    wrong = [
+    return wrong_keys(target, reference)
+
+
+def wrong_keys(loaded: dict[str, Any], reference: dict[str, Any]) -> list[str]:
+    """The keys of ``reference`` that ``loaded`` holds with another value (DTensors: this rank's shard)."""
+    return [
         key
         for key, value in reference.items()
-        if key in target
+        if key in loaded
         and not (
-            torch.equal(target[key].to_local(), value.to_local())
+            torch.equal(loaded[key].to_local(), value.to_local())
             if hasattr(value, "to_local")
-            else torch.equal(target[key], value)
+            else torch.equal(loaded[key], value)
             if isinstance(value, torch.Tensor)
-            else target[key] == value
+            else loaded[key] == value
         )
     ]
-    return wrong
 
 
 def save_twice(url: str, case: dict[str, Any]) -> list[str]:

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckptio
+from tests.helpers.fragment_ranks import wrong_keys
 
 #: key -> (shape, dtype, what changes between steps)
 SHAPES = {
@@ -88,18 +89,7 @@ def load_steps(run: str, case: dict[str, Any], steps: list[int], through: str = 
             dcp.load(target, storage_reader=ckptio.Reader(url, storage_options=options))
         else:
             ckptio.load(target, url, storage_options=options)
-        reference = state(case["load_mesh"], case["load_placements"], step)
-        wrong[step] = [
-            key
-            for key, value in reference.items()
-            if not (
-                torch.equal(target[key].to_local(), value.to_local())
-                if hasattr(value, "to_local")
-                else torch.equal(target[key], value)
-                if isinstance(value, torch.Tensor)
-                else target[key] == value
-            )
-        ]
+        wrong[step] = wrong_keys(target, state(case["load_mesh"], case["load_placements"], step))
     if dist.is_initialized():
         dist.barrier()
     return wrong
