@@ -78,8 +78,8 @@ def encode_items(
         for item in items:
             block_size = block_size_for(len(item.data), encoder.max_block_size)
             old = base.record(item, block_size) if base is not None else None
-            found = base.unchanged_blocks(item, old) if old is not None else None
-            if found is not None and any(found[0]):
+            found = base.unchanged_blocks(item, old, store.request_cost_bytes) if old is not None else None
+            if found is not None:
                 if any(not same for same in found[0]):
                     sink.spill()  # its changed blocks are named by file and offset: never inline
                 virtual = f"{VIRTUAL_PREFIX}{file}#{len(referenced)}"
@@ -125,7 +125,7 @@ def encode_items(
 def _with_references(
     item: ItemBytes,
     old: StoredItem,
-    found: tuple[list[bool], list[bytes | None]],
+    found: tuple[list[bool], list[bytes | None], list[Extent]],
     base: Base,
     encoder: BlockEncoder,
     sink: "_InlineOrFileSink",
@@ -134,14 +134,14 @@ def _with_references(
 ) -> Reference:
     """The record of ``item`` whose unchanged blocks (``found``) are the base's stored ones, its changed
     ones written to ``sink`` at ``at`` (encoded as the base's, so that one codec reads the item)."""
-    unchanged, digests = found
+    unchanged, digests, places = found
     codec, size = old.codec, old.block_size
     mask: tuple[bool, ...] = ()
     if codec == Codec.ZSTD_BYTEPLANES:  # planes to compress, as this save would choose them (any choice reads)
         chosen, planes = encoder.codec_for(item.data, old.itemsize)
         mask = planes if chosen == codec else (True,) * old.itemsize
     blocks, runs, written = [], [], 0
-    for k, (same, place) in enumerate(zip(unchanged, base.block_places(old), strict=True)):
+    for k, (same, place) in enumerate(zip(unchanged, places, strict=True)):
         if same:
             blocks.append(old.blocks[k])
         else:

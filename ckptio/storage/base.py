@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import fsspec
 
-from ckptio.config import REMOTE_READ_GAP_BYTES, StorageConfig
+from ckptio.config import LOCAL_REQUEST_COST_BYTES, REMOTE_READ_GAP_BYTES, REMOTE_REQUEST_COST_BYTES, StorageConfig
 from ckptio.errors import CheckpointError, StorageError
 from ckptio.format.names import SIBLING_PREFIX
 
@@ -70,6 +70,14 @@ class FsspecStore:
         self.config = config
         if config.read_gap_bytes is not None:
             self.read_gap_bytes = config.read_gap_bytes
+
+    @property
+    def request_cost_bytes(self) -> int:
+        """Bytes whose reading costs about what one more read request does (``config.py``): a read gap
+        set in the config says just that, else the store's kind decides."""
+        if self.config.read_gap_bytes is not None:
+            return self.config.read_gap_bytes
+        return REMOTE_REQUEST_COST_BYTES if self.remote else LOCAL_REQUEST_COST_BYTES
 
     def path(self, name: str) -> str:
         return _beside(self.root, name)

@@ -93,7 +93,7 @@ def test_digests_before_version_7_are_refused(tmp_path):
 def pieces_doc(tmp_path) -> dict:
     """The metadata of a checkpoint whose one tensor is stored in pieces: its changed first block in its
     own file, the rest in its sibling ``step-1``'s."""
-    config = ckptio.WriterConfig(incremental_from="previous", inline_limit=0, max_block_size=1024)
+    config = ckptio.WriterConfig(incremental_from="previous", inline_limit=0, max_block_size=1024, read_gap_bytes=0)
     weights = torch.arange(4096.0)
     for step in (1, 2):
         weights[0] = step

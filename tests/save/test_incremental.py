@@ -9,6 +9,7 @@ import json
 import os
 import threading
 
+import hypothesis
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -18,6 +19,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckptio
 from ckptio.errors import CheckpointError, CorruptCheckpointError
 from ckptio.format.names import METADATA_NAME, reference_marker_name
+from ckptio.format.records import Extent
+from ckptio.saving.incremental import READ_OVERHEAD, referenced_blocks
 from ckptio.storage import open_store
 from ckptio.tools.cleanup import collect_garbage, delete_checkpoint, find_garbage
 from ckptio.tools.cli import main as cli_main
@@ -253,9 +256,10 @@ def test_an_item_in_pieces_loads_and_a_truncated_piece_is_named(tmp_path, gap):
     two files, read together across the gaps when the read gap allows); a base file cut short is named."""
     run = tmp_path / "run"
     table = torch.randn(512, 64, generator=torch.Generator().manual_seed(4))
-    _save(str(run / "step-1"), {"table": table}, incremental_from="previous", max_block_size=1024)
+    cheap_requests = {"incremental_from": "previous", "max_block_size": 1024, "read_gap_bytes": 0}
+    _save(str(run / "step-1"), {"table": table}, **cheap_requests)
     table[[5, 200, 300]] += 1  # three of 128 blocks
-    _save(str(run / "step-2"), {"table": table}, incremental_from="previous", max_block_size=1024)
+    _save(str(run / "step-2"), {"table": table}, **cheap_requests)
     own = [p for p in (run / "step-2").iterdir() if p.suffix == ".ckio"]
     assert sum(p.stat().st_size for p in own) == 3 * 1024
     reader = ckptio.Reader(str(run / "step-2"), storage_config=ckptio.StorageConfig(read_gap_bytes=gap))
@@ -299,3 +303,72 @@ def test_a_listing_that_fails_during_a_delete_keeps_every_referenced_file(s3_pro
     out = {"frozen": torch.zeros(256, 64), "adapter": torch.zeros(8, 64)}
     dcp.load(out, storage_reader=ckptio.Reader(f"{run}/step-2", storage_options=options))
     assert torch.equal(out["frozen"], _state()["frozen"])
+
+
+def test_an_item_keeps_only_the_references_its_load_can_afford(tmp_path):
+    """Local files at the default request cost (256 KiB): an 8 MiB table in 64 blocks may cost its load
+    one request more (5% of its bytes), so of two unchanged runs the longer is referenced and the shorter
+    written again; a row changed in every other block leaves runs too short to reference: written whole."""
+    run = tmp_path / "run"
+    table = torch.randn(2048, 1024, generator=torch.Generator().manual_seed(5))  # 8 MiB, 32 rows a block
+    steps = [table, table.clone(), table.clone()]
+    steps[1][20 * 32 + 3] += 1  # block 20: runs 0-19 and 21-63
+    steps[2][::64] += 1  # blocks 0, 2, 4, ...
+    for step, values in enumerate(steps, 1):
+        _save(str(run / f"step-{step}"), {"table": values}, incremental_from="previous", max_block_size=1 << 18)
+
+    def own_bytes(step: int) -> int:
+        return sum(p.stat().st_size for p in (run / f"step-{step}").iterdir() if p.suffix == ".ckio")
+
+    assert own_bytes(2) == 21 << 17  # blocks 0-20
+    assert own_bytes(3) == 64 << 17 and _own_and_referenced(str(run / "step-3"))[0] == []
+    for step in (2, 3):
+        out = {"table": torch.zeros(2048, 1024)}
+        dcp.load(out, storage_reader=ckptio.Reader(str(run / f"step-{step}")))
+        assert torch.equal(out["table"], steps[step - 1])
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(
+    hypothesis.strategies.lists(
+        hypothesis.strategies.tuples(hypothesis.strategies.booleans(), hypothesis.strategies.integers(1, 4)),
+        max_size=40,
+    ),
+    hypothesis.strategies.sampled_from([0, 1, 100, 1000, 10**9]),
+)
+def test_references_kept_are_the_longest_runs_the_read_overhead_allows(blocks, cost):
+    """Over any layout of unchanged blocks in up to four files: only unchanged blocks are referenced, in
+    whole runs at least as long as a request costs, longest first, and the load's extra requests stay in
+    the budget (the base's own layout of a wholly unchanged item excepted: it costs no more than the base)."""
+    places, at = [], {}
+    for k, (_, file) in enumerate(blocks):
+        length = 100 + 37 * (k % 5)
+        places.append(Extent(f"f{file}", at.get(file, 0), length))
+        at[file] = at.get(file, 0) + length
+    unchanged = [same for same, _ in blocks]
+    kept = referenced_blocks(unchanged, places, cost)
+    assert all(u or not k for u, k in zip(unchanged, kept, strict=True))
+    runs = _runs(unchanged, places)
+    kept_runs = [run for run in runs if kept[run[0]]]
+    assert all(all(kept[k] for k in run) for run in kept_runs)  # a run is referenced whole or not at all
+    stored = sum(p.length for p in places)
+    if not (kept == unchanged and all(unchanged)):
+        assert cost == 0 or len(kept_runs) * cost <= READ_OVERHEAD * stored
+        assert all(sum(places[k].length for k in run) >= cost for run in kept_runs)
+        length = {id(run): sum(places[k].length for k in run) for run in runs}
+        dropped = [run for run in runs if not kept[run[0]]]
+        if kept_runs and dropped:
+            assert min(length[id(r)] for r in kept_runs) >= max(length[id(r)] for r in dropped)
+    if cost == 0:
+        assert kept == unchanged
+
+
+def _runs(unchanged: list[bool], places: list) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for k, same in enumerate(unchanged):
+        joined = runs and runs[-1][-1] == k - 1 and places[k].file == places[k - 1].file
+        if same and joined and places[k].offset == places[k - 1].offset + places[k - 1].length:
+            runs[-1].append(k)
+        elif same:
+            runs.append([k])
+    return runs
