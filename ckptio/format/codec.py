@@ -37,6 +37,7 @@ import zstandard
 
 from ckptio.config import BLOCKS_PER_ITEM, MIN_BLOCK_SIZE
 from ckptio.format.names import PLANE_ITEMSIZES, Codec
+from ckptio.format.records import DIGEST_BYTES
 
 #: Bytes of an item compressed to choose its codec, and the share a plane (or the sample) must
 #: shrink to by to be worth compressing.
@@ -63,6 +64,10 @@ def block_digest(block: memoryview | bytes) -> bytes:
     ``BlockEncoder.encode`` computes both together), with the GIL released; BLAKE3 is several times
     slower, and CRC32C's 32 bits cannot declare two blocks equal."""
     return xxhash.xxh3_128_digest(block)
+
+
+def _entry(table: bytes | None, k: int, size: int) -> bytes | None:
+    return None if table is None else table[k * size : (k + 1) * size]
 
 
 #: CRC32C's polynomial, bit-reflected as the checksums are computed (bit 31 holds x^0).
@@ -192,19 +197,26 @@ class BlockEncoder:
         codec: Codec | None = None,
         mask: tuple[bool, ...] = (),
         digests: bool = False,
-    ) -> Iterator[tuple[bytes | memoryview, int, bytes | None]]:
+        base_digests: bytes | None = None,
+    ) -> Iterator[tuple[bytes | memoryview | None, int, bytes | None]]:
         """Yield ``(stored_bytes, crc32c, digest)`` for each ``block_size`` block of ``data``, in order,
         with ``codec`` (default: zstd when compressing, else raw; see ``codec_for``); ``digest``: the
-        block's ``block_digest`` when ``digests``, else None."""
+        block's ``block_digest`` when ``digests``, else None. With ``base_digests`` (``DIGEST_BYTES`` per
+        block, implies ``digests``), a block whose digest is its entry there is not encoded: ``(None, 0,
+        digest)`` (a compressed one is hashed first, so that it is compressed only when it changed)."""
         if codec is None:
             codec = Codec.ZSTD if self.compress else Codec.RAW
-        blocks = (data[start : start + block_size] for start in range(0, len(data), block_size))
+        size = DIGEST_BYTES
+        work = (
+            (data[start : start + block_size], codec, mask, digests, _entry(base_digests, k, size))
+            for k, start in enumerate(range(0, len(data), block_size))
+        )
         if self._pool is None or codec == Codec.RAW:
-            yield from (self._pack(block, codec, mask, digests) for block in blocks)
+            yield from (self._pack(*args) for args in work)
             return
         ahead: deque = deque()
-        for block in blocks:
-            ahead.append(self._pool.submit(self._pack, block, codec, mask, digests))
+        for args in work:
+            ahead.append(self._pool.submit(self._pack, *args))
             if len(ahead) >= 2 * self._threads:
                 yield ahead.popleft().result()
         while ahead:
@@ -228,8 +240,16 @@ class BlockEncoder:
         return compressor.compress(plane)
 
     def _pack(
-        self, block: memoryview, codec: Codec, mask: tuple[bool, ...], digest: bool
-    ) -> tuple[bytes | memoryview, int, bytes | None]:
+        self, block: memoryview, codec: Codec, mask: tuple[bool, ...], digest: bool, base: bytes | None
+    ) -> tuple[bytes | memoryview | None, int, bytes | None]:
+        if base is not None and codec != Codec.RAW:  # compressed only when it changed
+            own = block_digest(block)
+            if own == base:
+                return None, 0, own
+            return *self._pack(block, codec, mask, False, None)[:2], own
+        if base is not None:  # raw: checksummed first (from memory), hashed in cache after (at ~40 GB/s)
+            crc, own = checksum(block), block_digest(block)
+            return (None, 0, own) if own == base else (block, crc, own)
         packed = None
         if codec == Codec.ZSTD:
             packed = self._zstd(block)

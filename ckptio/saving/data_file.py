@@ -8,6 +8,7 @@ rank that never crosses it creates no file at all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Iterable, Iterator
 
@@ -77,23 +78,35 @@ def encode_items(
     try:
         for item in items:
             block_size = block_size_for(len(item.data), encoder.max_block_size)
-            old = base.record(item, block_size) if base is not None else None
-            found = base.unchanged_blocks(item, old, store.request_cost_bytes) if old is not None else None
-            if found is not None:
-                if any(not same for same in found[0]):
-                    sink.spill()  # its changed blocks are named by file and offset: never inline
-                virtual = f"{VIRTUAL_PREFIX}{file}#{len(referenced)}"
-                record = _with_references(item, old, found, base, encoder, sink, Extent(file, offset, 0), virtual)
-                referenced[item.index] = record
-                offset += sum(run.length for run in record.extents if run.file == file)
-                continue
             itemsize = dtype_from_name(item.dtype).itemsize if item.kind == ItemKind.TENSOR else 1
             codec, planes = encoder.codec_for(item.data, itemsize)
-            blocks, digests = [], []
-            for stored, crc, digest in encoder.encode(item.data, block_size, codec, planes, digested):
-                sink.write(stored, crc)
-                blocks.append((len(stored), crc))
-                digests.append(digest)
+            old = base.record(item, block_size) if base is not None else None
+            blocks, digests, kept = [], [], None
+            if old is not None and old.codec != codec:  # its blocks would be written in the base's codec
+                kept, digests, places = base.references(item, old, [], store.request_cost_bytes)
+                if not any(kept):
+                    old, kept, digests = None, None, []
+            if kept is None:
+                with contextlib.closing(
+                    encoder.encode(item.data, block_size, codec, planes, digested, old.digests if old else None)
+                ) as encoded:
+                    for stored, crc, digest in encoded:
+                        digests.append(digest)
+                        if stored is None:  # the base holds this block (every one before it changed)
+                            break
+                        sink.write(stored, crc)
+                        blocks.append((len(stored), crc))
+                if old is not None and len(blocks) < len(old.blocks):
+                    kept, digests, places = base.references(item, old, digests, store.request_cost_bytes)
+            if kept is not None:
+                mask = planes if old.codec == codec else (True,) * itemsize
+                runs = _write_rest(item, old, kept, places, encoder, sink, mask, Extent(file, offset, 0), blocks)
+                if len(runs) > 1 or runs[0].file != file:
+                    sink.spill()  # its own blocks are named by file and offset: never inline
+                    virtual = f"{VIRTUAL_PREFIX}{file}#{len(referenced)}"
+                    referenced[item.index] = _reference(item, old, blocks, digests, runs, base, virtual)
+                    offset += sum(run.length for run in runs if run.file == file)
+                    continue
             placed.append((item, codec, offset, block_size, tuple(blocks), b"".join(digests) if digested else None))
             offset += sum(n for n, _ in blocks)
         sink.close(bool(placed) or any(r.file == file for record in referenced.values() for r in record.extents))
@@ -122,39 +135,54 @@ def encode_items(
     return records
 
 
-def _with_references(
+def _write_rest(
     item: ItemBytes,
     old: StoredItem,
-    found: tuple[list[bool], list[bytes | None], list[Extent]],
-    base: Base,
+    kept: list[bool],
+    places: list[Extent],
     encoder: BlockEncoder,
     sink: "_InlineOrFileSink",
+    planes: tuple[bool, ...],
     at: Extent,
-    virtual: str,
-) -> Reference:
-    """The record of ``item`` whose unchanged blocks (``found``) are the base's stored ones, its changed
-    ones written to ``sink`` at ``at`` (encoded as the base's, so that one codec reads the item)."""
-    unchanged, digests, places = found
-    codec, size = old.codec, old.block_size
-    mask: tuple[bool, ...] = ()
-    if codec == Codec.ZSTD_BYTEPLANES:  # planes to compress, as this save would choose them (any choice reads)
-        chosen, planes = encoder.codec_for(item.data, old.itemsize)
-        mask = planes if chosen == codec else (True,) * old.itemsize
-    blocks, runs, written = [], [], 0
-    for k, (same, place) in enumerate(zip(unchanged, places, strict=True)):
-        if same:
+    blocks: list[tuple[int, int]],
+) -> list[Extent]:
+    """Write the blocks of ``item`` after those in ``blocks`` (already written at ``at``) that are not
+    ``kept`` where the base's ``old`` stores them (``places``), encoded as ``old`` is, adding each block
+    to ``blocks``; the runs of files, in block order, that hold the item's blocks."""
+    size, n = old.block_size, len(old.blocks)
+    written = sum(length for length, _ in blocks)
+    runs = [Extent(at.file, at.offset, written)] if blocks else []
+    k = len(blocks)
+    while k < n:
+        if kept[k]:
             blocks.append(old.blocks[k])
-        else:
-            ((stored, crc, _),) = encoder.encode(item.data[k * size : (k + 1) * size], size, codec, mask)
+            _extend(runs, places[k])
+            k += 1
+            continue
+        end = next((j for j in range(k, n) if kept[j]), n)
+        for stored, crc, _ in encoder.encode(item.data[k * size : end * size], size, old.codec, planes):
             sink.write(stored, crc)
             blocks.append((len(stored), crc))
-            place = Extent(at.file, at.offset + written, len(stored))
+            _extend(runs, Extent(at.file, at.offset + written, len(stored)))
             written += len(stored)
-        if runs and runs[-1].file == place.file and runs[-1].offset + runs[-1].length == place.offset:
-            runs[-1] = Extent(place.file, runs[-1].offset, runs[-1].length + place.length)
-        else:
-            runs.append(place)
-    whole = len(runs) == 1  # in one file, back to back: an ordinary record
+        k = end
+    return runs
+
+
+def _extend(runs: list[Extent], place: Extent) -> None:
+    last = runs[-1] if runs else None
+    if last is not None and last.file == place.file and last.offset + last.length == place.offset:
+        runs[-1] = Extent(place.file, last.offset, last.length + place.length)
+    else:
+        runs.append(place)
+
+
+def _reference(
+    item: ItemBytes, old: StoredItem, blocks: list, digests: list[bytes], runs: list[Extent], base: Base, virtual: str
+) -> Reference:
+    """The record of ``item`` whose ``blocks`` lie in ``runs``: in one run of a base's file, an ordinary
+    record there; else stored in pieces (``virtual`` names it)."""
+    whole = len(runs) == 1
     return Reference(
         file=runs[0].file if whole else virtual,
         offset=runs[0].offset if whole else 0,
@@ -162,8 +190,8 @@ def _with_references(
         kind=item.kind,
         dtype=item.dtype,
         shape=item.shape,
-        codec=codec,
-        block_size=size,
+        codec=old.codec,
+        block_size=old.block_size,
         blocks=tuple(blocks),
         digests=b"".join(digests),
         extents=tuple(runs),

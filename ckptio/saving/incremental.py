@@ -11,12 +11,15 @@ Rules, the same on every rank (each decides alone from the same base, no collect
 - The chain is bounded: a save whose base is ``incremental_max_depth`` incremental saves from a full one,
   or whose base referenced less than ``incremental_min_fraction`` of its bytes, is a full save (so no
   chain grows without end, and a state that changes too much stops paying for references).
-- A block is referenced when the base stored the same key and chunk with the same dtype, shape, length
-  and block size, and the xxh3-128 digest of the block's logical bytes equals the base's block's: the
-  new checkpoint keeps the base's stored block (its length and CRC32C) where it lies, in the folder that
-  wrote it (a base's own references are copied as they are, so loads never follow a chain). The other
-  blocks are written, in the base's codec (``data_file.py``); an item of both is stored in pieces
-  (format version 7's ``extents``). Anything without such a base item is written whole.
+- A block may be referenced when the base stored the same key and chunk with the same dtype, shape,
+  length and block size, and the xxh3-128 digest of the block's logical bytes equals the base's
+  block's: the new checkpoint keeps the base's stored block (its length and CRC32C) where it lies, in
+  the folder that wrote it (a base's own references are copied as they are, so loads never follow a
+  chain). Each block is hashed before it is checksummed, and a changed one is encoded while in cache: a
+  state that changed everywhere costs one digest per block. Of the unchanged blocks, the runs a load can
+  afford are referenced (``referenced_blocks``); the other blocks are written, in the base's codec (one
+  codec reads an item; ``data_file.py``); an item of both is stored in pieces (format version 7's
+  ``extents``). Anything else is written whole, in the codec this save chooses.
 """
 
 from __future__ import annotations
@@ -36,9 +39,6 @@ from ckptio.loading.reader import read_manifest
 log = logging.getLogger(__name__)
 
 PREVIOUS = "previous"
-#: Blocks of an item compared before all of them: when these all changed (a training step changes every
-#: block), the item is taken as changed whole; where a few rows of a table changed, most of them did not.
-SAMPLED_BLOCKS = 4
 #: Loading an item stored in pieces costs a request per run of blocks beyond the first: a save keeps the
 #: longest runs of referenced blocks whose requests cost at most this share of reading the item whole,
 #: and writes the other unchanged blocks again (so a load at any depth takes at most ~1.05x a full one's;
@@ -79,28 +79,19 @@ class Base:
             return None
         return old
 
-    def unchanged_blocks(
-        self, item: Any, old: StoredItem, request_cost: int
-    ) -> tuple[list[bool], list[bytes], list[Extent]] | None:
-        """Which blocks of ``item`` to reference where ``old``'s are (unchanged ones, by
-        ``referenced_blocks``), every block's digest, and where ``old``'s blocks lie; ``None`` when none is
-        referenced, or when the ``SAMPLED_BLOCKS`` blocks spread through it all changed (taken as all
-        changed: the writer hashes each block again, cheaply, while it is in cache after its checksum,
-        instead of every block twice)."""
+    def references(
+        self, item: Any, old: StoredItem, digests: list[bytes], request_cost: int
+    ) -> tuple[list[bool], list[bytes], list[Extent]]:
+        """Which blocks of ``item`` to reference where ``old``'s lie (unchanged ones, by
+        ``referenced_blocks``), given the digests of its blocks up to the first ``old`` holds too; every
+        block's digest; and where ``old``'s blocks lie."""
         data, size, n = item.data, old.block_size, len(old.blocks)
-        digests: list[bytes | None] = [None] * n
-
-        def same(k: int) -> bool:
-            if digests[k] is None:
-                digests[k] = block_digest(data[k * size : (k + 1) * size])
-            return digests[k] == old.digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
-
-        sampled = sorted({i * (n - 1) // (SAMPLED_BLOCKS - 1) for i in range(SAMPLED_BLOCKS)})
-        if n and not any(same(k) for k in sampled):
-            return None
+        digests = digests + [block_digest(data[k * size : (k + 1) * size]) for k in range(len(digests), n)]
+        unchanged = [
+            digest == old.digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES] for k, digest in enumerate(digests)
+        ]
         places = self.block_places(old)
-        referenced = referenced_blocks([same(k) for k in range(n)], places, request_cost)
-        return (referenced, digests, places) if any(referenced) else None
+        return referenced_blocks(unchanged, places, request_cost), digests, places
 
     def block_places(self, old: StoredItem) -> list[Extent]:
         """Where each stored block of ``old`` lies, named as the new checkpoint names files (``../<name>/``
