@@ -125,6 +125,17 @@ class StoredItems(Mapping):
             raise KeyError(index)
         return located[0].item(located[1])
 
+    def peek(self, index: Any) -> Any:
+        """The record of ``index`` (``None`` if there is none), built for the caller and not kept: an
+        incremental save reads each of its base's records once, and records kept alive through the save
+        would be walked by every full collection of the garbage collector meanwhile."""
+        located = self._locate(index)
+        if located is None:
+            return None
+        key, i = located
+        built = key._built.get(i)
+        return built if built is not None else key._build(i)
+
     def __contains__(self, index: object) -> bool:
         return self._locate(index) is not None
 

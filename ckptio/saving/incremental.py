@@ -34,6 +34,7 @@ from ckptio.errors import CheckpointError, CheckpointNotFoundError
 from ckptio.format.codec import block_digest
 from ckptio.format.names import INCREMENTAL_VERSION, SIBLING_PREFIX, is_sibling_name, sibling_file_name
 from ckptio.format.records import DIGEST_BYTES, Extent, Manifest, StoredItem
+from ckptio.format.stored_items import StoredItems
 from ckptio.loading.reader import read_manifest
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,11 @@ class Base:
     def record(self, item: Any, block_size: int) -> StoredItem | None:
         """The base's record of ``item`` (``data_file.ItemBytes``) when it stores the same kind of item (key,
         chunk, dtype, shape, length, block size) with digests in a file, else ``None``."""
-        try:
-            old = self.manifest.items[item.index]
-        except KeyError:
-            return None
+        items = self.manifest.items
+        old = items.peek(item.index) if isinstance(items, StoredItems) else items.get(item.index)
         if (
-            old.digests is None
+            old is None
+            or old.digests is None
             or not old.file  # kept inline in the base's metadata: nothing to point at
             or old.block_size != block_size
             or old.logical_bytes != len(item.data)
