@@ -28,7 +28,7 @@ import sys
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 import crc32c
 import numpy as np
@@ -37,7 +37,7 @@ import zstandard
 
 from ckptio.config import BLOCKS_PER_ITEM, MIN_BLOCK_SIZE
 from ckptio.format.names import PLANE_ITEMSIZES, Codec
-from ckptio.format.records import DIGEST_BYTES
+from ckptio.format.records import DIGEST_BYTES, NO_DIGEST
 
 #: Bytes of an item compressed to choose its codec, and the share a plane (or the sample) must
 #: shrink to by to be worth compressing.
@@ -64,6 +64,34 @@ def block_digest(block: memoryview | bytes) -> bytes:
     ``BlockEncoder.encode`` computes both together), with the GIL released; BLAKE3 is several times
     slower, and CRC32C's 32 bits cannot declare two blocks equal."""
     return xxhash.xxh3_128_digest(block)
+
+
+#: Raw blocks compared with a raw base's: of a row of blocks that changed, the first this many are hashed
+#: all the same (their digests let the next save reference them if they stop changing there).
+HASHED_CHANGED_IN_ROW = 4
+
+
+def _against_raw(
+    blocks: Iterable[memoryview], base_digests: bytes, base_crcs: Sequence[int]
+) -> Iterator[tuple[memoryview | None, int, bytes]]:
+    """``BlockEncoder.encode`` of raw blocks against a raw base: a block whose CRC32C differs from its base
+    block's changed, whatever its digest, so it is hashed only while it is among the first
+    ``HASHED_CHANGED_IN_ROW`` changed ones in a row and its base block was hashed (a block that changed
+    before, and again, is not); otherwise its digest is ``NO_DIGEST``. A block whose CRC32C is the base's
+    is hashed (in cache, after its checksum) and compared: unchanged only when the digests are equal. A
+    state that changed everywhere then costs a plain save's checksums and a few digests per item."""
+    in_row = 0
+    for k, block in enumerate(blocks):
+        crc = checksum(block)
+        base = base_digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
+        if crc != base_crcs[k]:
+            in_row += 1
+            hashed = in_row <= HASHED_CHANGED_IN_ROW and base != NO_DIGEST
+            yield block, crc, block_digest(block) if hashed else NO_DIGEST
+            continue
+        in_row = 0
+        own = block_digest(block)
+        yield (None, 0, own) if own == base and own != NO_DIGEST else (block, crc, own)
 
 
 def _entry(table: bytes | None, k: int, size: int) -> bytes | None:
@@ -198,14 +226,20 @@ class BlockEncoder:
         mask: tuple[bool, ...] = (),
         digests: bool = False,
         base_digests: bytes | None = None,
+        base_crcs: Sequence[int] | None = None,
     ) -> Iterator[tuple[bytes | memoryview | None, int, bytes | None]]:
         """Yield ``(stored_bytes, crc32c, digest)`` for each ``block_size`` block of ``data``, in order,
         with ``codec`` (default: zstd when compressing, else raw; see ``codec_for``); ``digest``: the
         block's ``block_digest`` when ``digests``, else None. With ``base_digests`` (``DIGEST_BYTES`` per
         block, implies ``digests``), a block whose digest is its entry there is not encoded: ``(None, 0,
-        digest)`` (a compressed one is hashed first, so that it is compressed only when it changed)."""
+        digest)`` (a compressed one is hashed first, so that it is compressed only when it changed). With
+        ``base_crcs`` too (a raw base's block CRC32Cs, for a raw item), see ``_against_raw``."""
         if codec is None:
             codec = Codec.ZSTD if self.compress else Codec.RAW
+        if base_digests is not None and base_crcs is not None and codec == Codec.RAW:
+            blocks = (data[start : start + block_size] for start in range(0, len(data), block_size))
+            yield from _against_raw(blocks, base_digests, base_crcs)
+            return
         size = DIGEST_BYTES
         work = (
             (data[start : start + block_size], codec, mask, digests, _entry(base_digests, k, size))

@@ -81,6 +81,9 @@ class StoredItem:
 
 #: Bytes of a block's content digest (xxh3-128; ``codec.block_digest``).
 DIGEST_BYTES = 16
+#: The digest of a block that was not hashed (it changed in a row of changed blocks; ``saving/incremental.py``):
+#: equal to no digest, so the block is referenced again only once a save hashes it unchanged.
+NO_DIGEST = bytes(DIGEST_BYTES)
 
 
 class Extent(NamedTuple):

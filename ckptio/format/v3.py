@@ -43,7 +43,8 @@ Version 3 writes, besides the header fields every version has::
 A tensor's chunk is stored in ``prod(sizes) * itemsize`` bytes, an object in ``length``: neither is written.
 
 Version 7 (incremental saves, ``saving/incremental.py``) adds ``digests`` to the storage columns (a BLOCKS
-string of 16 bytes per block: xxh3-128 of its logical bytes), ``bases`` and ``base`` to ``files`` (data
+string of 16 bytes per block: xxh3-128 of its logical bytes, or 16 zero bytes for a block the save did not
+hash, equal to no other digest), ``bases`` and ``base`` to ``files`` (data
 files of sibling checkpoints, named ``../<sibling>/data-....ckio``), a ``chain`` record, and::
 
     "extents": {"items": 2, "count": COL, "file": COL, "at": COL, "length": COL}

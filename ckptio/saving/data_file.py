@@ -87,8 +87,9 @@ def encode_items(
                 if not any(kept):
                     old, kept, digests = None, None, []
             if kept is None:
+                crcs = [crc for _, crc in old.blocks] if old is not None and old.codec == Codec.RAW else None
                 with contextlib.closing(
-                    encoder.encode(item.data, block_size, codec, planes, digested, old.digests if old else None)
+                    encoder.encode(item.data, block_size, codec, planes, digested, old and old.digests, crcs)
                 ) as encoded:
                     for stored, crc, digest in encoded:
                         digests.append(digest)

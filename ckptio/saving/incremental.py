@@ -15,11 +15,13 @@ Rules, the same on every rank (each decides alone from the same base, no collect
   length and block size, and the xxh3-128 digest of the block's logical bytes equals the base's
   block's: the new checkpoint keeps the base's stored block (its length and CRC32C) where it lies, in
   the folder that wrote it (a base's own references are copied as they are, so loads never follow a
-  chain). Each block is hashed before it is checksummed, and a changed one is encoded while in cache: a
-  state that changed everywhere costs one digest per block. Of the unchanged blocks, the runs a load can
-  afford are referenced (``referenced_blocks``); the other blocks are written, in the base's codec (one
-  codec reads an item; ``data_file.py``); an item of both is stored in pieces (format version 7's
-  ``extents``). Anything else is written whole, in the codec this save chooses.
+  chain). Blocks are compared as they are encoded (``BlockEncoder.encode``): a raw block whose CRC32C
+  differs from its base block's has changed, and is hashed only at the start of a row of changes (a state
+  that changed everywhere costs a few digests per item); the others are hashed and compared. Of the
+  unchanged blocks, the runs a load can afford are referenced (``referenced_blocks``); the other blocks
+  are written, in the base's codec (one codec reads an item; ``data_file.py``); an item of both is stored
+  in pieces (format version 7's ``extents``). Anything else is written whole, in the codec this save
+  chooses.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 from ckptio.errors import CheckpointError, CheckpointNotFoundError
 from ckptio.format.codec import block_digest
 from ckptio.format.names import INCREMENTAL_VERSION, SIBLING_PREFIX, is_sibling_name, sibling_file_name
-from ckptio.format.records import DIGEST_BYTES, Extent, Manifest, StoredItem
+from ckptio.format.records import DIGEST_BYTES, NO_DIGEST, Extent, Manifest, StoredItem
 from ckptio.format.stored_items import StoredItems
 from ckptio.loading.reader import read_manifest
 
@@ -83,12 +85,15 @@ class Base:
         self, item: Any, old: StoredItem, digests: list[bytes], request_cost: int
     ) -> tuple[list[bool], list[bytes], list[Extent]]:
         """Which blocks of ``item`` to reference where ``old``'s lie (unchanged ones, by
-        ``referenced_blocks``), given the digests of its blocks up to the first ``old`` holds too; every
-        block's digest; and where ``old``'s blocks lie."""
+        ``referenced_blocks``), given the digests of its blocks up to the first one ``old`` holds too (every
+        one before it changed; none if the comparison starts here); every block's digest; and where
+        ``old``'s blocks lie."""
         data, size, n = item.data, old.block_size, len(old.blocks)
+        head = max(0, len(digests) - 1)  # the blocks known to have changed
         digests = digests + [block_digest(data[k * size : (k + 1) * size]) for k in range(len(digests), n)]
-        unchanged = [
-            digest == old.digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES] for k, digest in enumerate(digests)
+        unchanged = [False] * head + [
+            digests[k] != NO_DIGEST and digests[k] == old.digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
+            for k in range(head, n)
         ]
         places = self.block_places(old)
         return referenced_blocks(unchanged, places, request_cost), digests, places

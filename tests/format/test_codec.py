@@ -39,6 +39,37 @@ def test_digests_come_with_the_blocks_only_when_asked_and_are_of_the_logical_byt
     assert len(blocks[0][2]) == 16 and blocks[0][2] != blocks[1][2]
 
 
+def test_raw_blocks_against_a_raw_base_are_hashed_where_their_digest_can_matter():
+    """A block whose CRC32C differs from its base block's changed: hashed only while among the first
+    HASHED_CHANGED_IN_ROW changed ones in a row and not changed before (its base block hashed); a block
+    whose CRC32C is the base's is hashed and compared; one whose base block was not hashed is never
+    taken as unchanged."""
+    from ckptio.format.codec import HASHED_CHANGED_IN_ROW, block_digest
+    from ckptio.format.names import Codec
+    from ckptio.format.records import NO_DIGEST
+
+    n, size = 12, 1024
+    base = bytearray(os.urandom(n * size))
+    blocks = [memoryview(base)[k * size : (k + 1) * size] for k in range(n)]
+    digests = [block_digest(b) for b in blocks]
+    crcs = [checksum(b) for b in blocks]
+    digests[11] = NO_DIGEST  # the base did not hash its last block
+    new = bytearray(base)
+    for k in (0, 1, 2, 3, 4, 5, 6, 9):  # a row of 7 changed blocks, then 2 unchanged, 1 changed, 2 unchanged
+        new[k * size] ^= 1
+    out = list(BlockEncoder(size).encode(memoryview(new), size, Codec.RAW, (), True, b"".join(digests), crcs))
+    referenced = [k for k, (stored, _, _) in enumerate(out) if stored is None]
+    assert referenced == [7, 8, 10]  # 11 is unchanged, but its base block was never hashed: written
+    hashed = [k for k, (_, _, digest) in enumerate(out) if digest != NO_DIGEST]
+    assert hashed == [*range(HASHED_CHANGED_IN_ROW), 7, 8, 9, 10, 11]
+    assert all(out[k][2] == block_digest(memoryview(new)[k * size : (k + 1) * size]) for k in hashed)
+    assert all(stored is None or (bytes(stored), crc) == (bytes(new[k * size : (k + 1) * size]), checksum(stored))
+               for k, (stored, crc, _) in enumerate(out))  # fmt: skip
+    digests[9] = NO_DIGEST  # block 9 changed before: not hashed when it changes again
+    out = list(BlockEncoder(size).encode(memoryview(new), size, Codec.RAW, (), True, b"".join(digests), crcs))
+    assert out[9][2] == NO_DIGEST and out[9][0] is not None
+
+
 def test_block_size_adapts_to_item_size():
     assert block_size_for(100, 1 << 20) == 4096  # small items: one minimum-size block
     assert block_size_for(64 * 8192, 1 << 20) == 8192  # mid-size: 64 blocks

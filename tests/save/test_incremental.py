@@ -372,3 +372,29 @@ def _runs(unchanged: list[bool], places: list) -> list[list[int]]:
         elif same:
             runs.append([k])
     return runs
+
+
+def test_a_block_that_changed_in_a_row_of_changes_is_referenced_again_once_saved_unchanged(tmp_path):
+    """Raw blocks whose CRC32C differs from the base's are hashed only at the start of a row of changes
+    (a training step's saves cost no digest for most blocks): a tensor that changed everywhere and then
+    stops changing is written once more (its blocks past the row's start had no digest), then referenced."""
+    from ckptio.format.codec import HASHED_CHANGED_IN_ROW
+
+    run = tmp_path / "run"
+    frozen = torch.randn(256, 1024, generator=torch.Generator().manual_seed(6))  # 1 MiB: keeps the chain going
+    moving = torch.randn(64, 1024, generator=torch.Generator().manual_seed(7))  # 64 blocks of 4 KiB
+    config = {"incremental_from": "previous", "max_block_size": 4096, "read_gap_bytes": 0}
+    steps = [moving, moving + 1, moving + 1, moving + 1]
+    for step, values in enumerate(steps, 1):
+        _save(str(run / f"step-{step}"), {"frozen": frozen, "moving": values}, **config)
+
+    def own_bytes(step: int) -> int:
+        return sum(p.stat().st_size for p in (run / f"step-{step}").iterdir() if p.suffix == ".ckio")
+
+    assert own_bytes(2) == 64 * 4096  # changed everywhere
+    assert own_bytes(3) == (64 - HASHED_CHANGED_IN_ROW) * 4096  # unchanged, but only the row's start was hashed
+    assert own_bytes(4) == 0  # every block hashed unchanged at step 3
+    for step, values in enumerate(steps, 1):
+        out = {"frozen": torch.zeros(256, 1024), "moving": torch.zeros(64, 1024)}
+        dcp.load(out, storage_reader=ckptio.Reader(str(run / f"step-{step}")))
+        assert torch.equal(out["frozen"], frozen) and torch.equal(out["moving"], values)
