@@ -313,11 +313,15 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
     assert tiered["rss_growth_saves"] == 8 and tiered["save_and_drain_cpu_s"]["median"] > 0
     for made in (".md", ".png", "-async.png"):
         assert os.path.exists(path.replace(".json", made))
+    # against that run, one writer on the local target alone (a row of its own, compared)
+    again = [*args[: args.index("--writers")], "--writers", "ckptio all_ranks", "--path", str(tmp_path / "again")]
     skip_sections = ["--async-saves", "0", "--plan-tensors", "none", "--no-tiered"]
-    assert bench_main(args + ["--compare", path, "--no-charts", *skip_sections]) == 0
+    assert bench_main(again + ["--compare", path, "--no-charts", *skip_sections]) == 0
     printed = capsys.readouterr().out
     assert "against" in printed and "Asynchronous saves" not in printed and "Plan time" not in printed
-    assert "Tiered saves" not in printed
+    assert "Tiered saves" not in printed and "s3 (moto)" not in printed
+    (compared,) = [line for line in printed.splitlines() if line.startswith("local  ckptio all_ranks  ")]
+    assert "%" in compared and "(new)" not in compared
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp", "fsdp_tp"])
