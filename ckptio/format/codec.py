@@ -83,7 +83,7 @@ def _against_raw(
     in_row = 0
     for k, block in enumerate(blocks):
         crc = checksum(block)
-        base = base_digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
+        base = _entry(base_digests, k)
         if crc != base_crcs[k]:
             in_row += 1
             hashed = in_row <= HASHED_CHANGED_IN_ROW and base != NO_DIGEST
@@ -94,8 +94,8 @@ def _against_raw(
         yield (None, 0, own) if own == base and own != NO_DIGEST else (block, crc, own)
 
 
-def _entry(table: bytes | None, k: int, size: int) -> bytes | None:
-    return None if table is None else table[k * size : (k + 1) * size]
+def _entry(digests: bytes | None, k: int) -> bytes | None:
+    return None if digests is None else digests[k * DIGEST_BYTES : (k + 1) * DIGEST_BYTES]
 
 
 #: CRC32C's polynomial, bit-reflected as the checksums are computed (bit 31 holds x^0).
@@ -233,16 +233,17 @@ class BlockEncoder:
         block's ``block_digest`` when ``digests``, else None. With ``base_digests`` (``DIGEST_BYTES`` per
         block, implies ``digests``), a block whose digest is its entry there is not encoded: ``(None, 0,
         digest)`` (a compressed one is hashed first, so that it is compressed only when it changed). With
-        ``base_crcs`` too (a raw base's block CRC32Cs, for a raw item), see ``_against_raw``."""
+        ``base_crcs`` (a raw base's block CRC32Cs, required for a raw item), see ``_against_raw``."""
         if codec is None:
             codec = Codec.ZSTD if self.compress else Codec.RAW
-        if base_digests is not None and base_crcs is not None and codec == Codec.RAW:
+        if base_digests is not None and codec == Codec.RAW:
+            if base_crcs is None:
+                raise ValueError("raw blocks are compared with a raw base's blocks: pass base_crcs too")
             blocks = (data[start : start + block_size] for start in range(0, len(data), block_size))
             yield from _against_raw(blocks, base_digests, base_crcs)
             return
-        size = DIGEST_BYTES
         work = (
-            (data[start : start + block_size], codec, mask, digests, _entry(base_digests, k, size))
+            (data[start : start + block_size], codec, mask, digests, _entry(base_digests, k))
             for k, start in enumerate(range(0, len(data), block_size))
         )
         if self._pool is None or codec == Codec.RAW:
@@ -276,14 +277,11 @@ class BlockEncoder:
     def _pack(
         self, block: memoryview, codec: Codec, mask: tuple[bool, ...], digest: bool, base: bytes | None
     ) -> tuple[bytes | memoryview | None, int, bytes | None]:
-        if base is not None and codec != Codec.RAW:  # compressed only when it changed
+        if base is not None:  # compressed only when it changed
             own = block_digest(block)
             if own == base:
                 return None, 0, own
             return *self._pack(block, codec, mask, False, None)[:2], own
-        if base is not None:  # raw: checksummed first (from memory), hashed in cache after (at ~40 GB/s)
-            crc, own = checksum(block), block_digest(block)
-            return (None, 0, own) if own == base else (block, crc, own)
         packed = None
         if codec == Codec.ZSTD:
             packed = self._zstd(block)
