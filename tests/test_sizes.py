@@ -235,6 +235,30 @@ def test_an_item_above_2_gib_whole_and_resharded(tmp_path, codec):
         assert spawn(2, _load_big_rows, url, timeout=400) == [True, True]
 
 
+@pytest.mark.slow
+def test_an_item_above_2_gib_saved_incrementally_loads_from_runs_past_2_gib(tmp_path):
+    """Two rows of the big item changed, saved against its first save where requests cost nothing: the
+    two blocks holding them written (512 KiB), the rest referenced in the base's file in runs, the last
+    reaching past 2^31; the item loads exactly."""
+    from ckptio.loading.reader import read_manifest
+
+    run = tmp_path / "run"
+    big = big_tensor()
+    config = ckptio.WriterConfig(incremental_from="previous", read_gap_bytes=0)  # 256 KiB blocks: 4 rows each
+    ckptio.save({"embed": big}, str(run / "step-1"), config)
+    big.view(torch.int32)[[3, BIG_ROWS // 2]] += 1  # blocks 0 and 4096 of 8193
+    ckptio.save({"embed": big}, str(run / "step-2"), config)
+    own = [p for p in (run / "step-2").iterdir() if p.suffix == ".ckio"]
+    assert sum(p.stat().st_size for p in own) == 512 << 10
+    manifest = read_manifest(open_store(str(run / "step-2")))
+    ((runs),) = manifest.extents.values()
+    assert [r.file.startswith("../step-1/") for r in runs] == [False, True, False, True]
+    assert runs[-1].offset < 1 << 31 < runs[-1].offset + runs[-1].length == big.numel() * 4
+    out = {"embed": torch.empty_like(big)}
+    dcp.load(out, storage_reader=ckptio.Reader(str(run / "step-2")))
+    assert torch.equal(out["embed"].view(torch.int32), big.view(torch.int32))
+
+
 class _Into:
     """Stands in for torch's load planner: the one read item lands in ``target``."""
 
