@@ -93,6 +93,15 @@ class Extent(NamedTuple):
     offset: int
     length: int
 
+    def precedes(self, other: "Extent") -> bool:
+        """Whether ``other`` starts in the same file right where this run ends."""
+        return other.file == self.file and other.offset == self.offset + self.length
+
+
+def virtual_file_sizes(extents: Mapping[str, tuple[Extent, ...]]) -> dict[str, int]:
+    """The length of each virtual file (an item stored in pieces): its runs back to back."""
+    return {name: sum(run.length for run in runs) for name, runs in extents.items()}
+
 
 #: How the metadata names an item stored in pieces (``Manifest.extents``): ``~<n>``, never a data file.
 VIRTUAL_PREFIX = "~"
@@ -316,6 +325,10 @@ class Manifest:
     @property
     def files(self) -> dict[str, int]:
         return dict(self.header.files)
+
+    def runs_of(self, item: StoredItem) -> tuple[Extent, ...]:
+        """Where ``item``'s stored bytes lie: its file from its offset, or the runs of an item stored in pieces."""
+        return self.extents.get(item.file) or (Extent(item.file, item.offset, item.stored_bytes),)
 
 
 def planner_data_json(planner_data: Any) -> Any:

@@ -27,7 +27,7 @@ from ckptio.format.names import (
     SIBLING_PREFIX,
     SPREAD_KEYS_VERSION,
 )
-from ckptio.format.records import Header, Manifest, StoredItem, manifest_of
+from ckptio.format.records import Header, Manifest, StoredItem, manifest_of, virtual_file_sizes
 from ckptio.format.rules import check_planner_paths
 from ckptio.format.v1 import decode_version_1
 from ckptio.format.v3 import encode_document
@@ -158,7 +158,7 @@ def decode_version_3(doc: dict[str, Any], where: str, doc_bytes: int, cover: boo
     extents = decode_extents(doc.get("extents"), names, files, doc["format_version"], doc_bytes, where)
     if extents:  # items stored in pieces name their virtual files after the data files
         names += tuple(extents)
-        files = {**files, **{name: sum(run.length for run in runs) for name, runs in extents.items()}}
+        files = {**files, **virtual_file_sizes(extents)}
     state, items, per_rank, paths = decode_keys(doc, names, files, doc_bytes, where, cover)
     if doc.get("planner_data") != "paths":  # stored as it is
         paths = check_planner_paths(doc.get("planner_data"), len(state), where)

@@ -13,7 +13,7 @@ import bisect
 from typing import Any
 
 from ckptio.config import MAX_REQUEST_BYTES
-from ckptio.format.records import Extent, Manifest
+from ckptio.format.records import Extent, Manifest, virtual_file_sizes
 from ckptio.loading.ranges import ReadPiece, plan_requests
 from ckptio.storage import ReadRequest
 
@@ -26,7 +26,7 @@ def byte_source(source: Any, manifest: Manifest | None) -> Any:
 
 def recorded_sizes(manifest: Manifest) -> dict[str, int]:
     """The size of every file the items of ``manifest`` name, virtual ones included."""
-    return {**manifest.files, **{name: sum(e.length for e in runs) for name, runs in manifest.extents.items()}}
+    return {**manifest.files, **virtual_file_sizes(manifest.extents)}
 
 
 class ExtentSource:
@@ -50,9 +50,9 @@ class ExtentSource:
         if len(real) > len(requests):  # runs of one file a few blocks apart: read together, as the caller plans
             planned = plan_requests(_pieces(real), MAX_REQUEST_BYTES, self.inner.read_gap_bytes)
             got = self.inner.read_into(planned)
-            if all(n == _length(request) for n, request in zip(got, planned, strict=True)):
+            if all(n == request.length for n, request in zip(got, planned, strict=True)):
                 for i, request in zip(owner, real, strict=True):
-                    counts[i] += _length(request)
+                    counts[i] += request.length
                 return counts
         for i, got in zip(owner, self.inner.read_into(real), strict=True):  # exact counts of a short read
             counts[i] += got
@@ -112,10 +112,6 @@ def _pieces(requests: list[ReadRequest]) -> list[ReadPiece]:
             out.append(ReadPiece(request.name, at, buffer))
             at += len(buffer)
     return out
-
-
-def _length(request: ReadRequest) -> int:
-    return sum(len(buffer) for buffer in request.buffers)
 
 
 def _starts(runs: tuple[Extent, ...]) -> list[int]:

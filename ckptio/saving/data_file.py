@@ -172,7 +172,7 @@ def _write_rest(
 
 def _extend(runs: list[Extent], place: Extent) -> None:
     last = runs[-1] if runs else None
-    if last is not None and last.file == place.file and last.offset + last.length == place.offset:
+    if last is not None and last.precedes(place):
         runs[-1] = Extent(place.file, last.offset, last.length + place.length)
     else:
         runs.append(place)

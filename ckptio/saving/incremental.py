@@ -101,7 +101,7 @@ class Base:
     def block_places(self, old: StoredItem) -> list[Extent]:
         """Where each stored block of ``old`` lies, named as the new checkpoint names files (``../<name>/``
         for the base's own), in order: its file (a data file, never a virtual one), offset and length."""
-        runs = self.manifest.extents.get(old.file) or (Extent(old.file, old.offset, old.stored_bytes),)
+        runs = self.manifest.runs_of(old)
         places, run, at = [], 0, 0  # the run holding the next block, and the block's offset in it
         for length, _ in old.blocks:
             while at >= runs[run].length:
@@ -129,7 +129,7 @@ def referenced_blocks(unchanged: list[bool], places: list[Extent], request_cost:
     for k, same in enumerate(unchanged):
         if not same:
             continue
-        if runs and runs[-1][-1] == k - 1 and _follows(places[k - 1], places[k]):
+        if runs and runs[-1][-1] == k - 1 and places[k - 1].precedes(places[k]):
             runs[-1].append(k)
         else:
             runs.append([k])
@@ -145,10 +145,6 @@ def referenced_blocks(unchanged: list[bool], places: list[Extent], request_cost:
         for k in run:
             out[k] = True
     return out
-
-
-def _follows(before: Extent, after: Extent) -> bool:
-    return after.file == before.file and after.offset == before.offset + before.length
 
 
 def folder_and_name(url: str) -> tuple[str, str]:

@@ -19,7 +19,7 @@ from ckptio.format.names import (
     parse_reference_marker_name,
     split_sibling_file_name,
 )
-from ckptio.format.records import Extent, Manifest, StoredItem
+from ckptio.format.records import Manifest, StoredItem
 from ckptio.format.v1 import legacy_document
 from ckptio.loading.reader import read_manifest
 from ckptio.storage import FsspecStore, open_store
@@ -64,7 +64,7 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
                 "chunks": len(md.chunks) if is_tensor else len(items),
                 "stored_bytes": stored,
                 "logical_bytes": logical,
-                "files": sorted({run.file for i in items for run in _runs(manifest, i)}),
+                "files": sorted({run.file for i in items for run in manifest.runs_of(i)}),
                 "compression_ratio": round(logical / stored, 3) if stored else 1.0,
             }
         )
@@ -73,7 +73,7 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
     referenced: dict[str, int] = defaultdict(int)  # sibling -> stored bytes of this checkpoint's items there
     for items in by_key.values():
         for item in items:
-            for run in _runs(manifest, item):
+            for run in manifest.runs_of(item):
                 sibling, _ = split_sibling_file_name(run.file)
                 if sibling is not None:
                     referenced[sibling] += run.length
@@ -105,11 +105,6 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
         # the metadata itself, one JSON object per item (version 3 stores it as packed columns)
         "metadata": legacy_document(manifest),
     }
-
-
-def _runs(manifest: Manifest, item: StoredItem) -> tuple[Extent, ...]:
-    """Where an item's stored bytes lie: its file, or the runs of an item stored in pieces."""
-    return manifest.extents.get(item.file) or (Extent(item.file, item.offset, item.stored_bytes),)
 
 
 def every_item(manifest: Manifest) -> list[tuple[MetadataIndex, StoredItem]]:
