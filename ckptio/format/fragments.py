@@ -143,7 +143,7 @@ def merge(fragments: list[Fragment], where: str) -> tuple[Metadata, dict, Header
     ``versions.encode_metadata`` takes: DCP metadata, item records by ``(key, offsets or None)``,
     the header, and the objects kept per rank."""
     fragments = sorted(fragments, key=lambda f: f.info.rank)
-    _check_one_save(fragments, where)
+    check_one_save([(f.name, f.where, f.info) for f in fragments], where)
     state: dict[str, Any] = {}
     chunks_seen: dict[str, dict[tuple[int, ...], Any]] = {}
     planner_data: dict[str, Any] = {}
@@ -158,10 +158,7 @@ def merge(fragments: list[Fragment], where: str) -> tuple[Metadata, dict, Header
             _merge_key(state, chunks_seen, fqn, md, fragment.where)
         for fqn, path in (manifest.metadata.planner_data or {}).items():
             if planner_data.setdefault(fqn, path) != path:
-                raise MixedFragmentsError(
-                    f"{fragment.where} and an earlier fragment give key {fqn!r} different paths in the state "
-                    f"({list(planner_data[fqn])} and {list(path)}); the ranks saved differently shaped states"
-                )
+                refuse_paths(fqn, path, planner_data[fqn], fragment.where)
         for key, item in _records(manifest.items):
             if key not in items:
                 items[key], first_rank[key] = item, rank
@@ -169,14 +166,11 @@ def merge(fragments: list[Fragment], where: str) -> tuple[Metadata, dict, Header
                 copies.setdefault(key, {first_rank[key]: items[key]})[rank] = item
         for name, size in manifest.header.files.items():
             if name in files:
-                raise MixedFragmentsError(
-                    f"{fragment.where} and the fragment of rank {writers[name]} both name data file {name}; one "
-                    "fragment was copied or renamed. Load an earlier checkpoint"
-                )
+                refuse_file_twice(name, writers[name], fragment.where)
             files[name] = size
             writers[name] = manifest.header.writer_ranks.get(name, rank)
     per_rank = _one_copy_each(items, copies, state, where)
-    _check_replicas(fragments, items, where)
+    check_replicas(fragments, items, where)
     first = fragments[0].manifest.header
     header = dataclasses.replace(
         first,
@@ -199,17 +193,17 @@ def _records(items: Any) -> Any:
     return (((index.fqn, index.offset), item) for index, item in items.items())
 
 
-def _check_one_save(fragments: list[Fragment], where: str) -> None:
-    for expected, fragment in enumerate(fragments):
-        info = fragment.info
-        if fragment.name != fragment_name(info.rank, info.ranks) or info.rank != expected:
+def check_one_save(fragments: list[tuple[str, str, FragmentInfo]], where: str) -> None:
+    """The fragments (name, where read, record; by rank) are one save's, one per rank."""
+    for expected, (name, read_from, info) in enumerate(fragments):
+        if name != fragment_name(info.rank, info.ranks) or info.rank != expected:
             raise MixedFragmentsError(
-                f"{fragment.where} says it is rank {info.rank}'s of {info.ranks}: one rank's fragment is there "
+                f"{read_from} says it is rank {info.rank}'s of {info.ranks}: one rank's fragment is there "
                 "twice (copied or renamed). Load an earlier checkpoint"
             )
     by_save: dict[str, list[int]] = {}
-    for fragment in fragments:
-        by_save.setdefault(fragment.info.save_id, []).append(fragment.info.rank)
+    for _, _, info in fragments:
+        by_save.setdefault(info.save_id, []).append(info.rank)
     if len(by_save) > 1:
         shown = "; ".join(f"save {save}: ranks {_ranks(ranks)}" for save, ranks in by_save.items())
         raise MixedFragmentsError(
@@ -229,13 +223,10 @@ def _merge_key(state: dict, chunks_seen: dict, fqn: str, md: Any, where: str) ->
         return
     if isinstance(md, BytesStorageMetadata) or isinstance(known, BytesStorageMetadata):
         if type(md) is not type(known):
-            raise MixedFragmentsError(f"{where} stores key {fqn!r} as {_kind(md)}, another fragment as {_kind(known)}")
+            refuse_kinds(fqn, isinstance(md, TensorStorageMetadata), isinstance(known, TensorStorageMetadata), where)
         return
     if md.size != known.size or md.properties.dtype != known.properties.dtype:
-        raise MixedFragmentsError(
-            f"{where} stores key {fqn!r} as {md.properties.dtype} {list(md.size)}, another fragment as "
-            f"{known.properties.dtype} {list(known.size)}: the ranks saved different states under one key"
-        )
+        refuse_shapes(fqn, (md.properties.dtype, md.size), (known.properties.dtype, known.size), where)
     seen = chunks_seen[fqn]
     for chunk in md.chunks:
         other = seen.get(tuple(chunk.offsets))
@@ -243,10 +234,43 @@ def _merge_key(state: dict, chunks_seen: dict, fqn: str, md: Any, where: str) ->
             seen[tuple(chunk.offsets)] = chunk
             known.chunks.append(chunk)
         elif other.sizes != chunk.sizes:
-            raise MixedFragmentsError(
-                f"{where} stores key {fqn!r} at {list(chunk.offsets)} with sizes {list(chunk.sizes)}, another "
-                f"fragment with {list(other.sizes)}"
-            )
+            refuse_sizes(fqn, chunk.offsets, chunk.sizes, other.sizes, where)
+
+
+def refuse_kinds(fqn: str, tensor: bool, known_tensor: bool, where: str) -> None:
+    kinds = {True: "a tensor", False: "an object"}
+    raise MixedFragmentsError(
+        f"{where} stores key {fqn!r} as {kinds[tensor]}, another fragment as {kinds[known_tensor]}"
+    )
+
+
+def refuse_shapes(fqn: str, dtype_and_size: tuple, known: tuple, where: str) -> None:
+    (dtype, size), (known_dtype, known_size) = dtype_and_size, known
+    raise MixedFragmentsError(
+        f"{where} stores key {fqn!r} as {dtype} {list(size)}, another fragment as {known_dtype} {list(known_size)}: "
+        "the ranks saved different states under one key"
+    )
+
+
+def refuse_sizes(fqn: str, offsets: Any, sizes: Any, known_sizes: Any, where: str) -> None:
+    raise MixedFragmentsError(
+        f"{where} stores key {fqn!r} at {list(offsets)} with sizes {list(sizes)}, another fragment with "
+        f"{list(known_sizes)}"
+    )
+
+
+def refuse_paths(fqn: str, path: Any, known: Any, where: str) -> None:
+    raise MixedFragmentsError(
+        f"{where} and an earlier fragment give key {fqn!r} different paths in the state ({list(known)} and "
+        f"{list(path)}); the ranks saved differently shaped states"
+    )
+
+
+def refuse_file_twice(name: str, first_writer: int, where: str) -> None:
+    raise MixedFragmentsError(
+        f"{where} and the fragment of rank {first_writer} both name data file {name}; one fragment was copied or "
+        "renamed. Load an earlier checkpoint"
+    )
 
 
 def _one_copy_each(
@@ -272,14 +296,19 @@ def _one_copy_each(
         groups: dict[Any, list[int]] = {}
         for rank, item in by_rank.items():
             groups.setdefault(_value_of(item), []).append(rank)
-        described = "; ".join(f"ranks {_ranks(ranks)}" for ranks in groups.values())
-        raise PerRankStateError(
-            f"{where}: the ranks saved different values under the plain tensor key {fqn!r} ({described} each "
-            "saved another value). A save with a coordinator refuses such a state; a save without one cannot "
-            "compare before it commits, so this checkpoint does not load. Save per-rank tensors under per-rank "
-            "keys (ckptio.PerRank) or as DTensors"
-        )
+        refuse_differing_tensor(fqn, list(groups.values()), where)
     return per_rank
+
+
+def refuse_differing_tensor(fqn: str, groups: list[list[int]], where: str) -> None:
+    """Copies of a plain tensor differ: ``groups`` lists the ranks of each value."""
+    described = "; ".join(f"ranks {_ranks(ranks)}" for ranks in groups)
+    raise PerRankStateError(
+        f"{where}: the ranks saved different values under the plain tensor key {fqn!r} ({described} each saved "
+        "another value). A save with a coordinator refuses such a state; a save without one cannot compare "
+        "before it commits, so this checkpoint does not load. Save per-rank tensors under per-rank keys "
+        "(ckptio.PerRank) or as DTensors"
+    )
 
 
 def _value_of(item: StoredItem) -> tuple:
@@ -288,20 +317,17 @@ def _value_of(item: StoredItem) -> tuple:
     return (item.kind, item.dtype, item.shape, item.logical_bytes, item.codec, item.block_size, item.blocks)
 
 
-def _check_replicas(fragments: list[Fragment], items: dict, where: str) -> None:
-    """Every chunk a rank held and left to another must be stored (torch.Size keys hash as tuples)."""
+def check_replicas(fragments: list[Any], stored: Any, where: str) -> None:
+    """Every chunk a rank held and left to another (each fragment's ``info.replicas``) is among the
+    ``stored`` ``(key, offsets)`` (torch.Size keys hash as tuples)."""
     for fragment in fragments:
         for replica in fragment.info.replicas:
-            if (replica.fqn, replica.offsets) not in items:
+            if (replica.fqn, replica.offsets) not in stored:
                 raise IncompleteCheckpointError(
                     f"{where}: rank {fragment.info.rank} holds key {replica.fqn!r} at {list(replica.offsets)} and left "
                     f"it to rank {replica.writer}, whose fragment does not store it: the ranks disagreed about who "
                     "writes it (different meshes or placements on different ranks?). Load an earlier checkpoint"
                 )
-
-
-def _kind(md: Any) -> str:
-    return "an object" if isinstance(md, BytesStorageMetadata) else "a tensor"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -65,6 +65,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
@@ -115,6 +116,30 @@ def encode_packed(values: Iterable[int], letter: str | None = None) -> str:
     return letter + base64.b64encode(packed.tobytes()).decode()
 
 
+def encode_array(values: np.ndarray) -> int | str:
+    """``encode_column`` of a numpy array of non-negative integers (the same COL for the same values)."""
+    if len(values) and bool((values == values[0]).all()):
+        return int(values[0])
+    return encode_packed_array(values)
+
+
+def encode_packed_array(values: np.ndarray, letter: str | None = None) -> str:
+    """``encode_packed`` of a numpy array of non-negative integers."""
+    if letter is None:
+        top = int(values.max()) if len(values) else 0
+        letter = next((letter for letter, width in _WIDTHS.items() if top < 1 << (8 * width)), "Q")
+    return letter + base64.b64encode(values.astype(f"<u{_WIDTHS[letter]}").tobytes()).decode()
+
+
+def decode_array(value: Any, count: int, what: str, packed_only: bool = False) -> np.ndarray:
+    """``decode_column`` as a numpy array of int64 (every entry is below 2^63)."""
+    if isinstance(value, int) and not isinstance(value, bool) and not packed_only:
+        if not 0 <= value < INT64_LIMIT:
+            raise CheckpointFormatError(f"{what} must hold non-negative integers below 2^63, got {value}")
+        return np.full(count, value, dtype=np.int64)
+    return PackedBlocks(value, count, what, packed_only).to_numpy()
+
+
 def decode_column(value: Any, count: int, what: str, packed_only: bool = False) -> list[int]:
     """``count`` non-negative integers from a COL (a BLOCKS string when ``packed_only``)."""
     if isinstance(value, int) and not isinstance(value, bool) and not packed_only:
@@ -156,6 +181,11 @@ class PackedBlocks:
     def __len__(self) -> int:
         return self._count
 
+    @property
+    def width(self) -> int:
+        """Bytes per entry."""
+        return self._width
+
     def __getitem__(self, entries: slice) -> array.array:
         """The entries of a slice (step 1), as an ``array`` of the column's width."""
         start, stop, _ = entries.indices(self._count)
@@ -169,6 +199,22 @@ class PackedBlocks:
         if self._typecode == "Q" and packed and max(packed) >= INT64_LIMIT:
             raise CheckpointFormatError(f"{self._what} holds {max(packed)}, past the largest count or offset (2^63-1)")
         return packed
+
+    def to_numpy(self) -> np.ndarray:
+        """Every entry, as a numpy array of int64."""
+        values = np.frombuffer(_b64decode(self._text, self._what), dtype=f"<u{self._width}")
+        if self._width == 8 and len(values) and values.max() >= INT64_LIMIT:
+            raise CheckpointFormatError(f"{self._what} holds {values.max()}, past the largest count or offset (2^63-1)")
+        return values.astype(np.int64)
+
+
+def crc_column(value: Any, count: int, what: str) -> PackedBlocks:
+    """A ``crc32c`` column (BLOCKS): entries of at most 4 bytes (a CRC32C has 32 bits; version 3 wrote
+    the narrowest width, later versions 4 bytes)."""
+    column = PackedBlocks(value, count, what)
+    if column.width > 4:
+        raise CheckpointFormatError(f"{what} holds {column.width}-byte entries; a CRC32C has 4 bytes")
+    return column
 
 
 def _b64decode(text: str, what: str) -> bytes:
@@ -222,7 +268,7 @@ def encode_document(
             if paths and paths[fqn] is not None:
                 keys[fqn]["path"] = paths[fqn]
     doc: dict[str, Any] = {
-        "files": _encode_files(names, files, writer_ranks),
+        "files": encode_files(names, files, writer_ranks),
         "block_size": block_size,
         "planner_data": "paths" if paths is not None else planner_data_json(metadata.planner_data),
         "keys": keys,
@@ -233,7 +279,7 @@ def encode_document(
         doc["tensors"] = _tensor_table(tensors, state, items, paths, file_numbers, block_size)
     if objects:
         stored = _records(items, [(fqn, None) for fqn in objects])
-        table = _table_of(objects, paths)
+        table = table_of(objects, paths)
         table["length"] = encode_column(list(map(_LOGICAL_BYTES, stored)))
         table.update(_storage_columns(stored, file_numbers, block_size))
         doc["objects"] = table
@@ -279,7 +325,8 @@ def _boxed(md: Any) -> bool:
     return len(md.chunks) > 1 or chunk.sizes != md.size or any(chunk.offsets)
 
 
-def _table_of(names: list[str], paths: dict[str, Any] | None) -> dict[str, Any]:
+def table_of(names: list[str], paths: dict[str, Any] | None) -> dict[str, Any]:
+    """A table's ``keys`` and, unless every key's path code is ``None``, their ``paths``."""
     table: dict[str, Any] = {"keys": names}
     codes = [paths[fqn] for fqn in names] if paths else []
     if codes.count(None) != len(codes):
@@ -304,7 +351,7 @@ def _tensor_table(
     number = {name: i for i, name in enumerate(kinds)}
     boxed = [int(_boxed(md)) for md in entries]
     split = [md.chunks for md, box in zip(entries, boxed, strict=True) if box]
-    table = _table_of(names, paths)
+    table = table_of(names, paths)
     table.update(
         dtypes=kinds,
         dtype=encode_column([number[name] for name in dtypes]),
@@ -356,7 +403,8 @@ def _key_record(
     return record
 
 
-def _encode_files(names: list[str], files: dict[str, int], writer_ranks: dict[str, int]) -> dict[str, Any]:
+def encode_files(names: list[str], files: dict[str, int], writer_ranks: dict[str, int]) -> dict[str, Any]:
+    """The ``files`` columns of the data files ``names`` (sorted), their sizes and writing ranks."""
     if names and names[0].startswith(SIBLING_PREFIX):  # sorted: a sibling's files come first
         columns = _encode_files_with_siblings(names)
         ranks = columns["ranks"]

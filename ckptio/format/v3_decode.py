@@ -51,7 +51,7 @@ from ckptio.format.rules import (
     require_counts,
 )
 from ckptio.format.stored_items import DIGEST_ENTRIES, StoredItems, StoredKey
-from ckptio.format.v3 import PackedBlocks, decode_column
+from ckptio.format.v3 import PackedBlocks, crc_column, decode_column
 
 #: A rank number in ``ranks`` (as version 1's nine-digit limit).
 _MAX_RANK = 10**9
@@ -207,7 +207,7 @@ def decode_keys(
     if not isinstance(keys_doc, dict):
         raise CheckpointFormatError(f"{where}: required field 'keys' must be a JSON object")
     for fqn, record in keys_doc.items():
-        with _schema(where, f"key {fqn!r:.80}"):
+        with schema(where, f"key {fqn!r:.80}"):
             md, key = _decode_key(fqn, record, context)
             paths[fqn] = record.get("path")
         state[fqn], keys[fqn] = md, key
@@ -221,7 +221,7 @@ def decode_keys(
             raise CheckpointFormatError(f"{where}: a 'tensors' table is format version 4's, not 3's")
         if name == "tensors" and "boxed" in doc[name] and doc["format_version"] < FRAGMENT_VERSION:
             raise CheckpointFormatError(f"{where}: a 'boxed' column is format version {FRAGMENT_VERSION}'s")
-        with _schema(where, f"the {name} table"):
+        with schema(where, f"the {name} table"):
             table, table_names, entries = decode_table(doc[name], context)
         twice = state.keys() & set(table_names)
         if twice:
@@ -236,7 +236,7 @@ def decode_keys(
 
 
 @contextlib.contextmanager
-def _schema(where: str, what: str) -> Iterator[None]:
+def schema(where: str, what: str) -> Iterator[None]:
     """A record of the wrong shape (a missing field, a string for a list) is a named format error."""
     try:
         yield
@@ -248,7 +248,8 @@ def _schema(where: str, what: str) -> Iterator[None]:
         ) from None
 
 
-def _table_names(table: Any, where: str) -> list[str]:
+def table_names(table: Any, where: str) -> list[str]:
+    """A table's ``keys``: distinct names (and ``paths``, when present, one per key)."""
     names = table["keys"]
     if not isinstance(names, list) or not set(map(type, names)) <= {str} or len(set(names)) != len(names):
         raise CheckpointFormatError(f"{where}: 'keys' must be a list of distinct key names")
@@ -260,7 +261,7 @@ def _table_names(table: Any, where: str) -> list[str]:
 def _decode_objects(table: Any, context: _Context) -> tuple[StoredKey, list[str], None]:
     """The objects table: one stored item per object key, as columns (``keys`` names them)."""
     where = f"{context.where}: objects table"
-    names = _table_names(table, where)
+    names = table_names(table, where)
     objects = StoredKey("", False, context.names)
     objects.logical = decode_column(table["length"], len(names), f"{where}: length")
     _storage_columns_of(objects, table, context, where)
@@ -271,7 +272,7 @@ def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str]
     """The tensors table (version 4): every tensor key's shape and chunks, and each chunk's stored item,
     as columns. A key of one chunk is stored whole (no offsets or sizes entries)."""
     where = f"{context.where}: tensors table"
-    names = _table_names(table, where)
+    names = table_names(table, where)
     count = len(names)
     kinds = table["dtypes"]
     if not isinstance(kinds, list) or len(set(kinds)) != len(kinds):
@@ -464,7 +465,7 @@ def _storage_columns_of(
         per_item = (-(-n // b) for n, b in zip(key.logical, blocks, strict=True))
         key.starts = list(itertools.accumulate(per_item, initial=0))
     total = key.starts[-1]
-    key.crcs = PackedBlocks(record["crc32c"], total, f"{where}: crc32c (one per block)")  # decoded on use
+    key.crcs = crc_column(record["crc32c"], total, f"{where}: crc32c (one per block)")  # decoded on use
     compressed = any(key.codec)
     if compressed != ("stored_lengths" in record):
         raise CheckpointFormatError(f"{where}: 'stored_lengths' must be present exactly when an item is compressed")
