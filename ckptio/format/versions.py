@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio.errors import CheckpointFormatError
+from ckptio.format.fragment_columns import columnar, merge_columns
 from ckptio.format.fragments import FRAGMENT_FIELD, Fragment, FragmentInfo, merge
 from ckptio.format.names import (
     FORMAT_NAME,
@@ -89,21 +90,30 @@ def decode_metadata(raw: bytes, where: str) -> Manifest:
 @paused_gc()
 def decode_fragment(raw: bytes, where: str) -> tuple[Manifest, FragmentInfo]:
     """A rank's fragment of a save without a coordinator: its items, and whose and which save's it is."""
-    doc = _parse_json(raw, where)
-    manifest = _decode_document(doc, where, len(raw), cover=False)  # its rank's part of each tensor
+    return _decode_fragment(_parse_json(raw, where), where, len(raw))
+
+
+def _decode_fragment(doc: Any, where: str, doc_bytes: int) -> tuple[Manifest, FragmentInfo]:
+    manifest = _decode_document(doc, where, doc_bytes, cover=False)  # its rank's part of each tensor
     return manifest, FragmentInfo.from_json(doc.get(FRAGMENT_FIELD), where)
 
 
+@paused_gc()
 def merge_fragments(fragments: dict[str, bytes], ranks: int, where: str) -> bytes:
     """The metadata document of a save without a coordinator, from its ``ranks`` fragments (name ->
     bytes, a complete set by name: ``fragments.check_set``), for every reader to decode as it decodes
-    ``ckptio.json``. Each fragment is decoded and checked, then the set (``fragments.merge``)."""
+    ``ckptio.json``: merged column by column (``fragment_columns``) when every fragment is of the shape
+    that merge takes, else each fragment decoded and checked, then the set (``fragments.merge``)."""
+    if len(fragments) != ranks:
+        raise ValueError(f"merge_fragments takes the {ranks} fragments of a complete set, got {len(fragments)}")
+    parsed = [(name, f"{where}/{name}", _parse_json(raw, f"{where}/{name}")) for name, raw in fragments.items()]
+    if all(columnar(doc) for _, _, doc in parsed):
+        doc = merge_columns(parsed, where)
+        return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()
     decoded = []
-    for name, raw in fragments.items():
-        manifest, info = decode_fragment(raw, f"{where}/{name}")
-        decoded.append(Fragment(name, f"{where}/{name}", manifest, info))
-    if len(decoded) != ranks:
-        raise ValueError(f"merge_fragments takes the {ranks} fragments of a complete set, got {len(decoded)}")
+    for name, read_from, doc in parsed:
+        manifest, info = _decode_fragment(doc, read_from, len(fragments[name]))
+        decoded.append(Fragment(name, read_from, manifest, info))
     metadata, items, header, per_rank = merge(decoded, where)
     return encode_metadata(metadata, items, header, per_rank)
 
