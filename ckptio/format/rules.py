@@ -15,9 +15,11 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ckptio.config import INT64_LIMIT, LIST_INDEX_LIMIT, MAX_BLOCK_SIZE_LIMIT, ZSTD_MAX_RATIO, is_block_size
 from ckptio.errors import CheckpointFormatError
-from ckptio.format.chunks import TooIrregular, outside, overlapping_pair
+from ckptio.format.chunks import TooIrregular, grid_overlap, outside, overlapping_pair
 from ckptio.format.names import CODECS, PLANE_ITEMSIZES, Codec, is_data_file_name
 
 _PLANE_CODEC = CODECS.index(Codec.ZSTD_BYTEPLANES)
@@ -140,6 +142,9 @@ def _chunks_overlap(offset_columns: Sequence[Sequence[int]], size_columns: Seque
         if any(c[0] == 0 for d, c in enumerate(size_columns) if d != split[0]):
             return False  # every chunk is empty
         return _intervals_overlap(offset_columns[split[0]], size_columns[split[0]])
+    painted = grid_overlap(np.array(offset_columns, dtype=np.int64).T, np.array(size_columns, dtype=np.int64).T)
+    if painted is not None:
+        return painted
     boxes = list(zip(zip(*offset_columns, strict=True), zip(*size_columns, strict=True), strict=True))
     try:
         return overlapping_pair(boxes) is not None

@@ -161,6 +161,7 @@ def test_decode_refuses_chunks_too_irregular_to_check(monkeypatch):
     assert len(decode(chunked_doc([8, 8], grid)).items) == 64
     monkeypatch.setattr(chunks, "COMPARISONS_PER_CHUNK", 0)
     monkeypatch.setattr(chunks, "COMPARISONS_BASE", 10)
+    monkeypatch.setattr(chunks, "GRID_CELLS_BASE", 0)  # 9 x 9 boundaries: past the grid check's budget too
     with pytest.raises(CheckpointFormatError, match="too far from a grid"):
         decode(chunked_doc([8, 8], grid))
 

@@ -151,6 +151,7 @@ def test_chunks_too_irregular_to_check_are_refused(monkeypatch):
     assert len(decode(compact_doc([8, 8], grid)).items) == 64
     monkeypatch.setattr(chunks, "COMPARISONS_PER_CHUNK", 0)
     monkeypatch.setattr(chunks, "COMPARISONS_BASE", 10)
+    monkeypatch.setattr(chunks, "GRID_CELLS_BASE", 0)  # 9 x 9 boundaries: past the grid check's budget too
     refused(compact_doc([8, 8], grid), "too far from a grid")
 
 
