@@ -2,13 +2,13 @@
 
 ``fragments.merge`` joins decoded item records, ~20 us per item in Python (6.6 s for the 231,366
 items of 1,024 ranks x 8 layers of FSDP, where torch unpickles its metadata in 2.8 s). Here each
-fragment's tables become numpy arrays, the arrays of all fragments are joined, and the merged document
-is encoded from them. What the merged document shows (every box, span, codec, block length and path)
-is checked once, when it is decoded like any ``ckptio.json``; what it cannot show is checked here, as
-``fragments.merge`` checks it: one save, every rank once, a key stored alike by every rank, a data file
-named once, copies of an item equal (objects that differ kept per rank), every replica stored by its
-writer; and what the columns must satisfy to be joined (entry counts, file numbers, boxes inside their
-tensors). For the same fragments both merges write the same document.
+fragment's tables become numpy arrays (``fragment_rows``, which checks what joining them needs), the
+arrays of all fragments are joined, and the merged document is encoded from them. What the merged
+document shows (every box, span, codec, block length and path) is checked once, when it is decoded
+like any ``ckptio.json``; what it cannot show is checked here, as ``fragments.merge`` checks it: one
+save, every rank once, a key stored alike by every rank, a data file named once, copies of an item
+equal (objects that differ kept per rank), every replica stored by its writer. For the same fragments
+both merges write the same document.
 
 It takes fragments of the shape a save of one chunk per key writes (``columnar``): tables only (no
 ``keys`` record), no block digests or references of incremental saves, planner data as paths. A set
@@ -23,24 +23,11 @@ from typing import Any
 import numpy as np
 
 from ckptio.config import is_block_size
-from ckptio.errors import CheckpointFormatError
 from ckptio.format import fragments
-from ckptio.format.names import FRAGMENT_VERSION, SPREAD_KEYS_VERSION, dtype_from_name, dtype_name
-from ckptio.format.records import Header
-from ckptio.format.rules import check_shape
-from ckptio.format.v3 import (
-    TABLE_MAX_CHUNKS,
-    crc_column,
-    decode_array,
-    encode_array,
-    encode_files,
-    encode_packed_array,
-    table_of,
-)
-from ckptio.format.v3_decode import decode_files, decode_path, schema, table_names
-
-#: A float64 product of a shape's dimensions below this proves its int64 product cannot overflow.
-_SAFE_VOLUME = float(1 << 62)
+from ckptio.format.fragment_rows import ColumnCache, FragmentRows, Rows, TableKeys, join_rows, read_fragment
+from ckptio.format.names import FRAGMENT_VERSION, SPREAD_KEYS_VERSION
+from ckptio.format.v3 import TABLE_MAX_CHUNKS, encode_array, encode_files, encode_packed_array, table_of
+from ckptio.format.v3_decode import decode_path
 
 
 def columnar(doc: Any) -> bool:
@@ -61,93 +48,6 @@ def columnar(doc: Any) -> bool:
     return type(count) is int and count == 1
 
 
-@dataclasses.dataclass
-class _Rows:
-    """Stored items as columns: one entry per item, its blocks' CRC32Cs and stored lengths flat (item
-    after item), and each tensor chunk's box as a row of a matrix as wide as the widest key."""
-
-    key: np.ndarray  # the key's number (``_Keys``)
-    rank: np.ndarray
-    file: np.ndarray  # 1 + the data file's position (in the fragment, then in the merged document)
-    at: np.ndarray
-    codec: np.ndarray
-    block_size: np.ndarray
-    logical: np.ndarray
-    blocks: np.ndarray  # blocks per item
-    offsets: np.ndarray  # (items, width), zeros past an item's dimensions
-    sizes: np.ndarray
-    crc: np.ndarray
-    lengths: np.ndarray | None  # present where some item is compressed
-    inline: np.ndarray  # (objects) the base64 of each item kept inline (``file`` 0), else None
-
-    def __post_init__(self) -> None:
-        self.first_block = np.cumsum(self.blocks) - self.blocks  # each item's first in ``crc``
-
-    def block_indices(self, rows: np.ndarray) -> np.ndarray:
-        """The positions in ``crc`` and ``lengths`` of the blocks of ``rows``, in turn."""
-        counts = self.blocks[rows]
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        return np.repeat(self.first_block[rows], counts) + within
-
-
-@dataclasses.dataclass
-class _TableKeys:
-    """A fragment table's keys and what each must share with every other fragment's; for tensors, also
-    what their chunks' rows are computed from (per key: bytes per element; per dimension: where each
-    key's start in ``size``, and whether its chunk is boxed)."""
-
-    names: list[str]
-    paths: list[Any] | None
-    tensor: bool
-    dtypes: list[str] | None = None  # per key, tensors only
-    size: np.ndarray | None = None  # every key's dimensions in turn
-    ndim: np.ndarray | None = None
-    requires_grad: np.ndarray | None = None
-    itemsize: np.ndarray | None = None
-    in_box: np.ndarray | None = None  # per entry of ``size``: its key's chunk is boxed
-    starts: np.ndarray | None = None
-
-    def same_as(self, other: _TableKeys | None) -> bool:
-        """Whether every key, dtype, shape and path is the other table's (so numbered as it was)."""
-        if other is None or self is other:
-            return other is not None
-        if self.names != other.names or self.paths != other.paths or self.dtypes != other.dtypes:
-            return False
-        return not self.tensor or (np.array_equal(self.size, other.size) and np.array_equal(self.ndim, other.ndim))
-
-
-class _Columns:
-    """Decodes a merge's columns, reusing the array decoded last for the same field where its text
-    repeats: the ranks of one mesh write the same key columns (and often the same offsets, sizes and
-    file positions) in every fragment."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, tuple[Any, int, np.ndarray]] = {}
-        self._shapes: tuple[tuple, _TableKeys] | None = None
-
-    def __call__(self, field: str, value: Any, count: int, what: str, packed_only: bool = False) -> np.ndarray:
-        last = self._last.get(field)
-        if last is not None and last[1] == count and type(last[0]) is type(value) and last[0] == value:
-            return last[2]
-        if field.endswith("crc32c"):
-            values = crc_column(value, count, what).to_numpy()
-        else:
-            values = decode_array(value, count, what, packed_only)
-        values.flags.writeable = False  # shared by every fragment that repeats the text
-        self._last[field] = (value, count, values)
-        return values
-
-    def shapes(self, table: dict, where: str) -> _TableKeys:
-        """A tensors table's keys (``_tensor_keys``), the previous fragment's where their columns repeat."""
-        fields = ("keys", "paths", "dtypes", "dtype", "ndim", "size", "requires_grad", "boxed")
-        raw = tuple(table.get(field) for field in fields)
-        if self._shapes is not None and self._shapes[0] == raw:
-            return self._shapes[1]
-        keys = _tensor_keys(table, self, where)
-        self._shapes = (raw, keys)
-        return keys
-
-
 class _Keys:
     """Every key, numbered in the order the record merge meets them (rank by rank: tensors, then
     objects), with what every fragment must store alike: tensor or object, dtype and shape, path."""
@@ -160,22 +60,27 @@ class _Keys:
         self.size: list[tuple[int, ...]] = []
         self.requires_grad: list[int] = []
         self.path: list[Any] = []
+        self.signature: list[tuple] = []  # (tensor, dtype, shape, path) as first met
 
-    def numbers(self, table: _TableKeys, where: str) -> np.ndarray:
-        out = np.empty(len(table.names), dtype=np.int64)
-        paths = table.paths or [None] * len(table.names)
-        ends = np.cumsum(table.ndim).tolist() if table.tensor else None
-        for i, fqn in enumerate(table.names):
-            size = dtype = grad = None
-            if table.tensor:
-                size = tuple(table.size[ends[i] - int(table.ndim[i]) : ends[i]].tolist())
-                dtype, grad = table.dtypes[i], int(table.requires_grad[i])
-            out[i] = self._number(fqn, table.tensor, dtype, size, grad, paths[i], where)
-        return out
+    def numbers(self, table: TableKeys, where: str) -> np.ndarray:
+        """The numbers of a table's keys, each checked against (or added as) the key met first."""
+        count = len(table.names)
+        paths = table.paths or [None] * count
+        dtypes = table.dtypes or [None] * count
+        shapes = table.shapes or [None] * count
+        grads = table.requires_grad.tolist() if table.tensor else [None] * count
+        out = []
+        for fqn, dtype, shape, grad, path in zip(table.names, dtypes, shapes, grads, paths, strict=True):
+            number = self.number.get(fqn)
+            if number is None or self.signature[number] != (table.tensor, dtype, shape, path):
+                number = self._number(fqn, table.tensor, dtype, shape, grad, path, where)
+            out.append(number)
+        return np.array(out, dtype=np.int64)
 
     def _number(self, fqn: str, tensor: bool, dtype: Any, size: Any, grad: Any, path: Any, where: str) -> int:
         number = self.number.get(fqn)
         if number is None:
+            self.signature.append((tensor, dtype, size, path))
             number = self.number[fqn] = len(self.names)
             self.names.append(fqn)
             self.tensor.append(tensor)
@@ -197,38 +102,28 @@ class _Keys:
         return number
 
 
-@dataclasses.dataclass
-class _Part:
-    """One fragment: its record, header and data files, and its tables' rows and keys."""
-
-    name: str
-    where: str
-    info: fragments.FragmentInfo
-    header: Header
-    files: tuple[str, ...]
-    tables: list[tuple[_Rows, _TableKeys]]
-
-
 def merge_columns(parsed: list[tuple[str, str, dict]], where: str) -> dict[str, Any]:
     """The merged metadata document (ready for ``json.dumps``) of a complete set of ``columnar``
     fragments, each as ``(name, where it was read, its parsed document)``: the document
     ``versions.encode_metadata`` makes of ``fragments.merge``'s result."""
-    columns = _Columns()
-    parts = sorted((_read(*fragment, columns) for fragment in parsed), key=lambda p: p.info.rank)
+    columns = ColumnCache()
+    parts = sorted((read_fragment(*fragment, columns) for fragment in parsed), key=lambda p: p.info.rank)
     fragments.check_one_save([(p.name, p.where, p.info) for p in parts], where)
     names, file_sizes, writers = _data_files(parts)
     keys = _Keys()
-    joined, before = [], {}
+    joined = []
+    numbered: dict[int, tuple[TableKeys, np.ndarray]] = {}  # a table the cache gave several fragments
     position = {name: i + 1 for i, name in enumerate(names)}
     for part in parts:
         remap = np.array([0] + [position[name] for name in part.files], dtype=np.int64)
         for rows, table in part.tables:
-            previous = before.get(table.tensor)
-            rows.key = previous[1] if table.same_as(previous and previous[0]) else keys.numbers(table, part.where)
-            before[table.tensor] = (table, rows.key)
+            known = numbered.get(id(table))
+            if known is None or known[0] is not table:
+                known = numbered[id(table)] = (table, keys.numbers(table, part.where))
+            rows.key = known[1]
             rows.file = remap[rows.file]
             joined.append(rows)
-    rows = _join(joined)
+    rows = join_rows(joined)
     kept, per_rank = _one_copy_each(rows, keys, [p.where for p in parts], where)
     if any(p.info.replicas for p in parts):
         _check_replicas(parts, rows, kept, keys, where)
@@ -248,7 +143,7 @@ def merge_columns(parsed: list[tuple[str, str, dict]], where: str) -> dict[str, 
     return doc
 
 
-def _data_files(parts: list[_Part]) -> tuple[list[str], dict[str, int], dict[str, int]]:
+def _data_files(parts: list[FragmentRows]) -> tuple[list[str], dict[str, int], dict[str, int]]:
     """Every fragment's data files, sorted by name (the merged document's numbering), with their sizes
     and writers; a file two fragments name is refused."""
     sizes: dict[str, int] = {}
@@ -263,169 +158,10 @@ def _data_files(parts: list[_Part]) -> tuple[list[str], dict[str, int], dict[str
 
 
 # ---------------------------------------------------------------------------------------
-# One fragment's columns
-
-
-def _read(name: str, where: str, doc: dict, columns: _Columns) -> _Part:
-    with schema(where, "the fragment"):
-        info = fragments.FragmentInfo.from_json(doc.get(fragments.FRAGMENT_FIELD), where)
-        files, sizes, writers = decode_files(doc["files"], FRAGMENT_VERSION, where)
-        header = Header.from_json(doc, where, checked_files=(sizes, writers))
-        default_block = doc.get("block_size")
-        if default_block is not None and not is_block_size(default_block):
-            raise CheckpointFormatError(f"{where}: 'block_size' {default_block!r:.40} is not a valid block size")
-        tables = []
-        for name_of, read_table in (("tensors", _tensor_rows), ("objects", _object_rows)):
-            if doc.get(name_of) is not None:
-                at = f"{where}: {name_of} table"
-                tables.append(read_table(doc[name_of], info.rank, len(files), default_block, columns, at))
-    return _Part(name, where, info, header, files, tables)
-
-
-def _tensor_keys(table: dict, columns: _Columns, where: str) -> _TableKeys:
-    """A fragment's tensors table's keys: names, dtypes, shapes, paths, checked."""
-    names = table_names(table, where)
-    count = len(names)
-    kinds = table["dtypes"]
-    if not isinstance(kinds, list) or len(set(kinds)) != len(kinds):
-        raise CheckpointFormatError(f"{where}: 'dtypes' must be a list of distinct dtype names")
-    dtypes = [dtype_from_name(kind, where) for kind in kinds]
-    number = columns("dtype", table["dtype"], count, f"{where}: dtype")
-    ndim = columns("ndim", table["ndim"], count, f"{where}: ndim")
-    grads = columns("requires_grad", table["requires_grad"], count, f"{where}: requires_grad")
-    boxed = columns("boxed", table.get("boxed", 0), count, f"{where}: boxed")
-    if count and (number.max() >= len(kinds) or grads.max() > 1 or boxed.max() > 1 or ndim.max() > 64):
-        raise CheckpointFormatError(
-            f"{where}: 'dtype' must index 'dtypes', 'requires_grad' and 'boxed' hold 0 or 1, 'ndim' be at most 64"
-        )
-    size = columns("size", table["size"], int(ndim.sum()), f"{where}: size")
-    itemsize = np.array([d.itemsize for d in dtypes] or [0], dtype=np.int64)[number]
-    starts = np.cumsum(ndim) - ndim
-    shaped = ndim > 0
-    # a key's volume must fit int64 (rules.check_shape) before a chunk's is computed in int64
-    rough = np.ones(count)
-    if shaped.any():
-        rough[shaped] = np.multiply.reduceat(np.where(size > 0, size, 1).astype(np.float64), starts[shaped])
-    for i in np.flatnonzero(rough * itemsize >= _SAFE_VOLUME).tolist():
-        check_shape(size[starts[i] : starts[i] + ndim[i]].tolist(), int(itemsize[i]), f"{where}: key {names[i]!r:.80}")
-    names_of = [dtype_name(d) for d in dtypes]
-    key_dtypes = [names_of[n] for n in number.tolist()]
-    in_box = np.repeat(boxed.astype(bool), ndim)
-    paths = table.get("paths")
-    return _TableKeys(names, paths, True, key_dtypes, size, ndim, grads, itemsize, in_box, starts)
-
-
-def _tensor_rows(
-    table: dict, rank: int, files: int, default_block: Any, columns: _Columns, where: str
-) -> tuple[_Rows, _TableKeys]:
-    """A fragment's tensors table (one chunk per key: ``columnar``) as rows, a chunk each."""
-    keys = columns.shapes(table, where)
-    size, ndim, in_box = keys.size, keys.ndim, keys.in_box
-    box_entries = int(in_box.sum())
-    offsets = np.zeros_like(size)
-    offsets[in_box] = columns("offsets", table.get("offsets", 0), box_entries, f"{where}: offsets")
-    sizes = size.copy()
-    sizes[in_box] = columns("sizes", table.get("sizes", 0), box_entries, f"{where}: sizes")
-    if bool((sizes > size).any() or (offsets > size - sizes).any()):
-        raise CheckpointFormatError(f"{where}: a chunk lies outside its tensor's shape")
-    shaped = ndim > 0
-    volume = np.ones(len(ndim), dtype=np.int64)
-    if shaped.any():
-        volume[shaped] = np.multiply.reduceat(sizes, keys.starts[shaped])
-    rows = _storage_rows(table, rank, volume * keys.itemsize, default_block, files, columns, where)
-    rows.offsets, rows.sizes = _padded(offsets, ndim), _padded(sizes, ndim)
-    return rows, keys
-
-
-def _object_rows(
-    table: dict, rank: int, files: int, default_block: Any, columns: _Columns, where: str
-) -> tuple[_Rows, _TableKeys]:
-    names = table_names(table, where)
-    logical = columns("object length", table["length"], len(names), f"{where}: length")
-    rows = _storage_rows(table, rank, logical, default_block, files, columns, where)
-    return rows, _TableKeys(names, table.get("paths"), False)
-
-
-def _storage_rows(
-    table: dict, rank: int, logical: np.ndarray, default_block: Any, files: int, columns: _Columns, where: str
-) -> _Rows:
-    """The storage columns of a table's ``len(logical)`` items (``v3_decode._storage_columns_of``'s
-    schema; their values are checked when the merged document is decoded)."""
-    count = len(logical)
-    kind = "tensor " if table.get("dtypes") is not None else "object "
-    file = columns(kind + "file", table["file"], count, f"{where}: file")
-    if count and file.max() > files:
-        raise CheckpointFormatError(f"{where}: 'file' must number one of the fragment's {files} data files")
-    inline = np.full(count, None, dtype=object)
-    in_document = file == 0
-    strings = table.get("inline", [])
-    if not isinstance(strings, list) or len(strings) != int(in_document.sum()):
-        raise CheckpointFormatError(f"{where}: 'inline' must hold one base64 string per inline item")
-    if strings:
-        inline[in_document] = strings
-    at = columns(kind + "at", table["at"], count, f"{where}: at")
-    codec = columns(kind + "codec", table.get("codec", 0), count, f"{where}: codec")
-    block_value = table.get("block_size", default_block)
-    if block_value is None:
-        raise CheckpointFormatError(f"{where} has no 'block_size' and the document gives no default")
-    block_size = columns(kind + "block_size", block_value, count, f"{where}: block_size")
-    if count and block_size.min() < 1:
-        raise CheckpointFormatError(f"{where}: 'block_size' holds 0, which is not a valid block size")
-    blocks = -(-logical // block_size)
-    total = int(blocks.sum())
-    crc = columns(kind + "crc32c", table["crc32c"], total, f"{where}: crc32c (one per block)")
-    compressed = bool(codec.any())
-    if compressed != ("stored_lengths" in table):
-        raise CheckpointFormatError(f"{where}: 'stored_lengths' must be present exactly when an item is compressed")
-    lengths = None
-    if compressed:
-        what = f"{where}: stored_lengths"
-        lengths = columns(kind + "stored_lengths", table["stored_lengths"], total, what, packed_only=True)
-    boxes = np.zeros((count, 0), dtype=np.int64)
-    unnumbered = np.zeros(count, dtype=np.int64)  # the keys are numbered across fragments (_Keys)
-    ranks = np.full(count, rank, dtype=np.int64)
-    return _Rows(unnumbered, ranks, file, at, codec, block_size, logical, blocks, boxes, boxes, crc, lengths, inline)
-
-
-def _padded(flat: np.ndarray, ndim: np.ndarray) -> np.ndarray:
-    """Each row's ``ndim`` entries of ``flat`` (rows in turn) as a row of a matrix, zeros after them."""
-    width = int(ndim.max()) if len(ndim) else 0
-    out = np.zeros((len(ndim), width), dtype=np.int64)
-    out[np.arange(width) < ndim[:, None]] = flat
-    return out
-
-
-def _join(parts: list[_Rows]) -> _Rows:
-    """The rows of ``parts`` in turn (boxes widened to the widest; stored lengths of raw blocks made
-    explicit where some part has compressed items)."""
-    width = max((p.offsets.shape[1] for p in parts), default=0)
-    count = sum(len(p.key) for p in parts)
-    offsets, sizes = np.zeros((count, width), dtype=np.int64), np.zeros((count, width), dtype=np.int64)
-    at = 0
-    for part in parts:
-        n, w = part.offsets.shape
-        offsets[at : at + n, :w], sizes[at : at + n, :w] = part.offsets, part.sizes
-        at += n
-    lengths = None
-    if any(p.lengths is not None for p in parts):
-        lengths = np.concatenate([p.lengths if p.lengths is not None else _raw_lengths(p) for p in parts])
-    columns = ("key", "rank", "file", "at", "codec", "block_size", "logical", "blocks", "crc", "inline")
-    joined = {name: np.concatenate([getattr(p, name) for p in parts] or [np.zeros(0, np.int64)]) for name in columns}
-    return _Rows(**joined, offsets=offsets, sizes=sizes, lengths=lengths)
-
-
-def _raw_lengths(rows: _Rows) -> np.ndarray:
-    """Every block's length where items are stored raw: whole blocks, then the item's rest."""
-    item = np.repeat(np.arange(len(rows.blocks)), rows.blocks)
-    index = np.arange(len(item)) - np.repeat(rows.first_block, rows.blocks)
-    return np.minimum(rows.block_size[item], rows.logical[item] - index * rows.block_size[item])
-
-
-# ---------------------------------------------------------------------------------------
 # Across fragments
 
 
-def _one_copy_each(rows: _Rows, keys: _Keys, wheres: list[str], where: str) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+def _one_copy_each(rows: Rows, keys: _Keys, wheres: list[str], where: str) -> tuple[np.ndarray, dict[int, np.ndarray]]:
     """Of items several ranks stored (same key, same offsets), keep the lowest rank's where every copy
     is equal; keep objects whose copies differ per rank (``fragments._one_copy_each``'s rule). Returns
     the kept rows and, by key number, the rows of each object kept per rank."""
@@ -466,7 +202,7 @@ def _one_copy_each(rows: _Rows, keys: _Keys, wheres: list[str], where: str) -> t
     return np.flatnonzero(kept), per_rank
 
 
-def _differs(rows: _Rows, copies: np.ndarray, originals: np.ndarray) -> np.ndarray:
+def _differs(rows: Rows, copies: np.ndarray, originals: np.ndarray) -> np.ndarray:
     """Whether each copy's stored value differs from its original's (``fragments._value_of``: codec,
     block size, length and every block's CRC32C and stored length)."""
     differs = (
@@ -485,7 +221,7 @@ def _differs(rows: _Rows, copies: np.ndarray, originals: np.ndarray) -> np.ndarr
     return differs
 
 
-def _value(rows: _Rows, row: int) -> tuple:
+def _value(rows: Rows, row: int) -> tuple:
     """What decides that two copies of an item hold the same value."""
     blocks = rows.block_indices(np.array([row]))
     lengths = tuple(rows.lengths[blocks].tolist()) if rows.lengths is not None else None
@@ -493,7 +229,7 @@ def _value(rows: _Rows, row: int) -> tuple:
     return (int(rows.codec[row]), int(rows.block_size[row]), int(rows.logical[row]), crcs, lengths)
 
 
-def _check_replicas(parts: list[_Part], rows: _Rows, kept: np.ndarray, keys: _Keys, where: str) -> None:
+def _check_replicas(parts: list[FragmentRows], rows: Rows, kept: np.ndarray, keys: _Keys, where: str) -> None:
     named = {replica.fqn for part in parts for replica in part.info.replicas}
     wanted = np.array([keys.number.get(fqn, -1) for fqn in named], dtype=np.int64)
     stored = set()
@@ -508,7 +244,7 @@ def _check_replicas(parts: list[_Part], rows: _Rows, kept: np.ndarray, keys: _Ke
 
 
 def _document(
-    rows: _Rows,
+    rows: Rows,
     kept: np.ndarray,
     per_rank: dict[int, np.ndarray],
     keys: _Keys,
@@ -580,7 +316,7 @@ def _document(
 
 
 def _tensor_table(
-    numbers: np.ndarray, table_rows: np.ndarray, count: np.ndarray, keys: _Keys, rows: _Rows, paths: dict, encode: Any
+    numbers: np.ndarray, table_rows: np.ndarray, count: np.ndarray, keys: _Keys, rows: Rows, paths: dict, encode: Any
 ) -> dict[str, Any]:
     """``v3._tensor_table`` of the keys ``numbers`` (whole, or of a few chunks) and their rows."""
     numbers_list = numbers.tolist()
@@ -610,7 +346,7 @@ def _tensor_table(
 class _StorageColumns:
     """``v3._storage_columns`` of a selection of rows."""
 
-    def __init__(self, rows: _Rows, block_size: int):
+    def __init__(self, rows: Rows, block_size: int):
         self.rows, self.block_size = rows, block_size
 
     def __call__(self, selected: np.ndarray) -> dict[str, Any]:

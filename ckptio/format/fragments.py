@@ -25,10 +25,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from ckptio.config import INT64_LIMIT
 from ckptio.errors import CheckpointFormatError, IncompleteCheckpointError, MixedFragmentsError, PerRankStateError
 from ckptio.format.names import FragmentName, fragment_name
 from ckptio.format.records import Header, Manifest, StoredItem
@@ -40,9 +41,8 @@ FRAGMENT_FIELD = "fragment"
 _SAVE_ID = re.compile("[0-9a-f]{16,64}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Replica:
-    """A chunk a rank holds and another rank writes."""
+class Replica(NamedTuple):
+    """A chunk a rank holds and another rank writes (a tuple: a fragment at scale lists hundreds)."""
 
     fqn: str
     offsets: tuple[int, ...]
@@ -91,7 +91,9 @@ class FragmentInfo:
             raise CheckpointFormatError(f"{where}: the fragment's replicas must be three lists")
         if not len(keys) == len(offsets) == len(writers):
             raise CheckpointFormatError(f"{where}: the fragment's replica lists differ in length")
-        replicas = []
+        if _plain_replicas(keys, offsets, writers, ranks):  # checked in bulk: the usual case
+            return cls(save_id, rank, ranks, tuple(map(Replica, keys, map(tuple, offsets), writers)))
+        replicas = []  # which replica is wrong, and how
         for fqn, box, writer in zip(keys, offsets, writers, strict=True):
             if not isinstance(fqn, str) or not isinstance(box, list):
                 raise CheckpointFormatError(f"{where}: a fragment replica is not (key, [offsets], writer)")
@@ -100,6 +102,19 @@ class FragmentInfo:
                 raise CheckpointFormatError(f"{where}: replica {fqn!r:.80} names writer rank {writer} of {ranks}")
             replicas.append(Replica(fqn, tuple(require_counts(box, where)), writer))
         return cls(save_id, rank, ranks, tuple(replicas))
+
+
+def _plain_replicas(keys: list, offsets: list, writers: list, ranks: int) -> bool:
+    """Whether every replica is (a key, a list of offsets, a writer rank below ``ranks``), each offset
+    and rank a non-negative integer within int64."""
+    if not (set(map(type, keys)) <= {str} and set(map(type, offsets)) <= {list} and set(map(type, writers)) <= {int}):
+        return False
+    flat = list(itertools.chain.from_iterable(offsets))
+    if not set(map(type, flat)) <= {int}:
+        return False
+    return (not writers or (min(writers) >= 0 and max(writers) < ranks)) and (
+        not flat or (min(flat) >= 0 and max(flat) < INT64_LIMIT)
+    )
 
 
 @dataclasses.dataclass
