@@ -24,7 +24,7 @@ import numpy as np
 
 from ckptio.config import is_block_size
 from ckptio.format import fragments
-from ckptio.format.fragment_rows import ColumnCache, FragmentRows, Rows, TableKeys, join_rows, read_fragment
+from ckptio.format.fragment_rows import FragmentRows, Repeats, Rows, TableKeys, join_rows, read_fragment
 from ckptio.format.names import FRAGMENT_VERSION, SPREAD_KEYS_VERSION
 from ckptio.format.v3 import TABLE_MAX_CHUNKS, encode_array, encode_files, encode_packed_array, table_of
 from ckptio.format.v3_decode import decode_path
@@ -106,7 +106,7 @@ def merge_columns(parsed: list[tuple[str, str, dict]], where: str) -> dict[str, 
     """The merged metadata document (ready for ``json.dumps``) of a complete set of ``columnar``
     fragments, each as ``(name, where it was read, its parsed document)``: the document
     ``versions.encode_metadata`` makes of ``fragments.merge``'s result."""
-    columns = ColumnCache()
+    columns = Repeats()
     parts = sorted((read_fragment(*fragment, columns) for fragment in parsed), key=lambda p: p.info.rank)
     fragments.check_one_save([(p.name, p.where, p.info) for p in parts], where)
     names, file_sizes, writers = _data_files(parts)

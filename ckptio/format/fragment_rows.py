@@ -5,7 +5,7 @@ length and block count), its blocks' CRC32Cs and stored lengths flat, and each c
 Reading checks what joining the rows of many fragments needs (entry counts, file numbers within the
 fragment's own files, boxes inside their tensors, volumes within int64); the values the merged
 document shows are checked when it is decoded. The ranks of one mesh write the same key columns in
-every fragment: ``ColumnCache`` decodes a repeated column once.
+every fragment: ``Repeats`` decodes a repeated column once.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from ckptio.config import is_block_size
 from ckptio.errors import CheckpointFormatError
 from ckptio.format import fragments
 from ckptio.format.names import FRAGMENT_VERSION, dtype_from_name, dtype_name
-from ckptio.format.records import Header
+from ckptio.format.records import Header, created_unix
 from ckptio.format.rules import check_shape
 from ckptio.format.v3 import crc_column, decode_array
 from ckptio.format.v3_decode import decode_files, schema, table_names
 
+#: A fragment's fields that are not its header's.
+_NOT_HEADER = frozenset({"files", "block_size", "planner_data", "keys", "tensors", "objects", "fragment"})
 #: A float64 product of a shape's dimensions below this proves its int64 product cannot overflow.
 _SAFE_VOLUME = float(1 << 62)
 
@@ -76,10 +78,10 @@ class TableKeys:
     shapes: list[tuple[int, ...]] | None = None  # per key
 
 
-class ColumnCache:
-    """Decodes a merge's columns, reusing the array decoded last for the same field where its text
-    repeats: the ranks of one mesh write the same key columns (and often the same offsets, sizes and
-    file positions) in every fragment."""
+class Repeats:
+    """What the fragments of one save repeat, decoded once: a column's array where its text repeats
+    the last one of that field (the ranks of one mesh write the same key columns, often the same
+    offsets, sizes and file positions), a tensors table's keys, a header's fields."""
 
     #: Distinct tensors tables kept (fragments of a mesh repeat a few: with tensor parallelism, a key
     #: replicated across its group is written by one rank of it, so neighbours list different keys).
@@ -88,6 +90,7 @@ class ColumnCache:
     def __init__(self) -> None:
         self._last: dict[str, tuple[Any, int, np.ndarray]] = {}
         self._tables: dict[tuple, TableKeys] = {}
+        self._header: tuple[dict, Header] | None = None
 
     def __call__(self, field: str, value: Any, count: int, what: str, packed_only: bool = False) -> np.ndarray:
         last = self._last.get(field)
@@ -100,6 +103,18 @@ class ColumnCache:
         values.flags.writeable = False  # shared by every fragment that repeats the text
         self._last[field] = (value, count, values)
         return values
+
+    def header(self, doc: dict, files: dict[str, int], writers: dict[str, int], where: str) -> Header:
+        """The fragment's header (``Header.from_json``), the last one's with this one's files and time
+        where every other field repeats it."""
+        fields = {name: value for name, value in doc.items() if name not in _NOT_HEADER}
+        created = fields.pop("created_unix", 0.0)
+        if self._header is not None and self._header[0] == fields:
+            time = created_unix(created, where)
+            return dataclasses.replace(self._header[1], files=files, writer_ranks=writers, created_unix=time)
+        header = Header.from_json(doc, where, checked_files=(files, writers))
+        self._header = (fields, header)
+        return header
 
     def shapes(self, table: dict, where: str) -> TableKeys:
         """A tensors table's keys (``_tensor_keys``): the same object for every fragment whose key
@@ -135,11 +150,11 @@ class FragmentRows:
     tables: list[tuple[Rows, TableKeys]]
 
 
-def read_fragment(name: str, where: str, doc: dict, columns: ColumnCache) -> FragmentRows:
+def read_fragment(name: str, where: str, doc: dict, columns: Repeats) -> FragmentRows:
     with schema(where, "the fragment"):
         info = fragments.FragmentInfo.from_json(doc.get(fragments.FRAGMENT_FIELD), where)
         files, sizes, writers = decode_files(doc["files"], FRAGMENT_VERSION, where)
-        header = Header.from_json(doc, where, checked_files=(sizes, writers))
+        header = columns.header(doc, sizes, writers, where)
         default_block = doc.get("block_size")
         if default_block is not None and not is_block_size(default_block):
             raise CheckpointFormatError(f"{where}: 'block_size' {default_block!r:.40} is not a valid block size")
@@ -151,7 +166,7 @@ def read_fragment(name: str, where: str, doc: dict, columns: ColumnCache) -> Fra
     return FragmentRows(name, where, info, header, files, tables)
 
 
-def _tensor_keys(table: dict, columns: ColumnCache, where: str) -> TableKeys:
+def _tensor_keys(table: dict, columns: Repeats, where: str) -> TableKeys:
     """A fragment's tensors table's keys: names, dtypes, shapes, paths, checked."""
     names = table_names(table, where)
     count = len(names)
@@ -187,7 +202,7 @@ def _tensor_keys(table: dict, columns: ColumnCache, where: str) -> TableKeys:
 
 
 def _tensor_rows(
-    table: dict, rank: int, files: int, default_block: Any, columns: ColumnCache, where: str
+    table: dict, rank: int, files: int, default_block: Any, columns: Repeats, where: str
 ) -> tuple[Rows, TableKeys]:
     """A fragment's tensors table (one chunk per key: ``columnar``) as rows, a chunk each."""
     keys = columns.shapes(table, where)
@@ -209,7 +224,7 @@ def _tensor_rows(
 
 
 def _object_rows(
-    table: dict, rank: int, files: int, default_block: Any, columns: ColumnCache, where: str
+    table: dict, rank: int, files: int, default_block: Any, columns: Repeats, where: str
 ) -> tuple[Rows, TableKeys]:
     names = table_names(table, where)
     logical = columns("object length", table["length"], len(names), f"{where}: length")
@@ -218,7 +233,7 @@ def _object_rows(
 
 
 def _storage_rows(
-    table: dict, rank: int, logical: np.ndarray, default_block: Any, files: int, columns: ColumnCache, where: str
+    table: dict, rank: int, logical: np.ndarray, default_block: Any, files: int, columns: Repeats, where: str
 ) -> Rows:
     """The storage columns of a table's ``len(logical)`` items (``v3_decode._storage_columns_of``'s
     schema; their values are checked when the merged document is decoded)."""

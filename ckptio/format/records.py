@@ -234,15 +234,13 @@ class Header:
         chain = doc.get("chain")
         if chain is not None and doc.get("format_version", 0) < INCREMENTAL_VERSION:
             raise CheckpointFormatError(f"{where}: 'chain' is format version {INCREMENTAL_VERSION}'s")
-        created = field.value("created_unix", (int, float), 0.0)
-        if isinstance(created, bool) or not math.isfinite(created) or not 0 <= created < 1e11:
-            raise CheckpointFormatError(f"{where}: 'created_unix' must be a plausible Unix time, got {created!r}")
+        created = created_unix(field.value("created_unix", (int, float), 0.0), where)
         return cls(
             files=files,
             format_version=field.value("format_version", int, None),
             written_by=field.value("written_by", str, None),
             torch_version=field.value("torch_version", str, None),
-            created_unix=float(created),
+            created_unix=created,
             save_id=field.value("save_id", str, None),
             world_size=field.count("world_size"),
             mesh=_mesh_from_json(mesh, where) if mesh is not None else None,
@@ -255,6 +253,15 @@ class Header:
             dcp_version=field.value("dcp_version", str, None),
             chain=None if chain is None else ChainRecord.from_json(chain, where),
         )
+
+
+def created_unix(value: Any, where: str) -> float:
+    """A header's ``created_unix``: a plausible Unix time."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise CheckpointFormatError(f"{where}: 'created_unix' must be a plausible Unix time, got {value!r:.40}")
+    if not 0 <= value < 1e11:
+        raise CheckpointFormatError(f"{where}: 'created_unix' must be a plausible Unix time, got {value!r:.40}")
+    return float(value)
 
 
 def _data_files(field: "FieldReader", where: str) -> tuple[dict[str, int], dict[str, int]]:
