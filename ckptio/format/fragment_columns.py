@@ -362,7 +362,8 @@ class _StorageColumns:
         columns["crc32c"] = encode_packed_array(rows.crc[blocks], "I")
         if codecs.any():
             columns["stored_lengths"] = encode_packed_array(rows.lengths[blocks])
-        inline = rows.inline[selected[rows.file[selected] == 0]]
-        if len(inline):
-            columns["inline"] = inline.tolist()
+        if rows.inline is not None:
+            inline = rows.inline[selected[rows.file[selected] == 0]]
+            if len(inline):
+                columns["inline"] = inline.tolist()
         return columns

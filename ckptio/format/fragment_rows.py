@@ -47,7 +47,7 @@ class Rows:
     sizes: np.ndarray
     crc: np.ndarray
     lengths: np.ndarray | None  # present where some item is compressed
-    inline: np.ndarray  # (objects) the base64 of each item kept inline (``file`` 0), else None
+    inline: np.ndarray | None  # the base64 of each item kept inline (``file`` 0); None where none is
 
     def __post_init__(self) -> None:
         self.first_block = np.cumsum(self.blocks) - self.blocks  # each item's first in ``crc``
@@ -242,12 +242,13 @@ def _storage_rows(
     file = columns(kind + "file", table["file"], count, f"{where}: file")
     if count and file.max() > files:
         raise CheckpointFormatError(f"{where}: 'file' must number one of the fragment's {files} data files")
-    inline = np.full(count, None, dtype=object)
-    in_document = file == 0
+    inline = None
     strings = table.get("inline", [])
-    if not isinstance(strings, list) or len(strings) != int(in_document.sum()):
-        raise CheckpointFormatError(f"{where}: 'inline' must hold one base64 string per inline item")
-    if strings:
+    if strings or (count and file.min() == 0):
+        in_document = file == 0
+        if not isinstance(strings, list) or len(strings) != int(in_document.sum()):
+            raise CheckpointFormatError(f"{where}: 'inline' must hold one base64 string per inline item")
+        inline = np.full(count, None, dtype=object)
         inline[in_document] = strings
     at = columns(kind + "at", table["at"], count, f"{where}: at")
     codec = columns(kind + "codec", table.get("codec", 0), count, f"{where}: codec")
@@ -295,9 +296,12 @@ def join_rows(parts: list[Rows]) -> Rows:
     lengths = None
     if any(p.lengths is not None for p in parts):
         lengths = np.concatenate([p.lengths if p.lengths is not None else _raw_lengths(p) for p in parts])
-    columns = ("key", "rank", "file", "at", "codec", "block_size", "logical", "blocks", "crc", "inline")
+    inline = None
+    if any(p.inline is not None for p in parts):
+        inline = np.concatenate([p.inline if p.inline is not None else np.full(len(p.key), None) for p in parts])
+    columns = ("key", "rank", "file", "at", "codec", "block_size", "logical", "blocks", "crc")
     joined = {name: np.concatenate([getattr(p, name) for p in parts] or [np.zeros(0, np.int64)]) for name in columns}
-    return Rows(**joined, offsets=offsets, sizes=sizes, lengths=lengths)
+    return Rows(**joined, offsets=offsets, sizes=sizes, lengths=lengths, inline=inline)
 
 
 def _raw_lengths(rows: Rows) -> np.ndarray:

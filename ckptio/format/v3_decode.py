@@ -5,11 +5,9 @@ an allocation larger than the document."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -235,17 +233,27 @@ def decode_keys(
     return state, StoredItems(keys, tables.get("objects"), tables.get("tensors")), per_rank, planner_data
 
 
-@contextlib.contextmanager
-def schema(where: str, what: str) -> Iterator[None]:
-    """A record of the wrong shape (a missing field, a string for a list) is a named format error."""
-    try:
-        yield
-    except CheckpointFormatError:
-        raise
-    except (KeyError, TypeError, ValueError, OverflowError, IndexError) as exc:
+class schema:  # noqa: N801 - used as ``with schema(where, what):``
+    """A record of the wrong shape (a missing field, a string for a list) is a named format error. A
+    class, not a generator: a merge enters one per fragment, thousands of times (~1 us against ~18)."""
+
+    __slots__ = ("where", "what")
+
+    def __init__(self, where: str, what: str):
+        self.where, self.what = where, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, traceback: Any) -> bool:
+        if kind is None or issubclass(kind, CheckpointFormatError) or not issubclass(kind, _SCHEMA_ERRORS):
+            return False
         raise CheckpointFormatError(
-            f"{where}: {what} does not follow the ckptio metadata schema: {exc!r:.200}"
+            f"{self.where}: {self.what} does not follow the ckptio metadata schema: {exc!r:.200}"
         ) from None
+
+
+_SCHEMA_ERRORS = (KeyError, TypeError, ValueError, OverflowError, IndexError)
 
 
 def table_names(table: Any, where: str) -> list[str]:
