@@ -18,11 +18,11 @@ import numpy as np
 from ckptio.config import is_block_size
 from ckptio.errors import CheckpointFormatError
 from ckptio.format import fragments
-from ckptio.format.names import FRAGMENT_VERSION, dtype_from_name, dtype_name
+from ckptio.format.names import FRAGMENT_VERSION, dtype_name
 from ckptio.format.records import Header, created_unix
 from ckptio.format.rules import check_shape
 from ckptio.format.v3 import crc_column, decode_array
-from ckptio.format.v3_decode import decode_files, schema, table_names
+from ckptio.format.v3_decode import decode_files, schema, table_dtypes, table_names
 
 #: A fragment's fields that are not its header's.
 _NOT_HEADER = frozenset({"files", "block_size", "planner_data", "keys", "tensors", "objects", "fragment"})
@@ -170,10 +170,7 @@ def _tensor_keys(table: dict, columns: Repeats, where: str) -> TableKeys:
     """A fragment's tensors table's keys: names, dtypes, shapes, paths, checked."""
     names = table_names(table, where)
     count = len(names)
-    kinds = table["dtypes"]
-    if not isinstance(kinds, list) or len(set(kinds)) != len(kinds):
-        raise CheckpointFormatError(f"{where}: 'dtypes' must be a list of distinct dtype names")
-    dtypes = [dtype_from_name(kind, where) for kind in kinds]
+    kinds, dtypes = table_dtypes(table, where)
     number = columns("dtype", table["dtype"], count, f"{where}: dtype")
     ndim = columns("ndim", table["ndim"], count, f"{where}: ndim")
     grads = columns("requires_grad", table["requires_grad"], count, f"{where}: requires_grad")

@@ -266,6 +266,14 @@ def table_names(table: Any, where: str) -> list[str]:
     return names
 
 
+def table_dtypes(table: Any, where: str) -> tuple[list[str], list[torch.dtype]]:
+    """A tensors table's ``dtypes``: distinct dtype names, and the dtypes they name."""
+    kinds = table["dtypes"]
+    if not isinstance(kinds, list) or len(set(kinds)) != len(kinds):
+        raise CheckpointFormatError(f"{where}: 'dtypes' must be a list of distinct dtype names")
+    return kinds, [dtype_from_name(name, where) for name in kinds]
+
+
 def _decode_objects(table: Any, context: _Context) -> tuple[StoredKey, list[str], None]:
     """The objects table: one stored item per object key, as columns (``keys`` names them)."""
     where = f"{context.where}: objects table"
@@ -282,10 +290,7 @@ def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str]
     where = f"{context.where}: tensors table"
     names = table_names(table, where)
     count = len(names)
-    kinds = table["dtypes"]
-    if not isinstance(kinds, list) or len(set(kinds)) != len(kinds):
-        raise CheckpointFormatError(f"{where}: 'dtypes' must be a list of distinct dtype names")
-    dtypes = [dtype_from_name(name, where) for name in kinds]
+    kinds, dtypes = table_dtypes(table, where)
     numbers = decode_column(table["dtype"], count, f"{where}: dtype")
     ndims = decode_column(table["ndim"], count, f"{where}: ndim")
     grads = decode_column(table["requires_grad"], count, f"{where}: requires_grad")
