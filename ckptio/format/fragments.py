@@ -17,7 +17,9 @@ are kept once when they are equal; objects that differ are kept per rank, as
 ``WriterConfig(differing_objects="keep_per_rank")`` keeps them; plain tensors that differ are refused,
 as a save with a coordinator refuses them.
 
-No I/O here: ``loading/fragment_set.py`` lists and reads the fragments.
+``fragment_columns`` applies the same rule column by column to fragments of one chunk per key (what saves
+at thousands of ranks write), and writes the same document. No I/O here: ``loading/fragment_set.py``
+lists and reads the fragments.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ckptio.config import INT64_LIMIT
 from ckptio.errors import CheckpointFormatError, IncompleteCheckpointError, MixedFragmentsError, PerRankStateError
-from ckptio.format.names import FragmentName, fragment_name
+from ckptio.format.names import FragmentName, dtype_name, fragment_name
 from ckptio.format.records import Header, Manifest, StoredItem
 from ckptio.format.rules import require_count, require_counts
 from ckptio.format.stored_items import StoredItems
@@ -241,7 +243,8 @@ def _merge_key(state: dict, chunks_seen: dict, fqn: str, md: Any, where: str) ->
             refuse_kinds(fqn, isinstance(md, TensorStorageMetadata), isinstance(known, TensorStorageMetadata), where)
         return
     if md.size != known.size or md.properties.dtype != known.properties.dtype:
-        refuse_shapes(fqn, (md.properties.dtype, md.size), (known.properties.dtype, known.size), where)
+        mine, first = dtype_name(md.properties.dtype), dtype_name(known.properties.dtype)
+        refuse_shapes(fqn, (mine, md.size), (first, known.size), where)
     seen = chunks_seen[fqn]
     for chunk in md.chunks:
         other = seen.get(tuple(chunk.offsets))

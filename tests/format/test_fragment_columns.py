@@ -4,7 +4,7 @@ the same error. Fragments are encoded by the writer's own encoder from drawn per
 sharded along a dimension (empty shards included; more chunks than the tensors table takes), chunks left
 to a replica's writer, plain tensors and objects several ranks hold (equal or not), per-rank objects,
 items inline, raw and zstd, several block sizes, planner paths with list indices; and a rank that gives
-a key another path, or stores an object where the others store a tensor."""
+a key another path or dtype, or stores an object where the others store a tensor."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _split(length: int, parts: int, index: int) -> tuple[int, int]:
 @st.composite
 def fragment_sets(draw) -> tuple[int, list[_RankState]]:
     ranks = draw(st.integers(1, 5) | st.just(18))  # 18: keys of more chunks than the tensors table takes
-    conflict = draw(st.sampled_from((None,) * 6 + ("path", "kind")))  # on the last rank
+    conflict = draw(st.sampled_from((None,) * 6 + ("path", "kind", "dtype")))  # on the last rank
     states = [_RankState(rank, inline=draw(st.booleans())) for rank in range(ranks)]
     codec = st.sampled_from((Codec.RAW, Codec.RAW, Codec.ZSTD))
     for k in range(draw(st.integers(0, 3))):  # sharded tensors
@@ -93,6 +93,8 @@ def fragment_sets(draw) -> tuple[int, list[_RankState]]:
                 state.replicas.append(Replica(fqn, offsets, state.rank % writers))
                 continue
             chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+            if conflict == "dtype" and state.rank == ranks - 1:
+                dtype = DTYPES[(DTYPES.index(dtype) + 1) % len(DTYPES)]
             props = TensorProperties(dtype=dtype)
             state.state[fqn] = TensorStorageMetadata(props, torch.Size(shape), [chunk])
             state.paths[fqn] = tuple(fqn.split(".")) if conflict == "path" and state.rank == ranks - 1 else path
