@@ -18,6 +18,7 @@ with any other fragment is merged by ``fragments.merge``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -102,12 +103,18 @@ class _Keys:
         return number
 
 
-def merge_columns(parsed: list[tuple[str, str, dict]], where: str) -> dict[str, Any]:
-    """The merged metadata document (ready for ``json.dumps``) of a complete set of ``columnar``
-    fragments, each as ``(name, where it was read, its parsed document)``: the document
-    ``versions.encode_metadata`` makes of ``fragments.merge``'s result."""
+def merge_columns(parsed: Iterable[tuple[str, str, dict]], where: str) -> dict[str, Any] | None:
+    """The merged metadata document (ready for ``json.dumps``) of a complete set of fragments, each as
+    ``(name, where it was read, its parsed document)``: the document ``versions.encode_metadata`` makes
+    of ``fragments.merge``'s result; ``None`` as soon as a fragment is not ``columnar`` (the record
+    merge takes the set). Only each fragment's rows are kept, not its document."""
     columns = Repeats()
-    parts = sorted((read_fragment(*fragment, columns) for fragment in parsed), key=lambda p: p.info.rank)
+    parts = []
+    for name, read_from, doc in parsed:
+        if not columnar(doc):
+            return None
+        parts.append(read_fragment(name, read_from, doc, columns))
+    parts.sort(key=lambda p: p.info.rank)
     fragments.check_one_save([(p.name, p.where, p.info) for p in parts], where)
     names, file_sizes, writers = _data_files(parts)
     keys = _Keys()
@@ -123,7 +130,9 @@ def merge_columns(parsed: list[tuple[str, str, dict]], where: str) -> dict[str, 
             rows.key = known[1]
             rows.file = remap[rows.file]
             joined.append(rows)
+        part.tables = []  # joined below: each fragment's own arrays are not needed after
     rows = join_rows(joined)
+    del joined
     kept, per_rank = _one_copy_each(rows, keys, [p.where for p in parts], where)
     if any(p.info.replicas for p in parts):
         _check_replicas(parts, rows, kept, keys, where)

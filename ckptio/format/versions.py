@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio.errors import CheckpointFormatError
-from ckptio.format.fragment_columns import columnar, merge_columns
+from ckptio.format.fragment_columns import merge_columns
 from ckptio.format.fragments import FRAGMENT_FIELD, Fragment, FragmentInfo, merge
 from ckptio.format.names import (
     FORMAT_NAME,
@@ -106,14 +106,14 @@ def merge_fragments(fragments: dict[str, bytes], ranks: int, where: str) -> byte
     that merge takes, else each fragment decoded and checked, then the set (``fragments.merge``)."""
     if len(fragments) != ranks:
         raise ValueError(f"merge_fragments takes the {ranks} fragments of a complete set, got {len(fragments)}")
-    parsed = [(name, f"{where}/{name}", _parse_json(raw, f"{where}/{name}")) for name, raw in fragments.items()]
-    if all(columnar(doc) for _, _, doc in parsed):
-        doc = merge_columns(parsed, where)
+    parsed = ((name, f"{where}/{name}", _parse_json(raw, f"{where}/{name}")) for name, raw in fragments.items())
+    doc = merge_columns(parsed, where)  # each parsed fragment dropped once read into rows
+    if doc is not None:
         return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()
-    decoded = []
-    for name, read_from, doc in parsed:
-        manifest, info = _decode_fragment(doc, read_from, len(fragments[name]))
-        decoded.append(Fragment(name, read_from, manifest, info))
+    decoded = []  # a fragment the column merge does not take: every fragment decoded into records
+    for name, raw in fragments.items():
+        manifest, info = decode_fragment(raw, f"{where}/{name}")
+        decoded.append(Fragment(name, f"{where}/{name}", manifest, info))
     metadata, items, header, per_rank = merge(decoded, where)
     return encode_metadata(metadata, items, header, per_rank)
 
