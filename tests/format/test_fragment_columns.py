@@ -206,3 +206,40 @@ def test_columns_a_fragment_cannot_join_by_are_refused_naming_the_fragment(table
     assert f"{WHERE}/{fragment_name(1, 2)}" in str(error.value) and message in str(error.value)
     with pytest.raises(ckptio.CheckpointFormatError):  # as the record merge refuses them
         _merged_by_records(raws)
+
+
+_ANY_VALUE = st.one_of(
+    st.integers(-3, 2**64),
+    st.booleans(),
+    st.none(),
+    st.floats(),
+    st.text(max_size=6),
+    st.sampled_from(["B", "IAAAAAA==", "QAAAAAAAAAAA", {}]),
+    st.lists(st.integers(-1, 9), max_size=4),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fragment_sets(), st.data())
+def test_a_fragment_with_any_field_replaced_is_refused_by_name_or_merged_as_the_record_merge_merges_it(drawn, data):
+    """Untrusted fragments: one field of one table (or of ``files`` or the fragment's record) replaced by
+    any JSON value. The column merge raises a ``CheckpointError`` only where the record merge does too;
+    a document it writes is refused when decoded (as every load decodes it) or is the record merge's."""
+    ranks, states = drawn
+    raws = _fragments(ranks, states)
+    name = data.draw(st.sampled_from(sorted(raws)))
+    doc = json.loads(raws[name])
+    table = data.draw(st.sampled_from([k for k in ("tensors", "objects", "files", "fragment") if k in doc]))
+    doc[table][data.draw(st.sampled_from([*sorted(doc[table]), "extra"]))] = data.draw(_ANY_VALUE)
+    raws[name] = json.dumps(doc).encode()
+    try:
+        merged = merge_fragments(raws, ranks, WHERE)
+    except ckptio.CheckpointError:
+        with pytest.raises(ckptio.CheckpointError):
+            _merged_by_records(raws)
+        return
+    try:
+        decode_metadata(merged, WHERE)
+    except ckptio.CheckpointFormatError:
+        return
+    assert merged == _merged_by_records(raws)
