@@ -257,9 +257,8 @@ class Header:
 
 def created_unix(value: Any, where: str) -> float:
     """A header's ``created_unix``: a plausible Unix time."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise CheckpointFormatError(f"{where}: 'created_unix' must be a plausible Unix time, got {value!r:.40}")
-    if not 0 <= value < 1e11:
+    plausible = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not plausible or not 0 <= value < 1e11:
         raise CheckpointFormatError(f"{where}: 'created_unix' must be a plausible Unix time, got {value!r:.40}")
     return float(value)
 

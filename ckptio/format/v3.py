@@ -133,20 +133,25 @@ def encode_packed_array(values: np.ndarray, letter: str | None = None) -> str:
 
 def decode_array(value: Any, count: int, what: str, packed_only: bool = False) -> np.ndarray:
     """``decode_column`` as a numpy array of int64 (every entry is below 2^63)."""
-    if isinstance(value, int) and not isinstance(value, bool) and not packed_only:
-        if not 0 <= value < INT64_LIMIT:
-            raise CheckpointFormatError(f"{what} must hold non-negative integers below 2^63, got {value}")
+    if _constant(value, what, packed_only):
         return np.full(count, value, dtype=np.int64)
     return PackedBlocks(value, count, what, packed_only).to_numpy()
 
 
 def decode_column(value: Any, count: int, what: str, packed_only: bool = False) -> list[int]:
     """``count`` non-negative integers from a COL (a BLOCKS string when ``packed_only``)."""
-    if isinstance(value, int) and not isinstance(value, bool) and not packed_only:
-        if not 0 <= value < INT64_LIMIT:
-            raise CheckpointFormatError(f"{what} must hold non-negative integers below 2^63, got {value}")
+    if _constant(value, what, packed_only):
         return [value] * count
     return PackedBlocks(value, count, what, packed_only)[:].tolist()
+
+
+def _constant(value: Any, what: str, packed_only: bool) -> bool:
+    """Whether a COL is one integer (every entry's), checked; a packed string is for ``PackedBlocks``."""
+    if not isinstance(value, int) or isinstance(value, bool) or packed_only:
+        return False
+    if not 0 <= value < INT64_LIMIT:
+        raise CheckpointFormatError(f"{what} must hold non-negative integers below 2^63, got {value}")
+    return True
 
 
 class PackedBlocks:

@@ -73,7 +73,12 @@ def encode_metadata(
     del doc["writer_ranks"]  # in 'files'
     if fragment is not None:
         doc[FRAGMENT_FIELD] = fragment.to_json()
-    return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()  # a tree we built
+    return _dumps(doc)
+
+
+def _dumps(doc: dict[str, Any]) -> bytes:
+    """A metadata document's bytes: compact JSON of a tree ckptio built (no cycle to check for)."""
+    return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()
 
 
 def _digested(items: dict) -> bool:
@@ -90,11 +95,8 @@ def decode_metadata(raw: bytes, where: str) -> Manifest:
 @paused_gc()
 def decode_fragment(raw: bytes, where: str) -> tuple[Manifest, FragmentInfo]:
     """A rank's fragment of a save without a coordinator: its items, and whose and which save's it is."""
-    return _decode_fragment(_parse_json(raw, where), where, len(raw))
-
-
-def _decode_fragment(doc: Any, where: str, doc_bytes: int) -> tuple[Manifest, FragmentInfo]:
-    manifest = _decode_document(doc, where, doc_bytes, cover=False)  # its rank's part of each tensor
+    doc = _parse_json(raw, where)
+    manifest = _decode_document(doc, where, len(raw), cover=False)  # its rank's part of each tensor
     return manifest, FragmentInfo.from_json(doc.get(FRAGMENT_FIELD), where)
 
 
@@ -109,7 +111,7 @@ def merge_fragments(fragments: dict[str, bytes], ranks: int, where: str) -> byte
     parsed = ((name, f"{where}/{name}", _parse_json(raw, f"{where}/{name}")) for name, raw in fragments.items())
     doc = merge_columns(parsed, where)  # each parsed fragment dropped once read into rows
     if doc is not None:
-        return json.dumps(doc, separators=(",", ":"), check_circular=False).encode()
+        return _dumps(doc)
     decoded = []  # a fragment the column merge does not take: every fragment decoded into records
     for name, raw in fragments.items():
         manifest, info = decode_fragment(raw, f"{where}/{name}")
