@@ -27,6 +27,7 @@ from ckptio.config import is_block_size
 from ckptio.format import fragments
 from ckptio.format.fragment_rows import FragmentRows, Repeats, Rows, TableKeys, join_rows, read_fragment
 from ckptio.format.names import FRAGMENT_VERSION, SPREAD_KEYS_VERSION
+from ckptio.format.rules import check_inline_bytes, check_spans, decode_inline
 from ckptio.format.v3 import TABLE_MAX_CHUNKS, encode_array, encode_files, encode_packed_array, table_of
 from ckptio.format.v3_decode import decode_path
 
@@ -133,7 +134,9 @@ def merge_columns(parsed: Iterable[tuple[str, str, dict]], where: str) -> dict[s
         part.tables = []  # joined below: each fragment's own arrays are not needed after
     rows = join_rows(joined)
     del joined
-    kept, per_rank = _one_copy_each(rows, keys, [p.where for p in parts], where)
+    wheres = [p.where for p in parts]
+    kept, per_rank = _one_copy_each(rows, keys, wheres, where)
+    _check_dropped_copies(rows, kept, per_rank, names, file_sizes, wheres)
     if any(p.info.replicas for p in parts):
         _check_replicas(parts, rows, kept, keys, where)
     first = parts[0].header
@@ -209,6 +212,40 @@ def _one_copy_each(rows: Rows, keys: _Keys, wheres: list[str], where: str) -> tu
     if per_rank:
         kept[np.concatenate(list(per_rank.values()))] = False
     return np.flatnonzero(kept), per_rank
+
+
+def _check_dropped_copies(
+    rows: Rows,
+    kept: np.ndarray,
+    per_rank: dict[int, np.ndarray],
+    names: list[str],
+    sizes: dict[str, int],
+    wheres: list[str],
+) -> None:
+    """The copies the merge drops lie inside their data files or hold their bytes inline, as the record
+    merge checks every fragment's items: the merged document shows only the kept ones."""
+    dropped = np.ones(len(rows.key), dtype=bool)
+    dropped[kept] = False
+    for group in per_rank.values():
+        dropped[group] = False
+    dropped = np.flatnonzero(dropped)
+    if not len(dropped):
+        return
+    if rows.lengths is None:
+        stored = rows.logical[dropped]
+    else:
+        ends = np.concatenate([[0], np.cumsum(rows.lengths)])
+        first = rows.first_block[dropped]
+        stored = ends[first + rows.blocks[dropped]] - ends[first]
+    file, at = rows.file[dropped], rows.at[dropped]
+    capacity = np.array([0] + [sizes[name] for name in names], dtype=np.int64)[file]
+    outside = (file > 0) & ((stored > capacity) | (at > capacity - stored))
+    for i in np.flatnonzero(outside)[:1].tolist():
+        where = wheres[int(rows.rank[dropped[i]])]
+        check_spans([int(file[i])], [int(at[i])], [int(stored[i])], names, [sizes[name] for name in names], where)
+    for i in np.flatnonzero(file == 0).tolist():
+        where = wheres[int(rows.rank[dropped[i]])]
+        check_inline_bytes(decode_inline(rows.inline[dropped[i]], where), int(stored[i]), where)
 
 
 def _differs(rows: Rows, copies: np.ndarray, originals: np.ndarray) -> np.ndarray:

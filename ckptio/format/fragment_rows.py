@@ -11,6 +11,9 @@ every fragment: ``Repeats`` decodes a repeated column once.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,8 +52,10 @@ class Rows:
     lengths: np.ndarray | None  # present where some item is compressed
     inline: np.ndarray | None  # the base64 of each item kept inline (``file`` 0); None where none is
 
-    def __post_init__(self) -> None:
-        self.first_block = np.cumsum(self.blocks) - self.blocks  # each item's first in ``crc``
+    @functools.cached_property
+    def first_block(self) -> np.ndarray:
+        """Each item's first block's position in ``crc`` (a fragment's own rows rarely need it)."""
+        return np.cumsum(self.blocks) - self.blocks
 
     def block_indices(self, rows: np.ndarray) -> np.ndarray:
         """The positions in ``crc`` and ``lengths`` of the blocks of ``rows``, in turn."""
@@ -92,14 +97,13 @@ class Repeats:
         self._tables: dict[tuple, TableKeys] = {}
         self._header: tuple[dict, Header] | None = None
 
-    def __call__(self, field: str, value: Any, count: int, what: str, packed_only: bool = False) -> np.ndarray:
+    def __call__(
+        self, field: str, value: Any, count: int, what: str, decode: Callable[..., np.ndarray] = decode_array
+    ) -> np.ndarray:
         last = self._last.get(field)
         if last is not None and last[1] == count and type(last[0]) is type(value) and last[0] == value:
             return last[2]
-        if field.endswith("crc32c"):
-            values = crc_column(value, count, what).to_numpy()
-        else:
-            values = decode_array(value, count, what, packed_only)
+        values = decode(value, count, what)
         values.flags.writeable = False  # shared by every fragment that repeats the text
         self._last[field] = (value, count, values)
         return values
@@ -109,6 +113,7 @@ class Repeats:
         where every other field repeats it."""
         fields = {name: value for name, value in doc.items() if name not in _NOT_HEADER}
         created = fields.pop("created_unix", 0.0)
+        fields = _typed(fields)
         if self._header is not None and self._header[0] == fields:
             time = created_unix(created, where)
             return dataclasses.replace(self._header[1], files=files, writer_ranks=writers, created_unix=time)
@@ -119,12 +124,12 @@ class Repeats:
     def shapes(self, table: dict, where: str) -> TableKeys:
         """A tensors table's keys (``_tensor_keys``): the same object for every fragment whose key
         columns repeat an earlier one's."""
+        raw = _typed([table.get(field) for field in ("dtype", "ndim", "size", "requires_grad", "boxed")])
         try:
-            raw = tuple(table.get(field) for field in ("dtype", "ndim", "size", "requires_grad", "boxed"))
-            found = (tuple(table["keys"]), tuple(table["dtypes"]), hash(raw), raw)
-        except (KeyError, TypeError):  # a table not of the schema: decoded (and refused) below
+            found = (tuple(table["keys"]), tuple(table["dtypes"]), raw)
+            keys = self._tables.get(found)
+        except (KeyError, TypeError):  # a table not of the schema (unhashable): decoded (and refused) below
             return _tensor_keys(table, self, where)
-        keys = self._tables.get(found)
         if keys is not None and keys.paths == table.get("paths"):
             return keys
         keys = _tensor_keys(table, self, where)
@@ -132,6 +137,24 @@ class Repeats:
             self._tables.clear()
         self._tables[found] = keys
         return keys
+
+
+def _typed(value: Any) -> Any:
+    """A parsed JSON value as a key that tells its types apart (``False == 0`` and ``1.0 == 1`` in
+    Python; a field the decoder refuses as a bool or a float must not match a cached valid one)."""
+    if isinstance(value, dict):
+        return (dict, tuple((name, _typed(item)) for name, item in value.items()))
+    if isinstance(value, list):
+        return (list, tuple(map(_typed, value)))
+    return (type(value), value)
+
+
+def _check_path_codes(table: dict, where: str) -> None:
+    """A table's ``paths`` codes are null or lists of integers (their values are checked when the merged
+    document is decoded): fragments' codes are compared with ``==``, where ``True`` would pass for 1."""
+    codes = [code for code in table.get("paths") or () if code is not None]
+    if not set(map(type, codes)) <= {list} or not set(map(type, itertools.chain.from_iterable(codes))) <= {int}:
+        raise CheckpointFormatError(f"{where}: 'paths' must hold, per key, null or a list of part counts")
 
 
 # ---------------------------------------------------------------------------------------
@@ -162,7 +185,7 @@ def read_fragment(name: str, where: str, doc: dict, columns: Repeats) -> Fragmen
         for name_of, read_table in (("tensors", _tensor_rows), ("objects", _object_rows)):
             if doc.get(name_of) is not None:
                 at = f"{where}: {name_of} table"
-                tables.append(read_table(doc[name_of], info.rank, len(files), default_block, columns, at))
+                tables.append(read_table(doc[name_of], name_of, info.rank, len(files), default_block, columns, at))
     return FragmentRows(name, where, info, header, files, tables)
 
 
@@ -199,10 +222,11 @@ def _tensor_keys(table: dict, columns: Repeats, where: str) -> TableKeys:
 
 
 def _tensor_rows(
-    table: dict, rank: int, files: int, default_block: Any, columns: Repeats, where: str
+    table: dict, table_name: str, rank: int, files: int, default_block: Any, columns: Repeats, where: str
 ) -> tuple[Rows, TableKeys]:
     """A fragment's tensors table (one chunk per key: ``columnar``) as rows, a chunk each."""
     keys = columns.shapes(table, where)
+    _check_path_codes(table, where)
     size, ndim, in_box = keys.size, keys.ndim, keys.in_box
     box_entries = int(in_box.sum())
     offsets = np.zeros_like(size)
@@ -215,27 +239,35 @@ def _tensor_rows(
     volume = np.ones(len(ndim), dtype=np.int64)
     if shaped.any():
         volume[shaped] = np.multiply.reduceat(sizes, keys.starts[shaped])
-    rows = _storage_rows(table, rank, volume * keys.itemsize, default_block, files, columns, where)
+    rows = _storage_rows(table, table_name, rank, volume * keys.itemsize, default_block, files, columns, where)
     rows.offsets, rows.sizes = _padded(offsets, ndim), _padded(sizes, ndim)
     return rows, keys
 
 
 def _object_rows(
-    table: dict, rank: int, files: int, default_block: Any, columns: Repeats, where: str
+    table: dict, table_name: str, rank: int, files: int, default_block: Any, columns: Repeats, where: str
 ) -> tuple[Rows, TableKeys]:
     names = table_names(table, where)
-    logical = columns("object length", table["length"], len(names), f"{where}: length")
-    rows = _storage_rows(table, rank, logical, default_block, files, columns, where)
+    _check_path_codes(table, where)
+    logical = columns(f"{table_name} length", table["length"], len(names), f"{where}: length")
+    rows = _storage_rows(table, table_name, rank, logical, default_block, files, columns, where)
     return rows, TableKeys(names, table.get("paths"), False)
 
 
 def _storage_rows(
-    table: dict, rank: int, logical: np.ndarray, default_block: Any, files: int, columns: Repeats, where: str
+    table: dict,
+    table_name: str,
+    rank: int,
+    logical: np.ndarray,
+    default_block: Any,
+    files: int,
+    columns: Repeats,
+    where: str,
 ) -> Rows:
     """The storage columns of a table's ``len(logical)`` items (``v3_decode._storage_columns_of``'s
     schema; their values are checked when the merged document is decoded)."""
     count = len(logical)
-    kind = "tensor " if table.get("dtypes") is not None else "object "
+    kind = f"{table_name} "  # each table's columns repeat those of the same table in the last fragment
     file = columns(kind + "file", table["file"], count, f"{where}: file")
     if count and file.max() > files:
         raise CheckpointFormatError(f"{where}: 'file' must number one of the fragment's {files} data files")
@@ -257,18 +289,26 @@ def _storage_rows(
         raise CheckpointFormatError(f"{where}: 'block_size' holds 0, which is not a valid block size")
     blocks = -(-logical // block_size)
     total = int(blocks.sum())
-    crc = columns(kind + "crc32c", table["crc32c"], total, f"{where}: crc32c (one per block)")
+    crc = columns(kind + "crc32c", table["crc32c"], total, f"{where}: crc32c (one per block)", _crcs)
     compressed = bool(codec.any())
     if compressed != ("stored_lengths" in table):
         raise CheckpointFormatError(f"{where}: 'stored_lengths' must be present exactly when an item is compressed")
     lengths = None
     if compressed:
         what = f"{where}: stored_lengths"
-        lengths = columns(kind + "stored_lengths", table["stored_lengths"], total, what, packed_only=True)
+        lengths = columns(kind + "stored_lengths", table["stored_lengths"], total, what, _packed)
     boxes = np.zeros((count, 0), dtype=np.int64)
     unnumbered = np.zeros(count, dtype=np.int64)  # the keys are numbered across fragments (_Keys)
     ranks = np.full(count, rank, dtype=np.int64)
     return Rows(unnumbered, ranks, file, at, codec, block_size, logical, blocks, boxes, boxes, crc, lengths, inline)
+
+
+def _crcs(value: Any, count: int, what: str) -> np.ndarray:
+    return crc_column(value, count, what).to_numpy()
+
+
+def _packed(value: Any, count: int, what: str) -> np.ndarray:
+    return decode_array(value, count, what, packed_only=True)
 
 
 def _padded(flat: np.ndarray, ndim: np.ndarray) -> np.ndarray:
