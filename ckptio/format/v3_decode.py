@@ -378,10 +378,10 @@ _PATHS_KEPT = 1 << 16
 
 def _decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, ...]:
     parts = fqn.split(".")
-    if code == [len(parts)]:  # the key is one element of its path (a flat state's dotted names)
-        return (fqn,)
     if not isinstance(code, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in code):
         raise CheckpointFormatError(f"{where}: the path of key {fqn!r:.80} must be a list of part counts")
+    if code == [len(parts)]:  # the key is one element of its path (a flat state's dotted names)
+        return (fqn,)
     path: list[str | int] = []
     at = 0
     for n in code:
