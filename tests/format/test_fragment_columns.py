@@ -193,6 +193,11 @@ def _two_ranks() -> dict[str, dict]:
         ("tensors", "crc32c", "QAAAAAAABAAA=", "crc32c (one per block) holds 8-byte entries; a CRC32C has 4 bytes"),
         ("tensors", "at", "BAAAA", "at holds 3 entries of 1 bytes where 1 are expected"),
         ("objects", "inline", ["AA=="], "'inline' must hold one base64 string per inline item"),
+        # rank 0's table says 0, and False == 0 in Python: a cached table must not answer for it
+        ("tensors", "requires_grad", False, "requires_grad must be an integer or a packed string"),
+        ("tensors", "paths", [[True]], "'paths' must hold, per key, null or a list of part counts"),
+        # rank 1's copy of the object equals rank 0's and is dropped: its place is checked all the same
+        ("objects", "at", 10**6, "spans bytes 1000000..1000100 of data-0123456789abcdef-r00001.ckio"),
     ],
 )
 def test_columns_a_fragment_cannot_join_by_are_refused_naming_the_fragment(table, field, value, message):
