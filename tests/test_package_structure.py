@@ -1,5 +1,6 @@
 """The package tree is the architecture: no import circles, no import from a lower layer up to a
-higher one, and the 0.2 module paths still import (with a DeprecationWarning) for one release."""
+higher one, and the 0.2 module paths still import (with a DeprecationWarning) for one release; the
+modules the rank servers preload exist."""
 
 from __future__ import annotations
 
@@ -136,3 +137,13 @@ def test_attribute_access_to_an_old_path_works_too():
         assert ckptio.convert.load_full is importlib.import_module("ckptio.tools.convert").load_full
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         ckptio.nothing_here  # noqa: B018
+
+
+def test_every_module_the_rank_servers_preload_imports():
+    """The bench's and the tests' forkservers import these once for every rank; the forkserver skips a
+    name that does not import without a word (``tests.scenarios`` stayed listed after the module moved
+    to ``tests/helpers``), and each rank then imports it itself."""
+    from tests.helpers.harness import PRELOAD
+
+    for name in PRELOAD:
+        importlib.import_module(name)

@@ -52,7 +52,7 @@ def _entry(
 #: instead of importing torch anew (about a second of CPU each, four at once on two cores). The
 #: bench's list (torch, torch._dynamo, s3fs, ckptio and its lazy modules: what ranks import on first
 #: use, found in their ``sys.modules``), and the tests' per-rank bodies.
-PRELOAD = [*BENCH_PRELOAD, "tests.scenarios"]
+PRELOAD = [*BENCH_PRELOAD, "tests.helpers.scenarios"]
 
 
 def rank_context():
