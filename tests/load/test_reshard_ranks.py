@@ -7,14 +7,11 @@ printed by hypothesis with the case that reproduces it."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import reshard_ranks
-from tests.helpers.harness import spawn
+from tests.helpers.rank_properties import RANK_PROPERTY_EXAMPLES, save_then_compare, save_then_compare_drawn
 
 #: Also run against the newest torch on disk (make test-torch-newest).
 pytestmark = pytest.mark.protocol
@@ -61,33 +58,13 @@ def cases(draw):
     }
 
 
-def check(case: dict, url: str) -> None:
-    spawn(case["save_world"], reshard_ranks.save, case, url)
-    wrong = spawn(case["load_world"], reshard_ranks.load_and_compare, case, url)
-    assert wrong == [[]] * case["load_world"], f"keys loaded wrong, by rank: {wrong}"
-
-
-EXAMPLES = int(os.environ.get("CKPTIO_RANK_PROPERTY_EXAMPLES", 8))
-
-
-def _check_examples(tmp_path_factory, examples: int) -> None:
-    counter = iter(range(10**6))
-
-    @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(case=cases())
-    def run(case):
-        check(case, str(tmp_path_factory.mktemp(f"reshard{next(counter)}") / "ckpt"))
-
-    run()
-
-
 def test_any_saved_layout_loads_exactly_on_any_other(tmp_path_factory):
-    _check_examples(tmp_path_factory, EXAMPLES)
+    save_then_compare_drawn(cases(), reshard_ranks, tmp_path_factory, RANK_PROPERTY_EXAMPLES)
 
 
 @pytest.mark.slow
 def test_any_saved_layout_loads_exactly_on_any_other_many(tmp_path_factory):
-    _check_examples(tmp_path_factory, EXAMPLES * 5)
+    save_then_compare_drawn(cases(), reshard_ranks, tmp_path_factory, RANK_PROPERTY_EXAMPLES * 5)
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
@@ -108,4 +85,4 @@ def test_row_shards_load_as_column_shards_on_the_same_ranks(tmp_path, compressio
         "dedup_reads": False,
         "seed": 0,
     }
-    check(case, str(tmp_path / "ckpt"))
+    save_then_compare(reshard_ranks, case, str(tmp_path / "ckpt"))

@@ -9,14 +9,12 @@ case, which the column merge hands over). torch's own DCP tests save these shape
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import sharded_tensor_ranks
-from tests.helpers.harness import spawn
+from tests.helpers.rank_properties import RANK_PROPERTY_EXAMPLES, save_then_compare, save_then_compare_drawn
 
 pytestmark = pytest.mark.protocol
 
@@ -58,25 +56,9 @@ def cases(draw):
     }
 
 
-def check(case: dict, url: str) -> None:
-    spawn(case["save_world"], sharded_tensor_ranks.save, case, url)
-    wrong = spawn(case["load_world"], sharded_tensor_ranks.load_and_compare, case, url)
-    assert wrong == [[]] * case["load_world"], f"keys loaded wrong, by rank: {wrong}"
-
-
-EXAMPLES = int(os.environ.get("CKPTIO_RANK_PROPERTY_EXAMPLES", 8))
-
-
 def test_any_sharded_tensor_layout_loads_exactly_into_any_other(tmp_path_factory):
-    counter = iter(range(10**6))
-
-    # 180 drawn when written, all exact; CI draws EXAMPLES new ones each run
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(case=cases())
-    def run(case):
-        check(case, str(tmp_path_factory.mktemp(f"sharded{next(counter)}") / "ckpt"))
-
-    run()
+    # 180 drawn when written: all exact
+    save_then_compare_drawn(cases(), sharded_tensor_ranks, tmp_path_factory, RANK_PROPERTY_EXAMPLES)
 
 
 @pytest.mark.parametrize("collectives", [True, False])
@@ -91,4 +73,4 @@ def test_a_rank_holding_two_pieces_of_one_tensor_apart(tmp_path, collectives):
         "save_world": 2, "load_world": 2, "mode": "all_ranks", "compression": None,
         "max_block_size": 256 << 10, "collectives": collectives, "seed": 1,
     }  # fmt: skip
-    check(case, str(tmp_path / "ckpt"))
+    save_then_compare(sharded_tensor_ranks, case, str(tmp_path / "ckpt"))
