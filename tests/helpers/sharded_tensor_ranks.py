@@ -15,16 +15,13 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
 
 import ckptio
+from tests.helpers import reshard_ranks
 
 
 def full_tensors(case: dict[str, Any]) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(case["seed"])
-    out = {}
-    for k, tensor in enumerate(case["tensors"]):
-        dtype = getattr(torch, tensor["dtype"])
-        values = torch.randn(tensor["shape"], generator=g) * 100
-        out[f"t{k}"] = values.to(dtype) if dtype.is_floating_point else values.to(torch.int64).to(dtype)
-    return out
+    """Each tensor's full value: the DTensor property's (``reshard_ranks.full_tensors``) for its shape and dtype."""
+    tensors = [(tensor["shape"], tensor["dtype"]) for tensor in case["tensors"]]
+    return reshard_ranks.full_tensors({"tensors": tensors, "seed": case["seed"]})
 
 
 def _spec(shape: list[int], layout: dict[str, Any]) -> EnumerableShardingSpec:
