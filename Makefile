@@ -2,10 +2,14 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned here (a CPU build these machines keep on disk); pyproject.toml states the supported range,
-# whose newest release (a CUDA build that runs on CPU, also on disk) runs the DCP-protocol tests in a second venv.
+# whose newest release runs the DCP-protocol tests and the installed wheel's smoke run in a second venv.
 TORCH ?= torch==2.13.0
-NEWEST_TORCH ?= torch==2.14.1
+# The newest release comes from the registry (~2.6 GB of CUDA libraries on a fresh machine); these machines'
+# pip caps torch through a constraints file, lifted (PIP_CONSTRAINT) for that venv's installs alone.
+NEWEST_TORCH ?= torch==2.15.0
 NEWEST_VENV ?= .venv-torch-newest
+NEWEST_PIP := PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/python -m pip
+WHEEL_DIR := build/wheel
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -14,12 +18,18 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test,bench,torchtitan,lint]'
 	touch $@
 
-$(NEWEST_VENV)/.installed: pyproject.toml Makefile
-	python3 -m venv $(NEWEST_VENV)
-	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(NEWEST_VENV)/bin/python -m pip install -q $(NEWEST_TORCH)
-	$(NEWEST_VENV)/bin/python -m pip install -q -e '.[test]'
+# A clean venv: the newest torch, then ckptio as users get it (the wheel, not editable) with its test extras.
+$(NEWEST_VENV)/.installed: pyproject.toml setup.py Makefile $(VENV)/.installed
+	rm -rf $(NEWEST_VENV) && python3 -m venv $(NEWEST_VENV)
+	$(NEWEST_PIP) install -q --upgrade pip
+	$(NEWEST_PIP) install -q $(NEWEST_TORCH)
+	$(MAKE) --no-print-directory wheel
+	$(NEWEST_PIP) install -q "$$(ls $(WHEEL_DIR)/ckptio-*.whl)[test]"
 	touch $@
+
+.PHONY: wheel test-installed
+wheel: $(VENV)/.installed
+	rm -rf $(WHEEL_DIR) && $(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR) .
 
 .PHONY: bench test test-fast test-torch-newest lint radosgw
 bench: $(VENV)/.installed
@@ -30,11 +40,22 @@ bench: $(VENV)/.installed
 test:
 	@$(MAKE) --no-print-directory radosgw & \
 	$(MAKE) --no-print-directory lint && wait && $(PY) -m pytest -q $(ARGS) && \
+	$(MAKE) --no-print-directory test-installed && \
 	$(MAKE) --no-print-directory test-torch-newest
 
+# The wheel of this checkout installed (not editable) beside the newest torch, which pip must keep, and what a
+# user runs first (tests/installed/user_smoke.py), from a folder outside the checkout.
+test-installed: $(NEWEST_VENV)/.installed
+	$(MAKE) --no-print-directory wheel
+	$(NEWEST_PIP) install -q --force-reinstall --no-deps $(WHEEL_DIR)/ckptio-*.whl
+	$(NEWEST_PIP) check
+	@dir=$$(mktemp -d) && cp tests/installed/user_smoke.py $$dir/ && cd $$dir && \
+	  CKPTIO_CHECKOUT=$(CURDIR) CKPTIO_EXPECT_TORCH=$(patsubst torch==%,%,$(NEWEST_TORCH)) $(abspath $(NEWEST_VENV))/bin/python user_smoke.py; \
+	  status=$$?; rm -rf $$dir; exit $$status
+
 # The tests marked `protocol` (plain dcp.save/load/async_save on gloo ranks, read-once, staging, resharding)
-# on the newest torch release pyproject.toml admits; property tests take 25 examples there (the main run
-# covers their input space with 100).
+# on the newest torch release pyproject.toml admits, from this checkout's source; property tests take 25
+# examples there (the main run covers their input space with 100).
 test-torch-newest: $(NEWEST_VENV)/.installed
 	CKPTIO_PROPERTY_EXAMPLES=25 $(NEWEST_VENV)/bin/python -m pytest -q -m "protocol and not slow" $(ARGS)
 

@@ -197,7 +197,7 @@ def bytes_by_dtype(url: str, storage_options: dict | None) -> dict[str, list[int
                 entry[0] += item.logical_bytes
                 entry[1] += item.stored_bytes
         return out
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from ckptio.torch_seam import FsspecReader
 
     reader = FsspecReader(url, **(storage_options or {}))
     metadata = reader.read_metadata()

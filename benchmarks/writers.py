@@ -6,10 +6,10 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import ckptio
+from ckptio.torch_seam import FsspecReader, FsspecWriter
 
 from . import usage_error
 

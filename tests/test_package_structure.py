@@ -16,7 +16,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "ckptio"
 
 #: Lowest first: a module may import its own layer and those below it, never one above.
 LAYERS = [
-    ("ckptio.version", "ckptio.config", "ckptio.errors", "ckptio.gc_pause", "ckptio.deprecated_paths"),
+    (
+        "ckptio.version",
+        "ckptio.config",
+        "ckptio.errors",
+        "ckptio.gc_pause",
+        "ckptio.deprecated_paths",
+        "ckptio.torch_seam",
+    ),
     ("ckptio.format", "ckptio.storage", "ckptio.state"),
     ("ckptio.saving", "ckptio.loading", "ckptio.tiers"),
     ("ckptio.hf",),

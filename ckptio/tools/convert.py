@@ -69,9 +69,9 @@ def torch_dcp_reader(url: str, storage_options: dict[str, Any] | None = None):
     """torch's own reader for a checkpoint its writers saved: FileSystemReader for local paths,
     FsspecReader (with ``storage_options``) for any other URL."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     from ckptio.storage import LocalStore, open_store
+    from ckptio.torch_seam import FsspecReader
 
     if isinstance(open_store(url, storage_options), LocalStore):
         return FileSystemReader(url)

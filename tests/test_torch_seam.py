@@ -1,0 +1,56 @@
+"""torch's private names that ckptio uses (``ckptio/torch_seam.py``) are where the seam expects them, and
+no module of ckptio or its bench warns of a deprecation on import, on every torch the suite runs on
+(``make test`` runs the ``protocol`` tests on the newest release too)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import ckptio.torch_seam as seam
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.protocol
+
+
+def _module_names() -> list[str]:
+    names = []
+    for package, folder in (("ckptio", ROOT / "ckptio"), ("ckptio.bench", ROOT / "benchmarks")):
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__main__" or "deprecated_paths" in parts:
+                continue
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            names.append(".".join((package, *parts)))
+    return names
+
+
+def test_every_module_imports_without_a_deprecation_or_future_warning():
+    """In a fresh interpreter, with those warnings as errors: a private torch module that became a
+    deprecated shim (``_fsspec_filesystem`` in 2.15) fails here, naming the module that imports it."""
+    names = [n for n in _module_names() if n != "ckptio.integrations.torchtitan"]  # an optional extra
+    script = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except (DeprecationWarning, FutureWarning) as exc:\n"
+        "        sys.exit(f'{name}: {type(exc).__name__}: {exc}')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-W", "error::FutureWarning", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_fsspec_reader_and_writer_are_torch_s():
+    from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+    assert issubclass(seam.FsspecReader, StorageReader) and issubclass(seam.FsspecWriter, StorageWriter)
