@@ -8,20 +8,21 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ckptio.errors import CheckpointError, UnsafeObjectError
+from ckptio.state.safe_pickle import safe_unpickle
 
 
 class SafeObjectsMixin:
-    """Restores non-tensor items with ``torch.load(weights_only=True)`` in any DefaultLoadPlanner subclass."""
+    """Restores non-tensor items with ``torch.load(weights_only=True)`` (and ``SAFE_BUILTINS``) in any
+    DefaultLoadPlanner subclass."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         try:
-            obj = torch.load(value, weights_only=True)
+            obj = safe_unpickle(value)
         except pickle.UnpicklingError as exc:
             found = re.search(r"GLOBAL ([\w.]+)", str(exc))
             needed = f"the global {found.group(1)!r}" if found else f"something unsafe ({str(exc).splitlines()[0]})"

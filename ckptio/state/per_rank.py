@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from ckptio.errors import PerRankStateError
+from ckptio.state.safe_pickle import safe_unpickle
 
 _MARK = "__per_rank__"
 _SLOT = re.compile(r"^(\d+)_of_(\d+)$")
@@ -60,7 +61,7 @@ def _pack(value: Any) -> bytes:
 
 
 def _unpack(raw: bytes) -> Any:
-    return torch.load(io.BytesIO(raw), weights_only=True)
+    return safe_unpickle(io.BytesIO(raw))
 
 
 def expand_for_save(state: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,19 @@ def tensors(draw) -> torch.Tensor:
 SCALARS = st.one_of(
     st.integers(-(2**40), 2**40), st.floats(allow_nan=False, width=64), st.text(max_size=8), st.booleans(), st.none()
 )
+#: Every other builtin a training state may hold (a sampler's bytes, a seen-ids set, a 128-bit seed), each
+#: of which ckptio.save must save and every safe load must restore as it was (issue 50's b"").
+BUILTINS = st.one_of(
+    st.binary(max_size=8),  # b"" included: pickle writes it as a call of the bytes global
+    st.binary(max_size=8).map(bytearray),
+    st.sets(st.integers(-5, 5), max_size=3),
+    st.frozensets(st.text(max_size=3), max_size=3),
+    st.complex_numbers(allow_nan=False, max_magnitude=1e6),
+    st.integers(-(2**200), 2**200),
+    st.builds(range, st.integers(-5, 5), st.integers(-5, 5)),
+    st.builds(slice, st.integers(0, 3), st.none() | st.integers(4, 9)),
+    st.just(...),
+)
 KEYS = st.one_of(
     st.text(st.characters(codec="ascii", exclude_characters="."), min_size=1, max_size=6), st.integers(0, 9)
 )
@@ -52,7 +65,7 @@ def _containers(children):
     )
 
 
-VALUES = st.recursive(st.one_of(tensors(), SCALARS), _containers, max_leaves=12)
+VALUES = st.recursive(st.one_of(tensors(), SCALARS, BUILTINS), _containers, max_leaves=12)
 
 
 @st.composite
@@ -85,8 +98,12 @@ def blank(value: Any) -> Any:
         return tuple(blank(v) for v in value)
     if isinstance(value, bool):
         return not value
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float, complex)):
         return value + 1
+    if isinstance(value, (bytes, bytearray)):
+        return type(value)(bytes(value) + b"?")
+    if isinstance(value, (set, frozenset)):
+        return type(value)({"stale"})
     if isinstance(value, str):
         return value + "?"
     return "stale"  # None
