@@ -1,33 +1,55 @@
-"""A tiered load: each byte from the nearest tier holding a verified copy.
+"""A tiered load: each byte from the nearest tier holding a verified copy of the checkpoint.
 
-The metadata comes from a node's fast tier when one holds it (sent to the other ranks by the lowest
-rank that does), else from the durable tier. Data files the node holds whole, and replicas its
-ranks kept, are read from the fast tier; everything else from the durable tier. Every block is
-checked against its CRC32C as on any load; a fast-tier file that fails a check (or is missing or
-short) is dropped and its items read again from the durable tier (``Reader.read_data``).
+The checkpoint is the one committed at the durable URL: its ``ckptio.json`` (or its merged
+fragments), read by the group's lowest rank. A node's copy stands in for it only where it proves to be
+that checkpoint: its data files carry the committed save id in their names (``held_index.py``), so a
+node's copy of an older checkpoint at the same URL (deleted and saved again, overwritten by a job on
+other nodes, a reused run folder) is never read. Only while nothing is committed at the URL (the drain
+has not finished) does the metadata come from a node's fast tier (sent to the other ranks by the lowest
+rank that holds it). Data files the node holds whole, and replicas its ranks kept, are read from the
+fast tier; everything else from the durable tier. Every block is checked against its CRC32C as on any
+load; a fast-tier file that fails a check (or is missing or short) is dropped and its items read again
+from the durable tier (``Reader.read_data``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch.distributed as dist
 
+from ckptio.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from ckptio.format.names import METADATA_NAME
 from ckptio.loading.read_once import read_on
 from ckptio.storage import FsspecStore, ReadRequest
 
+T = TypeVar("T")
+
 
 def tiered_metadata_bytes(local: FsspecStore, read_durable: Callable[[], bytes], group: Any, direct: Any) -> bytes:
-    """``ckptio.json`` from the lowest rank of ``group`` whose fast tier holds it, else read from the
-    durable tier by the group's lowest rank; every rank gets the bytes or the error."""
+    """The metadata committed on the durable tier, read by the lowest rank of ``group``; while nothing is
+    committed there, ``ckptio.json`` from the lowest rank whose fast tier holds it. Every rank gets the
+    bytes or the error."""
+    alone = group is direct or not dist.is_initialized() or dist.get_world_size(group) == 1
+    committed = committed_durable(read_durable) if alone else read_on(lambda: committed_durable(read_durable), group, 0)
+    if committed is not None:
+        return committed
     has_local = local.exists(METADATA_NAME)
-    if group is direct or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    if alone:
         return local.read(METADATA_NAME) if has_local else read_durable()
     flags: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(flags, has_local, group=group)
     source = flags.index(True) if True in flags else 0
     return read_on(lambda: local.read(METADATA_NAME) if has_local else read_durable(), group, source)
+
+
+def committed_durable(read_durable: Callable[[], T]) -> T | None:
+    """``read_durable()``, or ``None`` when the durable tier holds no committed checkpoint there (nothing,
+    or the files of a save whose commit has not arrived: a drain under way or cut off)."""
+    try:
+        return read_durable()
+    except (CheckpointNotFoundError, IncompleteCheckpointError):
+        return None
 
 
 class TieredSource:

@@ -1,0 +1,141 @@
+"""Issue 50's findings, each as a fixed example run every time: what outside suites found at the seams
+between features and across time (a node's stale copy, a requeued job's fragments, a damaged node copy,
+hostile integers)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptio
+from ckptio.tools.cli import main as cli_main
+
+N = 1 << 15  # elements: 128 KiB of fp32, past the metadata's inline limit, so data files are written
+
+
+def _tiered(tier) -> ckptio.WriterConfig:
+    return ckptio.WriterConfig(local_tier=str(tier))
+
+
+def test_a_node_s_stale_copy_is_never_loaded_after_the_url_is_deleted_and_saved_again(tmp_path):
+    """Finding 1: the node still holds step-1's old copy; the URL now holds another checkpoint."""
+    run, tier = str(tmp_path / "run"), tmp_path / "tier"
+    ckptio.save({"w": torch.zeros(4)}, f"{run}/step-1", _tiered(tier))
+    ckptio.wait_for_uploads()
+    assert cli_main(["delete", f"{run}/step-1"]) == 0
+    ckptio.save({"w": torch.ones(4)}, f"{run}/step-1")
+    for reader in (ckptio.Reader(f"{run}/step-1", local_tier=str(tier)), ckptio.Reader(f"{run}/step-1")):
+        state = {"w": torch.full((4,), 7.0)}
+        dcp.load(state, storage_reader=reader)
+        assert torch.equal(state["w"], torch.ones(4))
+    assert ckptio.latest(run, local_tier=str(tier)) == f"{run}/step-1"
+
+
+def test_a_node_s_copy_overwritten_by_another_job_is_never_loaded(tmp_path):
+    """Finding 1, an overwrite from other nodes: a second tier stands for them."""
+    run, mine, theirs = str(tmp_path / "run"), tmp_path / "mine", tmp_path / "theirs"
+    big = {"w": torch.arange(float(N))}
+    ckptio.save(big, f"{run}/step-1", _tiered(mine))
+    ckptio.wait_for_uploads()
+    other = {"w": -torch.arange(float(N))}
+    ckptio.save(other, f"{run}/step-1", ckptio.WriterConfig(local_tier=str(theirs), overwrite=True))
+    ckptio.wait_for_uploads()
+    state = {"w": torch.zeros(N)}
+    reader = ckptio.Reader(f"{run}/step-1", local_tier=str(mine))
+    dcp.load(state, storage_reader=reader)
+    assert torch.equal(state["w"], other["w"])
+    assert reader.bytes_read["local"] == 0
+
+
+def test_pruning_keeps_a_node_copy_that_the_durable_tier_does_not_hold(tmp_path):
+    """Finding 1's blind spot in pruning: a durable ckptio.json of another save at a step is not this
+    node's copy. Step 1 is committed on S3 by another job; this node's newer step 1 (an overwrite whose
+    drain ran out of time) must stay when step 2 prunes, and a copy the durable tier holds must go."""
+    run, tier = str(tmp_path / "run"), tmp_path / "tier"
+    ckptio.save({"w": torch.zeros(N)}, f"{run}/step-1")  # committed durably, never on this node
+    stalled = ckptio.WriterConfig(local_tier=str(tier), overwrite=True, drain_bandwidth=1, drain_timeout_s=0.5)
+    ckptio.save({"w": torch.ones(N)}, f"{run}/step-1", stalled)
+    with pytest.raises(ckptio.DrainError):
+        ckptio.wait_for_uploads()
+    steps = os.path.join(str(tier), os.listdir(tier)[0])
+    for step in (2, 3):
+        ckptio.save({"w": torch.full((N,), float(step))}, f"{run}/step-{step}", _keep_one(tier))
+        ckptio.wait_for_uploads()
+    assert sorted(os.listdir(steps)) == ["step-1", "step-3"]  # step 2 was on S3: pruned; step 1 was not
+    state = {"w": torch.zeros(N)}
+    ckptio.load(state, f"{run}/step-1")
+    assert torch.equal(state["w"], torch.zeros(N))  # S3 still holds the other job's step 1
+
+
+def _keep_one(tier) -> ckptio.WriterConfig:
+    return ckptio.WriterConfig(local_tier=str(tier), local_tier_keep=1)
+
+
+def _flip_a_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_latest_never_names_a_step_whose_only_copy_is_damaged(tmp_path):
+    """Finding 3: a byte of step 2's fast-tier file flipped after the save; its drain refuses it. A new
+    job's latest must answer step 1 (committed on the durable tier), not step 2, and leave nothing
+    running that a process would wait for at exit."""
+    run, tier = str(tmp_path / "run"), tmp_path / "tier"
+    slow = ckptio.WriterConfig(local_tier=str(tier), drain_bandwidth=400_000)
+    ckptio.save({"w": torch.ones(N)}, f"{run}/step-1", slow)
+    ckptio.save({"w": torch.full((N,), 2.0)}, f"{run}/step-2", _tiered(tier))  # drains behind step 1
+    step_2 = os.path.join(str(tier), os.listdir(tier)[0], "step-2")
+    (data,) = [name for name in os.listdir(step_2) if name.endswith(".ckio")]
+    _flip_a_byte(os.path.join(step_2, data))
+    with pytest.raises(ckptio.DrainError, match="fails its CRC32C"):
+        ckptio.wait_for_uploads()
+    assert ckptio.latest(run, local_tier=str(tier)) == f"{run}/step-1"
+    assert ckptio.uploads_pending() == 0
+    state = {"w": torch.zeros(N)}
+    dcp.load(state, storage_reader=ckptio.Reader(f"{run}/step-1", local_tier=str(tier)))
+    assert torch.equal(state["w"], torch.ones(N))
+
+
+def _save_with_a_damaged_rank_file(run: str, tier_base: str) -> tuple[str, float]:
+    """On 2 ranks, each its own node tier: rank 1's file is damaged before its upload, which refuses it.
+    The coordinator's commit must end at once (drain_timeout_s is an hour), not poll for that file."""
+    import time
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    tier = os.path.join(tier_base, f"node{rank}")
+    slow = ckptio.WriterConfig(local_tier=tier, drain_bandwidth=None if rank == 0 else 400_000)
+    dcp.save({f"w{rank}": torch.arange(float(N)) + rank * N}, storage_writer=ckptio.Writer(f"{run}/step-0", slow))
+    config = ckptio.WriterConfig(local_tier=tier)  # rank 1's drain of it waits behind step 0's
+    dcp.save({f"w{rank}": torch.arange(float(N)) + rank * N}, storage_writer=ckptio.Writer(f"{run}/step-1", config))
+    if rank == 1:
+        step = os.path.join(tier, os.listdir(tier)[0], "step-1")
+        (data,) = [name for name in os.listdir(step) if name.endswith(".ckio") and f"-r{rank:05d}" in name]
+        _flip_a_byte(os.path.join(step, data))
+    start = time.monotonic()
+    try:
+        ckptio.wait_for_uploads()
+        outcome = "drained"
+    except ckptio.DrainError as exc:
+        outcome = str(exc)
+    return outcome, time.monotonic() - start
+
+
+def test_a_refused_file_ends_the_commit_that_waits_for_it(tmp_path):
+    """Finding 3's second half, as a class: background work has a bound that a refused file ends."""
+    from torch.distributed.tensor import Shard, distribute_tensor  # noqa: F401 - a plain replicated state
+
+    from tests.helpers.harness import spawn
+
+    outcomes = spawn(2, _save_with_a_damaged_rank_file, str(tmp_path / "run"), str(tmp_path / "tiers"), timeout=120)
+    (coordinator, waited), (refused, _) = outcomes
+    assert "fails its CRC32C" in refused
+    assert "was refused by its drain" in coordinator and waited < 30, outcomes
+    assert not os.path.exists(tmp_path / "run" / "step-1" / "ckptio.json")
