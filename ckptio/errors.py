@@ -67,6 +67,10 @@ class UnsafeObjectError(CheckpointError):
     """A saved object needs a type the safe loader does not allow."""
 
 
+class DrainError(CheckpointError):
+    """A background upload to the durable tier failed; the fast-tier copy is kept."""
+
+
 # torch's dcp.load turns an exception from StorageReader.read_metadata into a bare AssertionError
 # that only carries its text. The Reader records what it raised there, so ``ckptio.unwrap`` can
 # give back the specific class (on the rank that raised it).

@@ -49,6 +49,9 @@ KEY_PREFIX_DIGITS = 2
 KEY_PREFIX_RULE = f"sha256-{KEY_PREFIX_DIGITS}"
 METADATA_NAME = "ckptio.json"
 TORCH_DCP_METADATA_NAME = ".metadata"
+#: Beside a data file on the durable tier: a drain refused to upload it (its fast-tier copy failed a
+#: check), so the commit waiting for it ends at once instead of at its timeout. Its text says why.
+REFUSED_SUFFIX = ".refused"
 #: The save id in a data file name: ``data-<save id>-r<rank>.ckio``.
 SAVE_ID = "[0-9a-f]{8,32}"
 _DATA_NAME = re.compile(rf"(?:([0-9a-f]{{{KEY_PREFIX_DIGITS}}})/)?data-({SAVE_ID})-r([0-9]{{5,}})\.ckio")

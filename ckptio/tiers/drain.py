@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import logging
 import os
 import random
@@ -26,14 +27,15 @@ from collections import deque
 from typing import Any, Callable, Iterable, Iterator
 
 from ckptio.config import StorageConfig
-from ckptio.errors import CheckpointError, CheckpointExistsError, StorageError
+from ckptio.errors import CheckpointError, CheckpointExistsError, DrainError, StorageError
 from ckptio.format.codec import checksum
-from ckptio.format.names import METADATA_NAME
+from ckptio.format.names import METADATA_NAME, REFUSED_SUFFIX
 from ckptio.format.records import StoredItem
 from ckptio.format.versions import decode_metadata
 from ckptio.saving.commit import publish
 from ckptio.storage import FsspecStore, LocalStore, open_store
 from ckptio.tiers.background import drain_storage_options, lower_this_thread
+from ckptio.tiers.held_index import holds_committed
 from ckptio.tiers.paths import step_order
 
 log = logging.getLogger(__name__)
@@ -43,12 +45,10 @@ log = logging.getLogger(__name__)
 UPLOAD_PIECE_BYTES = 8 << 20
 #: Waits between polls of the durable tier (a commit waiting for other ranks' files): doubling.
 POLL_FIRST_S, POLL_MAX_S = 0.05, 2.0
+#: A rank awaiting the commit looks for refused files (one listing) every this many polls.
+REFUSAL_LISTING_EVERY = 8
 #: Waits between retries of a failed job: doubling, with jitter.
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0
-
-
-class DrainError(CheckpointError):
-    """A background upload to the durable tier failed; the fast-tier copy is kept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,7 @@ class Upload:
     name: str
     segments: tuple[tuple[int, int | None], ...]
     bandwidth: int | None = None
+    resumed: bool = False  # by ckptio.latest: an earlier drain may have left a refusal of this file
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +85,18 @@ class Upload:
     def run(self, deadline: float) -> None:
         store = self.durable.store()
         store.prepare_directory()
+        try:
+            self._copy(store, deadline)
+        except DrainError as refusal:  # the copy is damaged: the commit waiting for this file must hear of it
+            try:
+                store.put_atomic(self.name + REFUSED_SUFFIX, str(refusal).encode())
+            except Exception as exc:  # noqa: BLE001 - the commit then ends at its timeout, as it did before
+                log.warning("ckptio: cannot record the refusal of %s: %r", store.describe(self.name), exc)
+            raise
+        if self.resumed:
+            store.delete_best_effort([self.name + REFUSED_SUFFIX])
+
+    def _copy(self, store: FsspecStore, deadline: float) -> None:
         pace = _Pace(self.bandwidth)
         local_durable = isinstance(store, LocalStore)
         # A POSIX durable tier gets a temporary name renamed at the end, so a file the commit finds
@@ -114,7 +127,7 @@ class Upload:
                         sink.write(block, crc)
                         at += length
                     done += got
-                    pace.after(got)
+                    pace.after(got, deadline, store.describe(self.name))
             sink.close()
         except BaseException:
             sink.abort()
@@ -179,6 +192,9 @@ class Commit:
 
         def arrived() -> bool:
             present = store.list_sizes() or {}
+            refused = [n for n in self.files if n + REFUSED_SUFFIX in present]
+            if refused:
+                raise _refused(store, refused[0], self.writers.get(refused[0], "?"))
             missing[:] = sorted(n for n, size in self.files.items() if present.get(n) != size)
             return not missing
 
@@ -203,12 +219,18 @@ class AwaitCommit:
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
+        misses = itertools.count(1)
 
         def committed() -> bool:
             try:
                 return self.name in decode_metadata(store.read(METADATA_NAME), store.describe(METADATA_NAME)).files
             except FileNotFoundError:
-                return False
+                pass
+            if next(misses) % REFUSAL_LISTING_EVERY == 0:  # a refused file means the commit will not come
+                refused = [n for n in store.list_names(nested=True) or [] if n.endswith(REFUSED_SUFFIX)]
+                if refused:
+                    raise _refused(store, refused[0][: -len(REFUSED_SUFFIX)], "?")
+            return False
 
         _poll(
             committed,
@@ -218,6 +240,17 @@ class AwaitCommit:
                 "the coordinator's drain failed or was cut off (see its log); the fast-tier copies are kept"
             ),
         )
+
+
+def _refused(store: FsspecStore, name: str, rank: Any) -> DrainError:
+    try:
+        why = store.read(name + REFUSED_SUFFIX).decode(errors="replace")
+    except (FileNotFoundError, CheckpointError):
+        why = "its fast-tier copy failed a check"
+    return DrainError(
+        f"{store.describe(name)} (rank {rank}) was refused by its drain, so this save does not commit on the "
+        f"durable tier (it keeps its previous checkpoint): {why}"
+    )
 
 
 def _poll(done: Callable[[], bool], deadline: float, late: Callable[[], DrainError]) -> None:
@@ -233,7 +266,10 @@ def _poll(done: Callable[[], bool], deadline: float, late: Callable[[], DrainErr
 
 @dataclasses.dataclass
 class Prune:
-    """Keep a run's ``keep`` newest fast-tier checkpoints, and every one not committed durably."""
+    """Keep a run's ``keep`` newest fast-tier checkpoints, and every one the durable tier does not hold:
+    an older step's copy goes once the checkpoint committed at its URL is that copy, or superseded it
+    (``held_index.holds_committed``); a copy of another save there (one whose drain has not committed)
+    stays."""
 
     local_run: str
     durable_run: Durable
@@ -247,24 +283,33 @@ class Prune:
         for step in steps[: -self.keep]:
             durable = dataclasses.replace(self.durable_run, url=f"{self.durable_run.url}/{step}").store()
             try:
-                durable.read(METADATA_NAME)
+                committed = decode_metadata(durable.read(METADATA_NAME), durable.describe(METADATA_NAME))
             except (FileNotFoundError, CheckpointError):
                 continue  # not (yet) durable: kept
-            shutil.rmtree(os.path.join(self.local_run, step), ignore_errors=True)
+            local_step = os.path.join(self.local_run, step)
+            if holds_committed(local_step, committed) is None:
+                continue  # another save than the one committed there, maybe newer: kept
+            shutil.rmtree(local_step, ignore_errors=True)
             log.info("ckptio: removed the fast-tier copy of %s (committed on the durable tier)", durable.url)
 
 
 class _Pace:
-    """At most ``rate`` bytes per second, on average since the first byte."""
+    """At most ``rate`` bytes per second, on average since the first byte; never a wait past the job's
+    deadline (the upload fails instead: a drain that cannot finish in time must not hold a process)."""
 
     def __init__(self, rate: int | None):
         self.rate, self.start, self.sent = rate, time.monotonic(), 0
 
-    def after(self, nbytes: int) -> None:
+    def after(self, nbytes: int, deadline: float, what: str) -> None:
         if self.rate is None:
             return
         self.sent += nbytes
         ahead = self.sent / self.rate - (time.monotonic() - self.start)
+        if ahead > 0 and time.monotonic() + ahead > deadline:
+            raise DrainError(
+                f"the upload of {what} at drain_bandwidth {self.rate} B/s cannot finish within drain_timeout_s; "
+                "its fast-tier copy is kept (raise drain_bandwidth or drain_timeout_s)"
+            )
         if ahead > 0:
             time.sleep(ahead)
 

@@ -16,14 +16,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from ckptio.format.names import parse_data_file_name
+from ckptio.errors import CheckpointError
+from ckptio.format.codec import checksum
+from ckptio.format.names import METADATA_NAME, parse_data_file_name
 from ckptio.format.records import Manifest, StoredItem
 from ckptio.format.v1 import pack_counts
+from ckptio.format.versions import decode_metadata
 from ckptio.storage import FsspecStore
 from ckptio.tiers.paths import HELD_SUFFIX
 
@@ -180,3 +184,60 @@ def _add(found: LocalCopies, index: HeldIndex, manifest: Manifest) -> None:
         matched += 1
     if (whole or index.durable_bytes == 0) and matched == len(index.extras) and (whole or matched):
         found.complete_ranks.add(parse_data_file_name(index.file).rank)
+
+
+def damaged_blocks(local: FsspecStore, file: str, manifest: Manifest, copies: LocalCopies) -> str | None:
+    """What is wrong with the fast-tier file ``file``, checked as a load would check it: every block the
+    checkpoint stores there (its durable part) or relocated there (replicas) against its CRC32C; ``None``
+    when every block is whole."""
+    records = [r for r in manifest.items.values() if r.file == file]
+    records += [c for per_rank in manifest.per_rank.values() for c in per_rank.values() if c.file == file]
+    records += [r for r in copies.relocated.values() if r.file == file]
+    blocks = sorted(
+        (offset, length, crc)
+        for record in records
+        for offset, (length, crc) in zip(record.block_offsets[:-1], record.blocks, strict=True)
+    )
+    try:
+        with open(local.path(file), "rb", buffering=0) as f:
+            for offset, length, crc in blocks:
+                f.seek(offset)
+                block = f.read(length)
+                if len(block) != length:
+                    return f"it ends before byte {offset + length}"
+                if checksum(block) != crc:
+                    return f"the block at byte {offset} fails its CRC32C"
+    except OSError as exc:
+        return f"it cannot be read: {exc}"
+    return None
+
+
+def holds_committed(local_step: str, manifest: Manifest) -> bool | None:
+    """Whether the node's copy in folder ``local_step`` is the checkpoint ``manifest`` describes (its
+    ``ckptio.json`` has the same save id, or a data file of its is one the checkpoint names: ``True``), a
+    copy of a checkpoint that ``manifest``'s superseded (every file of it older than that commit:
+    ``False``), or neither, so possibly newer than the commit (a save whose drain has not committed:
+    ``None``)."""
+    names = _files_below(local_step)
+    own = os.path.join(local_step, METADATA_NAME)
+    if own in names:
+        try:
+            with open(own, "rb") as f:
+                if decode_metadata(f.read(), own).header.save_id == manifest.header.save_id:
+                    return True
+        except (OSError, CheckpointError):
+            pass
+    for name in names:
+        if name.endswith(HELD_SUFFIX):
+            held = os.path.relpath(name, local_step)[: -len(HELD_SUFFIX)].replace(os.sep, "/")
+            if held in manifest.header.files:
+                return True
+    try:
+        newest = max(os.stat(name).st_mtime for name in names) if names else 0.0
+    except OSError:
+        return None
+    return False if newest < manifest.header.created_unix else None
+
+
+def _files_below(folder: str) -> list[str]:
+    return [os.path.join(top, name) for top, _, files in os.walk(folder) for name in files]

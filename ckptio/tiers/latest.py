@@ -18,6 +18,7 @@ A step whose files are lost on both tiers is passed over for the next older one.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Callable, TypeVar
@@ -26,17 +27,19 @@ import torch.distributed as dist
 
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError
-from ckptio.format.names import METADATA_NAME
+from ckptio.format.names import METADATA_NAME, parse_data_file_name
+from ckptio.format.records import Manifest
 from ckptio.format.versions import decode_metadata
 from ckptio.loading.fragment_set import complete_set
 from ckptio.loading.read_once import read_on
 from ckptio.loading.together import fail_together
-from ckptio.storage import open_store
-from ckptio.tiers.drain import Commit, Durable, Upload, drain_queue, durable_segments
-from ckptio.tiers.held_index import local_copies
+from ckptio.storage import FsspecStore, open_store
+from ckptio.tiers.drain import Commit, DrainError, Durable, Upload, drain_queue, durable_segments
+from ckptio.tiers.held_index import LocalCopies, damaged_blocks, local_copies
 from ckptio.tiers.paths import local_run_path, normalized_url, step_order
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 #: How long a resumed drain (background or not) may take.
 RESUME_TIMEOUT_S = 3600.0
@@ -117,7 +120,7 @@ def _resume(
     local = open_store(os.path.join(local_run, step), None, config)
     document = group.one_rank(lambda: local.read(METADATA_NAME), source=holder)
     manifest = decode_metadata(document, local.describe(METADATA_NAME))
-    copies = local_copies(local, manifest)
+    copies = _checked(local, manifest, group)
     reports = group.all((group.rank in copies.complete_ranks, sorted(copies.files)))
     durable = Durable(f"{run}/{step}", options, config)
     present = group.one_rank(lambda: open_store(durable.url, options, config).list_sizes() or {})
@@ -131,7 +134,7 @@ def _resume(
         return False
     records = [*manifest.items.values(), *(c for copies in manifest.per_rank.values() for c in copies.values())]
     mine = [
-        Upload(durable, local.path(n), n, durable_segments(records, n, manifest.files[n]))
+        Upload(durable, local.path(n), n, durable_segments(records, n, manifest.files[n]), resumed=True)
         for n in missing
         if uploader[n] == group.rank
     ]
@@ -141,9 +144,36 @@ def _resume(
             drain_queue().submit(durable.url + "#resumed", job, RESUME_TIMEOUT_S)
         return True
     deadline = time.monotonic() + RESUME_TIMEOUT_S
-    group.together(lambda: [job.run(deadline) for job in mine])
-    group.together(lambda: commit.run(deadline) if group.rank == holder else None)
+    try:
+        group.together(lambda: [job.run(deadline) for job in mine])
+        group.together(lambda: commit.run(deadline) if group.rank == holder else None)
+    except DrainError as exc:  # a file refused on its way (damaged since the check): the step is passed over
+        log.warning("ckptio: %s/%s cannot be finished from the fast tiers: %s", run, step, exc)
+        return False
     return True
+
+
+def _checked(local: FsspecStore, manifest: Manifest, group: "_Group") -> LocalCopies:
+    """What this node holds of ``manifest``, each file's blocks checked against their CRC32Cs as a load
+    would (a copy damaged after its save is no copy: a restart from it would fail on every rank). Each
+    file is checked once: by the rank its name gives, where that rank holds it, else by the lowest rank
+    that does."""
+    copies = local_copies(local, manifest)
+    views = group.all(sorted({*copies.files, *copies.sizes}))
+    found = {}
+    for name in views[group.rank]:
+        holders = [rank for rank, view in enumerate(views) if name in view]
+        own = parse_data_file_name(name).rank
+        if (own if own in holders else holders[0]) == group.rank:
+            problem = damaged_blocks(local, name, manifest, copies)
+            if problem:
+                found[name] = problem
+                log.warning("ckptio: the fast-tier copy %s is damaged (%s): not a copy", local.describe(name), problem)
+    for name in {name for report in group.all(sorted(found)) for name in report}:
+        copies.files.discard(name)
+        copies.relocated = {key: item for key, item in copies.relocated.items() if item.file != name}
+        copies.complete_ranks.discard(parse_data_file_name(name).rank)
+    return copies
 
 
 class _Group:

@@ -8,6 +8,7 @@ import dataclasses
 from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, MixedFragmentsError
 from ckptio.format.names import (
     METADATA_NAME,
+    REFUSED_SUFFIX,
     TORCH_DCP_METADATA_NAME,
     is_data_file_name,
     parse_reference_marker_name,
@@ -52,7 +53,8 @@ def find_garbage(store: FsspecStore) -> Garbage:
     names = store.list_names(nested=True) or []
     in_use, stale_markers = files_in_use(store, names, saving_counts=False)
     orphans = orphaned_files(store, manifest, names, in_use)
-    return Garbage(stale_fragments(store, manifest) + stale_markers + orphans, uploads)
+    refusals = [name for name in names if name.endswith(REFUSED_SUFFIX)]  # of drains that gave up
+    return Garbage(stale_fragments(store, manifest) + stale_markers + orphans + refusals, uploads)
 
 
 def stale_fragments(store: FsspecStore, manifest: Manifest | None) -> list[str]:
