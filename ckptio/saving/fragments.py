@@ -2,11 +2,14 @@
 (``format/fragments.py`` has the format; ``commit.publish_fragment`` the commit).
 
 The ranks of one save must name it alike without exchanging a message, and two saves to one path
-must differ, even when a job is restarted and saves the same step again. A save's id is a hash of
-the checkpoint URL, the job's identity, and how many saves without a coordinator to that URL this
-process made before. The job's identity is ``CKPTIO_JOB_ID`` when set; otherwise a token that
-the first rank to ask leaves in torch's rendezvous store (one store request per process, never one
-per save); otherwise (no process group) a fresh random one, which a single process needs.
+must differ, even when a job is restarted or requeued and saves the same step again: a requeued
+attempt's fragments must never complete an earlier attempt's set. A save's id is a hash of the
+checkpoint URL, the attempt's identity, and how many saves without a coordinator to that URL this
+process made before. The attempt's identity is a token that the first rank to ask leaves in torch's
+rendezvous store (one store request per process, never one per save; the store is new for every
+attempt: torchrun keeps one per restart), joined to ``CKPTIO_JOB_ID`` when set; a single process
+(no store to share) takes a fresh random one. Only where the ranks share no store does
+``CKPTIO_JOB_ID`` alone name the save, and it must then differ between attempts.
 """
 
 from __future__ import annotations
@@ -38,16 +41,25 @@ def fragment_save_id(checkpoint_id: str) -> str:
 
 
 def job_token() -> str:
+    """This attempt's identity (the module's rule), the same on every rank of the attempt."""
     global _job_token
     with _lock:
         if _job_token is None:
-            _job_token = os.environ.get("CKPTIO_JOB_ID") or _store_token() or uuid.uuid4().hex
+            job = os.environ.get("CKPTIO_JOB_ID")
+            attempt = _store_token()
+            if attempt is None and (job is None or not _several_ranks()):
+                attempt = uuid.uuid4().hex
+            _job_token = "\n".join(part for part in (job, attempt) if part is not None)
         return _job_token
+
+
+def _several_ranks() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _store_token() -> str | None:
     """The token in the default process group's store, left there by the first rank that asked."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not _several_ranks():
         return None
     try:
         store = dist.distributed_c10d._get_default_store()

@@ -139,3 +139,35 @@ def test_a_refused_file_ends_the_commit_that_waits_for_it(tmp_path):
     assert "fails its CRC32C" in refused
     assert "was refused by its drain" in coordinator and waited < 30, outcomes
     assert not os.path.exists(tmp_path / "run" / "step-1" / "ckptio.json")
+
+
+def _save_without_coordinator(url: str, value: float) -> str:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    try:
+        dcp.save({f"w{rank}": torch.full((N,), value)}, storage_writer=ckptio.Writer(url), use_collectives=False)
+        return "saved"
+    except ckptio.CheckpointExistsError:
+        return "exists"
+    except RuntimeError:  # the barrier that ends dcp.save, after this rank's fragment committed: rank 0 left
+        return "saved, barrier failed"
+
+
+def test_a_requeued_job_s_fragments_never_complete_an_earlier_attempt_s_set(tmp_path):
+    """Finding 2: with CKPTIO_JOB_ID kept across a requeue, attempt 1's rank 1 died before committing its
+    fragment; attempt 2 saves the step again with other values: its rank 0 finds its fragment taken, its
+    rank 1 commits. The set is of two attempts: every load and ckptio merge must refuse it."""
+    from ckptio.format.names import fragment_name
+    from tests.helpers.harness import spawn
+
+    url = str(tmp_path / "step-7")
+    env = {"CKPTIO_JOB_ID": "slurm-4242"}
+    assert spawn(2, _save_without_coordinator, url, 1.0, env=env) == ["saved", "saved"]
+    os.remove(os.path.join(url, fragment_name(1, 2)))  # rank 1 was killed before its fragment committed
+    assert spawn(2, _save_without_coordinator, url, 2.0, env=env)[0] == "exists"
+    assert os.path.exists(os.path.join(url, fragment_name(1, 2)))
+    with pytest.raises(ckptio.MixedFragmentsError):
+        ckptio.load({"w0": torch.zeros(N), "w1": torch.zeros(N)}, url)
+    assert cli_main(["merge", url]) != 0
+    assert not os.path.exists(os.path.join(url, "ckptio.json"))
