@@ -201,7 +201,7 @@ class PackedBlocks:
         packed = array.array(self._typecode, raw[skip : skip + end - first])
         if sys.byteorder != "little":
             packed.byteswap()
-        if self._typecode == "Q" and packed and max(packed) >= INT64_LIMIT:
+        if self._width == 8 and packed and max(packed) >= INT64_LIMIT:
             raise CheckpointFormatError(f"{self._what} holds {max(packed)}, past the largest count or offset (2^63-1)")
         return packed
 

@@ -102,7 +102,9 @@ def decode_files(value: Any, version: int, where: str) -> tuple[tuple[str, ...],
         distinct = {None}
     if not all(isinstance(s, str) and _SAVE_ID.fullmatch(s) for s in distinct):
         for save_id, rank in zip(save_ids, ranks, strict=True):  # which one
-            if not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id)):
+            if not isinstance(save_id, str):  # a number would spell a valid name: refused by type
+                raise CheckpointFormatError(f"{where}: files: save_ids holds {save_id!r:.40}, not a string")
+            if not _SAVE_ID.fullmatch(save_id):
                 refuse_data_file_name(data_file_name(save_id, rank), where)  # names the file and raises
     if "bases" in value:
         names = _names_with_siblings(value, save_ids, ranks, spread, version, where)
@@ -488,6 +490,8 @@ def _storage_columns_of(
         if not context.digests:
             raise CheckpointFormatError(f"{where}: a 'digests' column is format version {INCREMENTAL_VERSION}'s")
         key.digests = PackedBlocks(record["digests"], DIGEST_ENTRIES * total, f"{where}: digests (16 bytes per block)")
+        if key.digests.width != 4:  # sliced as 4-byte entries: wider ones would shift every block's digest
+            raise CheckpointFormatError(f"{where}: digests holds {key.digests.width}-byte entries, not 4")
     _check_stored_bytes(key, record.get("inline", []), context, where)
 
 

@@ -4,6 +4,8 @@ hostile integers)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 
 import pytest
@@ -171,3 +173,77 @@ def test_a_requeued_job_s_fragments_never_complete_an_earlier_attempt_s_set(tmp_
         ckptio.load({"w0": torch.zeros(N), "w1": torch.zeros(N)}, url)
     assert cli_main(["merge", url]) != 0
     assert not os.path.exists(os.path.join(url, "ckptio.json"))
+
+
+def _packed_8_bytes(*values: int) -> str:
+    import struct
+
+    return "Q" + base64.b64encode(struct.pack(f"<{len(values)}Q", *values)).decode()
+
+
+def _metadata(tmp_path) -> dict:
+    ckptio.save({"w": torch.arange(float(N)), "v": torch.arange(float(N)) * 2}, str(tmp_path / "ck"))
+    with open(tmp_path / "ck" / "ckptio.json") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("value", [1 << 63, (1 << 64) - 1])
+def test_packed_8_byte_entries_past_2_63_are_refused_on_every_platform(value):
+    """Finding 5: the bound was tested for the array typecode 'Q', and 8-byte arrays are 'L' on 64-bit
+    Linux: a chunk offset of 2^63 became an OverflowError in the read (a StorageError inviting a retry)."""
+    from ckptio.errors import CheckpointFormatError
+    from ckptio.format.v3 import PackedBlocks, decode_array, decode_column
+
+    column = _packed_8_bytes(3, value)
+    for decode in (decode_column, decode_array):
+        with pytest.raises(CheckpointFormatError, match="past the largest"):
+            decode(column, 2, "a column")
+    with pytest.raises(CheckpointFormatError, match="past the largest"):
+        PackedBlocks(column, 2, "a column")[1:]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        (("files", "ranks"), _packed_8_bytes(1 << 63)),
+        (("files", "sizes"), _packed_8_bytes(1 << 63)),
+        (("files", "save_ids"), [1234567890123456]),  # a number that would spell a valid file name
+        (("files", "save_ids"), [True]),
+        (("save_id",), 1234567890123456),
+    ],
+)
+def test_integers_and_save_ids_of_the_wrong_kind_are_named_format_errors(tmp_path, field, value):
+    """Finding 5: an integer column is bounded by value; a save id is a string, never a number."""
+    from ckptio.errors import CheckpointFormatError
+    from ckptio.format.versions import decode_metadata
+
+    doc = _metadata(tmp_path)
+    target = doc
+    for part in field[:-1]:
+        target = target[part]
+    target[field[-1]] = value
+    with pytest.raises(CheckpointFormatError):
+        decode_metadata(json.dumps(doc).encode(), "ckptio.json")
+    with open(tmp_path / "ck" / "ckptio.json", "w") as f:
+        json.dump(doc, f)
+    assert cli_main(["inspect", str(tmp_path / "ck")]) != 0
+    assert cli_main(["verify", str(tmp_path / "ck")]) != 0
+
+
+def test_digest_entries_wider_than_4_bytes_are_refused(tmp_path):
+    """Finding 5's digests: a base's block digests are sliced as 4-byte entries; 8-byte ones would shift
+    every block's digest against the blocks a later incremental save compares."""
+    import struct
+
+    from ckptio.errors import CheckpointFormatError
+    from ckptio.format.versions import decode_metadata
+
+    url = str(tmp_path / "run" / "step-1")
+    ckptio.save({"w": torch.arange(float(N))}, url, ckptio.WriterConfig(incremental_from="previous"))
+    with open(os.path.join(url, "ckptio.json")) as f:
+        doc = json.load(f)
+    entries = base64.b64decode(doc["tensors"]["digests"][1:])
+    words = struct.unpack(f"<{len(entries) // 4}I", entries)
+    doc["tensors"]["digests"] = "Q" + base64.b64encode(struct.pack(f"<{len(words)}Q", *words)).decode()
+    with pytest.raises(CheckpointFormatError, match="digests"):
+        decode_metadata(json.dumps(doc).encode(), "ckptio.json")
