@@ -175,9 +175,11 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         self.rank = rank
         self._fragment = None
+        # First this save's turn: a refusal after it lets the next save of the process go on at once.
+        self._ticket = ordering.begin(self._ticket)  # waits for this process's previous save to return
+        self.config.validate()  # again: a field set after the config was made must meet the same rules
         if kwargs.get("use_collectives", True) is False:
             self._fragment = self._fragment_of_save()
-        self._ticket = ordering.begin(self._ticket)  # waits for this process's previous save to return
         if self.config.local_tier:  # a failed background upload of an earlier save is raised here
             drain_queue().raise_failure()
 

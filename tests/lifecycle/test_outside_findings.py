@@ -247,3 +247,38 @@ def test_digest_entries_wider_than_4_bytes_are_refused(tmp_path):
     doc["tensors"]["digests"] = "Q" + base64.b64encode(struct.pack(f"<{len(words)}Q", *words)).decode()
     with pytest.raises(CheckpointFormatError, match="digests"):
         decode_metadata(json.dumps(doc).encode(), "ckptio.json")
+
+
+def test_a_config_field_set_after_construction_is_checked_when_the_save_starts(tmp_path):
+    """Finding 6: WriterConfig's refusals held at construction only; a field set afterwards bypassed them."""
+    config = ckptio.WriterConfig(local_tier=str(tmp_path / "tier"))
+    config.incremental_from = "previous"
+    url = str(tmp_path / "run" / "step-1")
+    with pytest.raises(BaseException) as raised:  # noqa: PT011 - dcp.save wraps it in torch's CheckpointException
+        dcp.save({"w": torch.ones(N)}, storage_writer=ckptio.Writer(url, config))
+    assert "ValueError: ckptio does not combine incremental_from" in str(ckptio.unwrap(raised.value))
+    config = ckptio.WriterConfig()
+    config.max_block_size = 100  # not a multiple of 64
+    with pytest.raises(ckptio.CheckpointError, match="ValueError: max_block_size"):
+        ckptio.save({"w": torch.ones(N)}, url, config)
+    assert not os.path.exists(url) and not os.path.exists(tmp_path / "tier")
+
+
+def test_a_damaged_node_copy_of_the_metadata_is_not_an_error_when_the_durable_tier_holds_it(tmp_path):
+    """Finding 6: a truncated node-local ckptio.json, or one with a CRC character changed, while S3 holds
+    the intact checkpoint: the load reads the durable document, and the node's data where it proves to be
+    that checkpoint's."""
+    run, tier = str(tmp_path / "run"), tmp_path / "tier"
+    ckptio.save({"w": torch.arange(float(N))}, f"{run}/step-1", _tiered(tier))
+    ckptio.wait_for_uploads()
+    (node_doc,) = [os.path.join(top, "ckptio.json") for top, _, names in os.walk(tier) if "ckptio.json" in names]
+    with open(node_doc, "rb") as f:
+        raw = f.read()
+    for damaged in (raw[: len(raw) // 2], raw.replace(b'"crc32c":"I', b'"crc32c":"H', 1)):
+        with open(node_doc, "wb") as f:
+            f.write(damaged)
+        state = {"w": torch.zeros(N)}
+        reader = ckptio.Reader(f"{run}/step-1", local_tier=str(tier))
+        dcp.load(state, storage_reader=reader)
+        assert torch.equal(state["w"], torch.arange(float(N)))
+        assert reader.bytes_read["local"] > 0  # the node's data file is the committed checkpoint's
