@@ -1,0 +1,240 @@
+"""The checkpoint lifecycle as a stateful property: random sequences of saves (plain, tiered on one of two
+node tiers, tiered with a drain that never finishes, incremental, without a coordinator), overwrites,
+deletes, reused URLs, damaged and lost node copies, merges and restarts through ``ckptio.latest``, in one
+process, against a model of what each URL and each node holds. Every load returns what the model says
+or raises a named ``CheckpointError``, never other values; ``latest`` always names a step that loads.
+
+The model's rules (what ckptio promises across time):
+- a URL's checkpoint is its last committed save: ``ckptio.json`` (a save with a coordinator, a finished
+  drain, a merge) or, where there is none, its complete fragment set. A save with a coordinator is refused
+  (``CheckpointExistsError``) over a committed ``ckptio.json`` unless it overwrites, a save without one also
+  over committed fragments, a tiered save also where its node holds a committed copy of that URL (whole
+  or damaged: only ``overwrite`` or ``ckptio gc --local-tier`` replaces it);
+- a node's copy is read only while nothing is committed at the URL (a drain that has not finished); a
+  copy damaged or lost on the node is never a source;
+- ``latest`` on a node resumes the newest undamaged copy newer than every durable step (committing it),
+  else names the newest durable step.
+Two-rank lifecycles (requeued attempts under one ``CKPTIO_JOB_ID``, ranks killed mid-save) are fixed
+examples in ``test_outside_findings.py`` and ``tests/tiers``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import ckptio
+from ckptio.tiers.paths import step_order
+from ckptio.tools.cli import main as cli_main
+
+N = 1 << 15  # fp32 elements per tensor: past the inline limit, several blocks
+STEPS = st.integers(1, 3)
+TIERS = st.sampled_from(["node-a", "node-b"])
+BLOCK = 16 << 10
+
+
+def _state(value: int) -> dict:
+    # "base" never changes (an incremental save references it), "w" always does
+    return {"base": torch.arange(float(N)), "w": torch.full((N,), float(value)), "step": value}
+
+
+def _blank() -> dict:
+    return {"base": torch.zeros(N), "w": torch.zeros(N), "step": -1}
+
+
+def _value_of(loaded: dict) -> int:
+    value = int(loaded["w"][0])
+    exact = torch.equal(loaded["w"], torch.full((N,), float(value))) and loaded["step"] == value
+    if not exact or not torch.equal(loaded["base"], torch.arange(float(N))):
+        raise AssertionError(f"a load returned values no save wrote: step={loaded['step']}, w[0]={value}")
+    return value
+
+
+class Lifecycle(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = tempfile.mkdtemp(prefix="ckptio-lifecycle-")
+        self.run = os.path.join(self.root, "run")
+        self.durable: dict[int, tuple[int, str]] = {}  # step -> (value, "json" or "fragments")
+        self.node: dict[tuple[str, int], int] = {}  # (tier, step) -> value of the node's whole copy
+        self.node_commits: set[tuple[str, int]] = set()  # a node copy's ckptio.json, whole or damaged
+        self.counter = 0
+
+    def teardown(self) -> None:
+        try:
+            ckptio.wait_for_uploads(timeout=60)
+        except ckptio.DrainError:
+            pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _url(self, step: int) -> str:
+        return f"{self.run}/step-{step}"
+
+    def _tier(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def _next_value(self) -> int:
+        self.counter += 1
+        return self.counter
+
+    def _save(self, step: int, config: ckptio.WriterConfig, refused: bool, **kwargs) -> int | None:
+        value = self._next_value()
+        try:
+            dcp.save(_state(value), storage_writer=ckptio.Writer(self._url(step), config), **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException
+            error = ckptio.unwrap(exc)
+            assert refused and isinstance(error, ckptio.CheckpointExistsError), f"save refused: {error!r}"
+            return None
+        assert not refused, f"a save over a committed checkpoint at step {step} was not refused"
+        return value
+
+    def _json_committed(self, step: int) -> bool:
+        return self.durable.get(step, (None, ""))[1] == "json"
+
+    # --- saves ------------------------------------------------------------------------------
+    @rule(step=STEPS, overwrite=st.booleans(), incremental=st.booleans())
+    def save(self, step, overwrite, incremental):
+        config = ckptio.WriterConfig(
+            overwrite=overwrite, max_block_size=BLOCK, incremental_from="previous" if incremental else None
+        )
+        value = self._save(step, config, refused=self._json_committed(step) and not overwrite)
+        if value is not None:
+            self.durable[step] = (value, "json")
+
+    @rule(step=STEPS, overwrite=st.booleans())
+    def save_without_coordinator(self, step, overwrite):
+        config = ckptio.WriterConfig(overwrite=overwrite, max_block_size=BLOCK)
+        refused = step in self.durable and not overwrite
+        value = self._save(step, config, refused, use_collectives=False)
+        if value is not None:
+            self.durable[step] = (value, "fragments")
+
+    @rule(tier=TIERS, step=STEPS, overwrite=st.booleans(), drain_finishes=st.booleans())
+    def tiered_save(self, tier, step, overwrite, drain_finishes):
+        stall = {} if drain_finishes else {"drain_bandwidth": 1, "drain_timeout_s": 0.5}
+        config = ckptio.WriterConfig(
+            local_tier=self._tier(tier), local_tier_keep=10, overwrite=overwrite, max_block_size=BLOCK, **stall
+        )
+        refused = not overwrite and (self._json_committed(step) or (tier, step) in self.node_commits)
+        value = self._save(step, config, refused)
+        event(f"tiered save: {'refused' if value is None else 'drained' if drain_finishes else 'drain stalled'}")
+        if value is None:
+            return
+        self.node[(tier, step)] = value
+        self.node_commits.add((tier, step))
+        if drain_finishes:
+            ckptio.wait_for_uploads()
+            self.durable[step] = (value, "json")
+        else:
+            try:
+                ckptio.wait_for_uploads()
+                raise AssertionError("a drain at 1 byte/s finished within 0.5 s")
+            except ckptio.DrainError:
+                pass
+
+    # --- time: deletes, merges, damage, lost nodes ----------------------------------------------
+    @rule(step=STEPS)
+    def delete(self, step):
+        code = cli_main(["delete", "--force", self._url(step)])
+        assert code == 0 or step not in self.durable, f"ckptio delete exited {code}"
+        self.durable.pop(step, None)
+
+    @precondition(lambda self: any(kind == "fragments" for _, kind in self.durable.values()))
+    @rule(data=st.data())
+    def merge(self, data):
+        step = data.draw(st.sampled_from(sorted(s for s, (_, kind) in self.durable.items() if kind == "fragments")))
+        assert cli_main(["merge", self._url(step)]) == 0
+        self.durable[step] = (self.durable[step][0], "json")
+
+    @precondition(lambda self: self.node)
+    @rule(data=st.data())
+    def damage_a_node_copy(self, data):
+        tier, step = data.draw(st.sampled_from(sorted(self.node)))
+        folder = next((top for top, dirs, files in os.walk(self._tier(tier)) if top.endswith(f"step-{step}")), None)
+        files = sorted(f for f in os.listdir(folder) if f.endswith(".ckio")) if folder else []
+        for name in files:  # an overwrite leaves the replaced copy's files beside the new one's: all of them
+            path = os.path.join(folder, name)
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0x20]))
+        if not files:
+            return
+        del self.node[(tier, step)]  # no longer a copy of anything
+
+    @rule(tier=TIERS)
+    def lose_a_node(self, tier):
+        shutil.rmtree(self._tier(tier), ignore_errors=True)
+        self.node = {key: value for key, value in self.node.items() if key[0] != tier}
+        self.node_commits = {key for key in self.node_commits if key[0] != tier}
+
+    # --- loads and restarts -----------------------------------------------------------------
+    def _expected(self, step: int, tier: str | None) -> int | None:
+        if step in self.durable:
+            return self.durable[step][0]
+        return self.node.get((tier, step)) if tier else None
+
+    def _load(self, step: int, tier: str | None) -> int | None:
+        loaded = _blank()
+        reader = ckptio.Reader(self._url(step), local_tier=self._tier(tier) if tier else None)
+        try:
+            dcp.load(loaded, storage_reader=reader, planner=ckptio.SafeLoadPlanner())
+        except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException
+            error = ckptio.unwrap(exc)
+            assert isinstance(error, ckptio.CheckpointError), f"unnamed error: {error!r}"
+            return None
+        return _value_of(loaded)
+
+    @rule(step=STEPS, tier=st.none() | TIERS)
+    def load(self, step, tier):
+        if step in self.durable:
+            event(f"load: committed ({self.durable[step][1]}){', a node tier given' if tier else ''}")
+        else:
+            event("load: a node's copy alone" if (tier, step) in self.node else "load: nothing to load (an error)")
+        assert self._load(step, tier) == self._expected(step, tier), (step, tier, self.durable, self.node)
+
+    @rule(tier=st.none() | TIERS)
+    def restart(self, tier):
+        newest_durable = max(self.durable, default=None)
+        resumable = [
+            step
+            for (node, step), _ in self.node.items()
+            if node == tier and (newest_durable is None or step > newest_durable)
+        ]
+        url = ckptio.latest(self.run, local_tier=self._tier(tier) if tier else None)
+        event(f"restart: {'resumes a node copy' if resumable else 'a durable step' if self.durable else 'nothing'}")
+        if resumable:
+            step = max(resumable)
+            assert url == self._url(step), (url, step, self.durable, self.node)
+            ckptio.wait_for_uploads()  # the resumed drain commits the node's copy
+            self.durable[step] = (self.node[(tier, step)], "json")
+        elif newest_durable is None:
+            assert url is None, url
+            return
+        else:
+            assert url == self._url(newest_durable), (url, newest_durable, self.durable)
+        step = int(url.rsplit("-", 1)[1])
+        assert self._load(step, tier) == self._expected(step, tier)
+
+    @invariant()
+    def steps_sort_by_number(self):
+        assert sorted(["step-3", "step-10"], key=step_order) == ["step-3", "step-10"]
+
+
+Lifecycle.TestCase.settings = settings(
+    max_examples=int(os.environ.get("CKPTIO_LIFECYCLE_EXAMPLES", 40)),
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    database=None,
+)
+test_checkpoint_lifecycle = Lifecycle.TestCase
