@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
         default="randn",
         help="what the tensors hold: randn (fp32, default), bf16-in-fp32 (compress ~2x), bf16-weights "
         "(bf16 weights, fp32 Adam moments), adam-moments (a trained state: bf16 weights 0.02 N(0,1), exp_avg "
-        "1e-3 N(0,1), exp_avg_sq its square, a step tensor per parameter), random-bytes (incompressible)",
+        "1e-3 N(0,1), exp_avg_sq its square, a step tensor per parameter), random-bytes (incompressible), "
+        "transformer (adam-moments' values in a hidden-512 transformer's ~200 tensors of many shapes)",
     )
     p.add_argument("--compressible", action="store_true", help="same as --data bf16-in-fp32")
     p.add_argument("--writers", nargs="+", help=f"subset of: {', '.join(w.name for w in WRITERS)}")
