@@ -9,6 +9,9 @@ TORCH ?= torch==2.13.0
 NEWEST_TORCH ?= torch==2.15.0
 NEWEST_VENV ?= .venv-torch-newest
 NEWEST_PIP := PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/python -m pip
+# A clean venv for the installed wheel: the newest torch and what the wheel itself requires, nothing else.
+WHEEL_VENV ?= .venv-wheel
+WHEEL_PIP := PIP_CONSTRAINT=/dev/null $(WHEEL_VENV)/bin/python -m pip
 WHEEL_DIR := build/wheel
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -18,13 +21,20 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[test,bench,torchtitan,lint]'
 	touch $@
 
-# A clean venv: the newest torch, then ckptio as users get it (the wheel, not editable) with its test extras.
-$(NEWEST_VENV)/.installed: pyproject.toml setup.py Makefile $(VENV)/.installed
+$(NEWEST_VENV)/.installed: pyproject.toml setup.py Makefile
 	rm -rf $(NEWEST_VENV) && python3 -m venv $(NEWEST_VENV)
 	$(NEWEST_PIP) install -q --upgrade pip
 	$(NEWEST_PIP) install -q $(NEWEST_TORCH)
+	$(NEWEST_PIP) install -q -e '.[test]'
+	touch $@
+
+# The newest torch first, then ckptio's wheel as users get it (not editable), with the dependencies it names.
+$(WHEEL_VENV)/.installed: pyproject.toml setup.py Makefile $(VENV)/.installed
+	rm -rf $(WHEEL_VENV) && python3 -m venv $(WHEEL_VENV)
+	$(WHEEL_PIP) install -q --upgrade pip
+	$(WHEEL_PIP) install -q $(NEWEST_TORCH)
 	$(MAKE) --no-print-directory wheel
-	$(NEWEST_PIP) install -q "$$(ls $(WHEEL_DIR)/ckptio-*.whl)[test]"
+	$(WHEEL_PIP) install -q $(WHEEL_DIR)/ckptio-*.whl
 	touch $@
 
 .PHONY: wheel test-installed
@@ -45,12 +55,12 @@ test:
 
 # The wheel of this checkout installed (not editable) beside the newest torch, which pip must keep, and what a
 # user runs first (tests/installed/user_smoke.py), from a folder outside the checkout.
-test-installed: $(NEWEST_VENV)/.installed
+test-installed: $(WHEEL_VENV)/.installed
 	$(MAKE) --no-print-directory wheel
-	$(NEWEST_PIP) install -q --force-reinstall --no-deps $(WHEEL_DIR)/ckptio-*.whl
-	$(NEWEST_PIP) check
+	$(WHEEL_PIP) install -q --force-reinstall --no-deps $(WHEEL_DIR)/ckptio-*.whl
+	$(WHEEL_PIP) check
 	@dir=$$(mktemp -d) && cp tests/installed/user_smoke.py $$dir/ && cd $$dir && \
-	  CKPTIO_CHECKOUT=$(CURDIR) CKPTIO_EXPECT_TORCH=$(patsubst torch==%,%,$(NEWEST_TORCH)) $(abspath $(NEWEST_VENV))/bin/python user_smoke.py; \
+	  CKPTIO_CHECKOUT=$(CURDIR) CKPTIO_EXPECT_TORCH=$(patsubst torch==%,%,$(NEWEST_TORCH)) $(abspath $(WHEEL_VENV))/bin/python user_smoke.py; \
 	  status=$$?; rm -rf $$dir; exit $$status
 
 # The tests marked `protocol` (plain dcp.save/load/async_save on gloo ranks, read-once, staging, resharding)

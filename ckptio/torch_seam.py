@@ -5,9 +5,53 @@ one fails there by name."""
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
+# Checked on 2.13.0, 2.14.1, 2.15.0. Staging: torch's host copies of a state (fresh, or into buffers kept).
+from torch.distributed._shard.sharded_tensor import ShardedTensor  # FSDP1's sharded state dicts
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+# The planner's deduplication of replicated items (ckptio.SavePlanner keeps torch's policy, linear time).
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+
+# A state dict's flattened keys, as DCP stores them (HFReader maps safetensors names onto them).
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+# ckptio convert: load a whole checkpoint without a state to load into.
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
 try:  # public from torch 2.15 on (the private module then warns that it is deprecated)
     from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
 except ImportError:  # torch 2.13, 2.14
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-__all__ = ["FsspecReader", "FsspecWriter"]
+try:  # torch >= 2.14: a local tensor that carries its global shape and offsets, saved as shards
+    from torch.distributed.checkpoint.protocol import CheckpointableTensor
+except ImportError:  # torch 2.13
+    CheckpointableTensor = None
+
+#: The fields a ``CheckpointableTensor`` carries (the protocol's, public).
+CHECKPOINTABLE_FIELDS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
+
+
+def default_store() -> object:
+    """The default process group's rendezvous store (a save without a coordinator leaves its attempt's
+    token there); ``AttributeError`` where a torch release moved it."""
+    return dist.distributed_c10d._get_default_store()
+
+
+__all__ = [
+    "CHECKPOINTABLE_FIELDS",
+    "CheckpointableTensor",
+    "FsspecReader",
+    "FsspecWriter",
+    "ShardedTensor",
+    "_EmptyStateDictLoadPlanner",
+    "_copy_state_dict",
+    "_create_cpu_state_dict",
+    "_load_state_dict",
+    "dedup_save_plans",
+    "default_store",
+    "flatten_state_dict",
+]

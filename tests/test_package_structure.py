@@ -154,3 +154,19 @@ def test_every_module_the_rank_servers_preload_imports():
 
     for name in PRELOAD:
         importlib.import_module(name)
+
+
+def test_only_the_torch_seam_imports_torch_s_private_modules():
+    """Every private torch name ckptio uses goes through ckptio/torch_seam.py, which names the releases
+    it was checked on: a new one elsewhere would break silently on the next torch."""
+    offenders = []
+    for name, path in _modules().items():
+        if name == "ckptio.torch_seam":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+                private = [part for part in node.module.split(".") if part.startswith("_")]
+                private += [alias.name for alias in node.names if alias.name.startswith("_")]
+                if private:
+                    offenders.append(f"{name}: from {node.module} import {[a.name for a in node.names]}")
+    assert not offenders, offenders

@@ -74,3 +74,11 @@ def test_read_metadata_records_no_strides_and_a_strided_tensor_loads_exact(tmp_p
     for target in (torch.zeros(4, 3), torch.zeros(3, 4).t()):
         dcp.load({"t": target}, storage_reader=ckptio.Reader(url))
         assert torch.equal(target, source)
+
+
+def test_every_private_name_the_seam_takes_from_torch_is_there():
+    """One assertion per name: a torch release that moves one fails here, naming it (ckptio's modules
+    take these from the seam only; the package-structure test keeps other modules off torch's privates)."""
+    missing = [name for name in seam.__all__ if getattr(seam, name, None) is None and name != "CheckpointableTensor"]
+    assert not missing, f"torch {__import__('torch').__version__} moved: {missing}"
+    assert callable(seam.default_store) and seam.default_store.__doc__

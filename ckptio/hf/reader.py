@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -49,6 +48,7 @@ from ckptio.loading.reader import Reader
 from ckptio.loading.sources import ByteSource, Prepared
 from ckptio.state.keys import CanonicalKeyDict
 from ckptio.storage import FsspecStore, RangeRequest
+from ckptio.torch_seam import flatten_state_dict
 
 log = logging.getLogger(__name__)
 

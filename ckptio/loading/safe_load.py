@@ -99,7 +99,7 @@ def restore_objects_under_held_keys(planner: LoadPlanner, plan: LoadPlan) -> Non
 
 
 def _holds_sharded_tensor(value: Any) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from ckptio.torch_seam import ShardedTensor
 
     if isinstance(value, ShardedTensor):
         return True

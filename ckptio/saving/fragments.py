@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ckptio.format.records import StoredItem
+from ckptio.torch_seam import default_store
 
 _JOB_KEY = "ckptio/job-token"
 _lock = threading.Lock()
@@ -62,7 +63,7 @@ def _store_token() -> str | None:
     if not _several_ranks():
         return None
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         return store.compare_set(_JOB_KEY, "", uuid.uuid4().hex).decode()
     except (AttributeError, RuntimeError, ValueError):  # another torch, or a store without compare_set
         return None

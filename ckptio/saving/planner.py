@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ckptio.format.chunks import tiling_errors
 from ckptio.gc_pause import paused_gc
+from ckptio.torch_seam import dedup_save_plans
 
 
 class SavePlanner(DefaultSavePlanner):

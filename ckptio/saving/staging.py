@@ -16,15 +16,21 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from ckptio.saving import ordering
+from ckptio.torch_seam import (
+    CHECKPOINTABLE_FIELDS,
+    CheckpointableTensor,
+    ShardedTensor,
+    _copy_state_dict,
+    _create_cpu_state_dict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +120,27 @@ def _copy_into(state_dict: dict[str, Any], buffers: dict[str, Any], on_gpu: bool
     staged = _copy_state_dict(state_dict, buffers, type_check=False)
     if on_gpu:
         torch.cuda.synchronize()  # the device-to-host copies must be done before training goes on
+    _carry_checkpointable_fields(state_dict, staged)
     return _copy_objects(staged)
+
+
+def _carry_checkpointable_fields(source: Any, staged: Any) -> None:
+    """Give each staged copy of a ``CheckpointableTensor`` (a local tensor that names its global shape and
+    offsets) the fields of the tensor it copies, on every staging: a copy without them is a plain tensor,
+    and every rank's shard would look like one replicated tensor. Reused buffers get this save's fields."""
+    if CheckpointableTensor is None:
+        return
+    if isinstance(source, torch.Tensor):
+        if isinstance(source, CheckpointableTensor) and isinstance(staged, torch.Tensor):
+            for name in CHECKPOINTABLE_FIELDS:
+                setattr(staged, name, getattr(source, name))
+    elif isinstance(source, Mapping) and isinstance(staged, Mapping):
+        for key, value in source.items():
+            if key in staged:
+                _carry_checkpointable_fields(value, staged[key])
+    elif isinstance(source, (list, tuple)) and isinstance(staged, (list, tuple)) and len(source) == len(staged):
+        for value, copy in zip(source, staged, strict=True):
+            _carry_checkpointable_fields(value, copy)
 
 
 _writer_stager: Stager | None = None

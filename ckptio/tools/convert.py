@@ -8,13 +8,12 @@ from typing import Any
 
 import fsspec
 import torch
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ckptio.api import raising_checkpoint_errors, save
 from ckptio.config import WriterConfig
 from ckptio.loading.reader import Reader, check_file_sizes
 from ckptio.loading.safe_load import SafeObjectsMixin
+from ckptio.torch_seam import _EmptyStateDictLoadPlanner, _load_state_dict
 
 
 class _SafeFullLoadPlanner(SafeObjectsMixin, _EmptyStateDictLoadPlanner):
