@@ -152,7 +152,7 @@ def _held_bytes_and_save(url: str, size: int, data: str = "randn") -> int:
     return held(state)
 
 
-@pytest.mark.parametrize("data", ["randn", "adam-moments"])
+@pytest.mark.parametrize("data", ["randn", "adam-moments", "transformer"])
 def test_workload_byte_counts_match_what_ranks_hold_and_ckptio_stores(tmp_path, data):
     from tests.helpers.harness import spawn
 
@@ -172,6 +172,21 @@ def test_the_adam_state_holds_a_trained_models_values():
     w, m, v = (workload.rows_of(spec, 0, spec.rows, "adam-moments").float() for spec in (weight, avg, sq))
     assert 0.015 < w.std() < 0.025 and 0.5e-3 < m.std() < 1.5e-3 and v.min() >= 0 and v.max() < 1e-4
     assert len(workload.step_keys(list(specs.values()), "adam-moments")) == len(specs) // 3
+
+
+def test_the_transformer_state_has_the_outside_harness_layout():
+    """Issue 50.7's state: hidden 512, 7 layers at ~256 MiB, five matrix shapes, 1-row norms and bias, an
+    uneven position table, two fp32 moments and a step per parameter."""
+    specs = workload.tensor_specs(256 << 20, "transformer")
+    shapes = {s.name: (s.rows, s.cols, s.dtype) for s in specs}
+    assert len([n for n in shapes if n.endswith("attn.qkv.weight") and n.startswith("model.")]) == 7
+    assert shapes["model.embed.weight"] == (8192, 512, torch.bfloat16)
+    assert shapes["model.pos_embed"] == (1023, 512, torch.float32)
+    assert shapes["model.layers.0.mlp.down.weight"] == (512, 2048, torch.bfloat16)
+    assert shapes["optim.state.layers.6.norm2.weight.exp_avg_sq"] == (1, 512, torch.float32)
+    assert len(workload.step_keys(specs, "transformer")) == len(specs) // 3 == 2 + 7 * 7 + 1
+    sizes = workload.byte_counts(specs, (1, 1), "transformer")
+    assert 200 << 20 < sizes["unique_bytes"] < 300 << 20
 
 
 def _phases_and_raw(url: str) -> tuple[dict, dict, dict]:
