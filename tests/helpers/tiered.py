@@ -14,6 +14,15 @@ import ckptio
 from tests.helpers import scenarios
 
 
+def flip_a_byte(path: str, bit: int = 0x10) -> None:
+    """Damage a file as a failing disk would: one bit of its middle byte flipped, its size unchanged."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ bit]))
+
+
 def node_tier(tier_base: str) -> str:
     rank = dist.get_rank() if dist.is_initialized() else 0
     return os.path.join(tier_base, f"node{rank // 2}")

@@ -33,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import ckptio
 from ckptio.tiers.paths import step_order
 from ckptio.tools.cli import main as cli_main
+from tests.helpers.tiered import flip_a_byte
 
 N = 1 << 15  # fp32 elements per tensor: past the inline limit, several blocks
 STEPS = st.integers(1, 3)
@@ -161,12 +162,7 @@ class Lifecycle(RuleBasedStateMachine):
         folder = next((top for top, dirs, files in os.walk(self._tier(tier)) if top.endswith(f"step-{step}")), None)
         files = sorted(f for f in os.listdir(folder) if f.endswith(".ckio")) if folder else []
         for name in files:  # an overwrite leaves the replaced copy's files beside the new one's: all of them
-            path = os.path.join(folder, name)
-            with open(path, "r+b") as f:
-                f.seek(os.path.getsize(path) // 2)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([byte[0] ^ 0x20]))
+            flip_a_byte(os.path.join(folder, name))
         if not files:
             return
         del self.node[(tier, step)]  # no longer a copy of anything

@@ -14,6 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptio
 from ckptio.tools.cli import main as cli_main
+from tests.helpers.tiered import flip_a_byte
 
 N = 1 << 15  # elements: 128 KiB of fp32, past the metadata's inline limit, so data files are written
 
@@ -76,14 +77,6 @@ def _keep_one(tier) -> ckptio.WriterConfig:
     return ckptio.WriterConfig(local_tier=str(tier), local_tier_keep=1)
 
 
-def _flip_a_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
 def test_latest_never_names_a_step_whose_only_copy_is_damaged(tmp_path):
     """Finding 3: a byte of step 2's fast-tier file flipped after the save; its drain refuses it. A new
     job's latest must answer step 1 (committed on the durable tier), not step 2, and leave nothing
@@ -94,7 +87,7 @@ def test_latest_never_names_a_step_whose_only_copy_is_damaged(tmp_path):
     ckptio.save({"w": torch.full((N,), 2.0)}, f"{run}/step-2", _tiered(tier))  # drains behind step 1
     step_2 = os.path.join(str(tier), os.listdir(tier)[0], "step-2")
     (data,) = [name for name in os.listdir(step_2) if name.endswith(".ckio")]
-    _flip_a_byte(os.path.join(step_2, data))
+    flip_a_byte(os.path.join(step_2, data))
     with pytest.raises(ckptio.DrainError, match="fails its CRC32C"):
         ckptio.wait_for_uploads()
     assert ckptio.latest(run, local_tier=str(tier)) == f"{run}/step-1"
@@ -120,7 +113,7 @@ def _save_with_a_damaged_rank_file(run: str, tier_base: str) -> tuple[str, float
     if rank == 1:
         step = os.path.join(tier, os.listdir(tier)[0], "step-1")
         (data,) = [name for name in os.listdir(step) if name.endswith(".ckio") and f"-r{rank:05d}" in name]
-        _flip_a_byte(os.path.join(step, data))
+        flip_a_byte(os.path.join(step, data))
     start = time.monotonic()
     try:
         ckptio.wait_for_uploads()

@@ -24,6 +24,7 @@ from ckptio.tiers.drain import drain_queue
 from tests.conftest import s3_objects
 from tests.helpers.faultproxy import Fault
 from tests.helpers.harness import spawn
+from tests.helpers.tiered import flip_a_byte
 
 
 def _state(step: int) -> dict:
@@ -64,20 +65,12 @@ def _no_leftover_drains():
         pass
 
 
-def _flip_a_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
 def test_a_flipped_byte_in_a_fast_tier_file_is_read_from_the_durable_tier(tmp_path, caplog):
     url = str(tmp_path / "durable" / "run" / "step-1")
     _save(url, tmp_path / "fast")
     ckptio.wait_for_uploads()
     (data,) = glob.glob(str(tmp_path / "fast" / "*" / "step-1" / "*.ckio"))
-    _flip_a_byte(data)
+    flip_a_byte(data)
     with caplog.at_level(logging.WARNING, logger="ckptio"):
         loaded, reader = _load(url, tier=tmp_path / "fast")
     assert _same(loaded, 1)
@@ -94,7 +87,7 @@ def test_a_byte_flipped_before_the_upload_fails_that_drain_and_never_commits(tmp
     _save(f"{run}/step-1", tmp_path / "fast", options, drain_bandwidth=50_000, compression=compression)
     _save(f"{run}/step-2", tmp_path / "fast", options, compression=compression)  # queued behind step 1's drain
     (data,) = glob.glob(str(tmp_path / "fast" / "*" / "step-2" / "*.ckio"))
-    _flip_a_byte(data)
+    flip_a_byte(data)
     with pytest.raises(ckptio.DrainError, match="changed after the save: the block at byte .* fails its CRC32C"):
         ckptio.wait_for_uploads()
     assert ckptio.latest(run, storage_options=options) == f"{run}/step-1"  # step 2 never committed on S3
