@@ -124,6 +124,17 @@ def _copy_into(state_dict: dict[str, Any], buffers: dict[str, Any], on_gpu: bool
     return _copy_objects(staged)
 
 
+def holds_checkpointable(value: Any) -> bool:
+    """Whether ``value`` (a state dict or part of one) holds a ``CheckpointableTensor``."""
+    if CheckpointableTensor is None:
+        return False
+    if isinstance(value, torch.Tensor):
+        return isinstance(value, CheckpointableTensor)
+    if isinstance(value, Mapping):
+        return any(holds_checkpointable(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(holds_checkpointable(v) for v in value)
+
+
 def _carry_checkpointable_fields(source: Any, staged: Any) -> None:
     """Give each staged copy of a ``CheckpointableTensor`` (a local tensor that names its global shape and
     offsets) the fields of the tensor it copies, on every staging: a copy without them is a plain tensor,

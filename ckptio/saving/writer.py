@@ -126,6 +126,13 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         # process: that thread takes this save's turn (ordering.py).
         if self._ticket is not None and not self._ticket.started.is_set():
             ordering.begin(self._ticket, sending_to_process=True)
+        if getattr(self, "_staged_checkpointable", False):
+            raise CheckpointError(
+                f"dcp.async_save of {self.checkpoint_id} with the PROCESS executor: the state holds torch "
+                "CheckpointableTensors, whose global shape and offsets torch's shared-memory hand-over to the "
+                "background process drops (every rank's shard would look like one tensor). Save them with "
+                "async_checkpointer_type=AsyncCheckpointerType.THREAD, or with dcp.save"
+            )
         state = dict(self.__dict__)
         state["_ticket"] = None
         return state
@@ -137,6 +144,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             self._take_ticket()
         ordering.await_previous_start(self._ticket)
         user = ordering.claim(self._ticket)
+        self._staged_checkpointable = staging.holds_checkpointable(state_dict)
         if not self.config.reuse_staging_buffers:
             return staging.stage_fresh(state_dict)
         return staging.writer_stager().stage_for(state_dict, user)
