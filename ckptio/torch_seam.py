@@ -5,6 +5,9 @@ one fails there by name."""
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch.distributed as dist
 
 # Checked on 2.13.0, 2.14.1, 2.15.0. Staging: torch's host copies of a state (fresh, or into buffers kept).
@@ -34,6 +37,35 @@ except ImportError:  # torch 2.13
 #: The fields a ``CheckpointableTensor`` carries (the protocol's, public).
 CHECKPOINTABLE_FIELDS = ("global_shape", "global_offsets", "local_offsets", "local_sizes")
 
+#: Where ``dcp.load`` calls ``StorageReader.read_metadata`` from, with its ``_DistWrapper`` in ``distW``.
+_LOAD_FRAME = ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict")
+
+
+def enclosing_load_wrapper(frame: Any) -> Any:
+    """The ``_DistWrapper`` (its ``use_dist`` and ``group``) of the ``dcp.load`` whose frame encloses
+    ``frame``: torch gives ``read_metadata`` no process group. ``None`` outside ``dcp.load``, or where a
+    torch release renamed the function or the variable (every rank then reads for itself)."""
+    while frame is not None:
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _LOAD_FRAME:
+            return frame.f_locals.get("distW")
+        frame = frame.f_back
+    return None
+
+
+def cached_save_plan_items(planner: Any) -> list:
+    """The items of the local plan ``DefaultSavePlanner(enable_plan_caching=True)`` cached for this rank
+    (torch sends an empty plan when it is unchanged); ``[]`` without a cache."""
+    cache = getattr(planner, "_cached_save_plan", None) or {}
+    plan = cache.get(getattr(planner, "_cached_plans_key", None))
+    return list(plan.items) if plan is not None else []
+
+
+def process_executor_running() -> bool:
+    """Whether torch's PROCESS executor for ``dcp.async_save`` has started its background process
+    (``True`` where torch has no such executor, or it was never imported)."""
+    module = sys.modules.get("torch.distributed.checkpoint._async_process_executor")
+    return module is None or getattr(module, "_CHECKPOINT_PROCESS", True) is not None
+
 
 def default_store() -> object:
     """The default process group's rendezvous store (a save without a coordinator leaves its attempt's
@@ -51,7 +83,10 @@ __all__ = [
     "_copy_state_dict",
     "_create_cpu_state_dict",
     "_load_state_dict",
+    "cached_save_plan_items",
     "dedup_save_plans",
     "default_store",
+    "enclosing_load_wrapper",
     "flatten_state_dict",
+    "process_executor_running",
 ]

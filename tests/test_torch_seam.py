@@ -82,3 +82,49 @@ def test_every_private_name_the_seam_takes_from_torch_is_there():
     missing = [name for name in seam.__all__ if getattr(seam, name, None) is None and name != "CheckpointableTensor"]
     assert not missing, f"torch {__import__('torch').__version__} moved: {missing}"
     assert callable(seam.default_store) and seam.default_store.__doc__
+
+
+def test_dcp_load_still_calls_read_metadata_with_its_dist_wrapper_in_reach(tmp_path):
+    """The frame walk ``read_once`` relies on: ``_load_state_dict``'s ``distW``, found from inside
+    ``read_metadata``; a torch that renames either fails here, not by reading on every rank silently."""
+    import sys
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import ckptio
+
+    url = str(tmp_path / "ck")
+    ckptio.save({"w": torch.ones(2)}, url)
+    found = []
+
+    class Watching(ckptio.Reader):
+        def read_metadata(self, *args):
+            found.append(seam.enclosing_load_wrapper(sys._getframe()))
+            return super().read_metadata(*args)
+
+    dcp.load({"w": torch.zeros(2)}, storage_reader=Watching(url))
+    assert found and found[0] is not None and hasattr(found[0], "use_dist") and hasattr(found[0], "group")
+
+
+def test_the_plan_cache_ckptio_reads_is_where_torch_keeps_it(tmp_path):
+    """``cached_save_plan_items``: DefaultSavePlanner(enable_plan_caching=True) keeps each rank's plan in
+    ``_cached_save_plan[_cached_plans_key]``; a second save with the cache loads exact."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    import ckptio
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    for step in range(2):
+        dcp.save(
+            {"w": torch.full((4,), float(step))},
+            storage_writer=ckptio.Writer(str(tmp_path / f"s{step}")),
+            planner=planner,
+        )
+    assert [item.index.fqn for item in seam.cached_save_plan_items(planner)] == ["w"]
+    loaded = {"w": torch.zeros(4)}
+    dcp.load(loaded, storage_reader=ckptio.Reader(str(tmp_path / "s1")))
+    assert torch.equal(loaded["w"], torch.ones(4))
+    assert seam.process_executor_running() in (True, False)

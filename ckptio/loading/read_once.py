@@ -17,26 +17,21 @@ import torch.distributed as dist
 
 from ckptio.errors import CheckpointError
 from ckptio.loading.together import fail_together
+from ckptio.torch_seam import enclosing_load_wrapper
 
 T = TypeVar("T")
 
 #: ``read_once``'s group for "read on this rank alone".
 DIRECT = object()
-_LOADER = ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict")
 
 
 def load_group() -> Any:
     """The process group of the ``dcp.load`` this call runs inside (``None``: the default group),
     or ``DIRECT`` when there is none or it runs without collectives."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _LOADER:
-            wrapper = frame.f_locals.get("distW")
-            if wrapper is None or not getattr(wrapper, "use_dist", False):
-                return DIRECT
-            return getattr(wrapper, "group", DIRECT)
-        frame = frame.f_back
-    return DIRECT
+    wrapper = enclosing_load_wrapper(sys._getframe(1))
+    if wrapper is None or not getattr(wrapper, "use_dist", False):
+        return DIRECT
+    return getattr(wrapper, "group", DIRECT)
 
 
 def read_once(read: Callable[[], T], group: Any, location: str, each_rank_reads: bool = False) -> T:

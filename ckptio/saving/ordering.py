@@ -17,8 +17,9 @@ such a save until the previous one has begun.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
+
+from ckptio.torch_seam import process_executor_running
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +74,10 @@ def await_previous_start(ticket: Ticket | None) -> None:
     executor has no background process yet, wait until that save has begun: by then the process it
     started is torch's. A Writer made but never staged is not waited for here."""
     previous = ticket.previous if ticket is not None else None
-    if previous is None or not previous.staged or previous.started.is_set() or _background_process_up():
+    if previous is None or not previous.staged or previous.started.is_set() or process_executor_running():
         return
     if not previous.started.wait(START_WAIT_S):
         log.warning("ckptio: the previous asynchronous save never began; staging this one without waiting")
-
-
-def _background_process_up() -> bool:
-    """Whether torch's PROCESS executor has its background process (``True`` if torch has no such executor)."""
-    module = sys.modules.get("torch.distributed.checkpoint._async_process_executor")
-    return module is None or getattr(module, "_CHECKPOINT_PROCESS", True) is not None
 
 
 def take() -> Ticket:

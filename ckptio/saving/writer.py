@@ -61,6 +61,7 @@ from ckptio.storage.location import CheckpointLocation
 from ckptio.tiers import writing as tiers
 from ckptio.tiers.drain import Durable, drain_queue
 from ckptio.tiers.paths import local_step_store
+from ckptio.torch_seam import cached_save_plan_items
 from ckptio.version import __version__
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         # touch the files of the checkpoint it replaces before the new one commits.
         self._save_id = uuid.uuid4().hex[:16]
         file = data_file_name(self._save_id, self.rank, spread=self.config.key_prefix == "hash")
-        held = self._held if self._held is not None else canonical_write_items(_cached_local_items(planner))
+        held = self._held if self._held is not None else canonical_write_items(cached_save_plan_items(planner))
         if self._fragment is not None:
             return self._write_own_part(file, held, planner)
         planned_mode = getattr(plan.storage_data, "mode", None)
@@ -484,14 +485,6 @@ def _check_same_location(plans: list[SavePlan]) -> None:
             f"the ranks were given different checkpoint locations ({shown}); every rank must save to the same "
             "path. Build the path once (e.g. on rank 0) and share it, instead of from a per-rank clock or value"
         )
-
-
-def _cached_local_items(planner: SavePlanner) -> list[WriteItem]:
-    """What this rank holds when torch's plan cache skipped sending its (unchanged) local plan:
-    the plan DefaultSavePlanner(enable_plan_caching=True) cached for it."""
-    cache = getattr(planner, "_cached_save_plan", None) or {}
-    plan = cache.get(getattr(planner, "_cached_plans_key", None))
-    return list(plan.items) if plan is not None else []
 
 
 def _written(

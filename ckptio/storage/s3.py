@@ -74,6 +74,9 @@ class S3Store(FsspecStore):
 
     # --- the request primitive ----------------------------------------------------------
     async def _client(self, fs: fsspec.AbstractFileSystem | None = None) -> Any:
+        """The aiobotocore client behind s3fs: its private ``_s3`` (set by ``set_session``), ckptio's one use
+        of s3fs's privates, checked on the s3fs releases ``pyproject.toml`` admits; every S3 test fails
+        here if a release moves it."""
         fs = fs or self.fs
         if fs._s3 is None:
             await fs.set_session()
