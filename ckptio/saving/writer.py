@@ -179,6 +179,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self._started_unix = time.time()
         rank = kwargs.get("rank")
         if rank is None:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -398,6 +399,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             written[1] if written else 0,
             self.config,
             self.is_coordinator,
+            self._started_unix,
         )
         return durable
 

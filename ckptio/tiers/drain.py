@@ -47,6 +47,10 @@ UPLOAD_PIECE_BYTES = 8 << 20
 POLL_FIRST_S, POLL_MAX_S = 0.05, 2.0
 #: A rank awaiting the commit looks for refused files (one listing) every this many polls.
 REFUSAL_LISTING_EVERY = 8
+#: Nodes' clocks may differ this much (NTP keeps them within milliseconds): a refusal noted up to this long
+#: before a save began counts as its own. One noted within it by the save before (saves less than this
+#: apart) makes the awaiting ranks raise a DrainError while the coordinator still commits: nothing is lost.
+REFUSAL_CLOCK_SKEW_S = 0.5
 #: Waits between retries of a failed job: doubling, with jitter.
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0
 
@@ -89,7 +93,7 @@ class Upload:
             self._copy(store, deadline)
         except DrainError as refusal:  # the copy is damaged: the commit waiting for this file must hear of it
             try:
-                store.put_atomic(self.name + REFUSED_SUFFIX, str(refusal).encode())
+                store.put_atomic(self.name + REFUSED_SUFFIX, f"{time.time():.3f}\n{refusal}".encode())
             except Exception as exc:  # noqa: BLE001 - the commit then ends at its timeout, as it did before
                 log.warning("ckptio: cannot record the refusal of %s: %r", store.describe(self.name), exc)
             raise
@@ -216,6 +220,7 @@ class AwaitCommit:
 
     durable: Durable
     name: str
+    since: float = 0.0  # when this save began (unix time): older refusals there are of earlier saves
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
@@ -226,10 +231,11 @@ class AwaitCommit:
                 return self.name in decode_metadata(store.read(METADATA_NAME), store.describe(METADATA_NAME)).files
             except FileNotFoundError:
                 pass
-            if next(misses) % REFUSAL_LISTING_EVERY == 0:  # a refused file means the commit will not come
-                refused = [n for n in store.list_names(nested=True) or [] if n.endswith(REFUSED_SUFFIX)]
-                if refused:
-                    raise _refused(store, refused[0][: -len(REFUSED_SUFFIX)], "?")
+            if next(misses) % REFUSAL_LISTING_EVERY == 0:  # a refused file of this save: the commit will not come
+                for note in [n for n in store.list_names(nested=True) or [] if n.endswith(REFUSED_SUFFIX)]:
+                    refused_at, _ = _refusal(store, note)
+                    if refused_at >= self.since - REFUSAL_CLOCK_SKEW_S:
+                        raise _refused(store, note[: -len(REFUSED_SUFFIX)], "?")
             return False
 
         _poll(
@@ -242,11 +248,17 @@ class AwaitCommit:
         )
 
 
-def _refused(store: FsspecStore, name: str, rank: Any) -> DrainError:
+def _refusal(store: FsspecStore, note: str) -> tuple[float, str]:
+    """When a refusal note was written (unix time; 0 if unreadable) and why."""
     try:
-        why = store.read(name + REFUSED_SUFFIX).decode(errors="replace")
-    except (FileNotFoundError, CheckpointError):
-        why = "its fast-tier copy failed a check"
+        stamp, _, why = store.read(note).decode(errors="replace").partition("\n")
+        return float(stamp), why
+    except (FileNotFoundError, CheckpointError, ValueError):
+        return 0.0, "its fast-tier copy failed a check"
+
+
+def _refused(store: FsspecStore, name: str, rank: Any) -> DrainError:
+    _, why = _refusal(store, name + REFUSED_SUFFIX)
     return DrainError(
         f"{store.describe(name)} (rank {rank}) was refused by its drain, so this save does not commit on the "
         f"durable tier (it keeps its previous checkpoint): {why}"

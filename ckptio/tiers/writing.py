@@ -91,9 +91,11 @@ def queue_rank_drain(
     nbytes: int,
     config: WriterConfig,
     coordinator: bool,
+    started: float,
 ) -> None:
     """This rank's jobs: upload its durable bytes (the first ``nbytes`` of ``file``, holding the blocks
-    of ``records``); a rank other than the coordinator then awaits the commit (the coordinator's
+    of ``records``); a rank other than the coordinator then awaits the commit (of the save that began at
+    ``started``, unix time: refusals noted there before it are an earlier save's) (the coordinator's
     ``Commit`` is queued by ``queue_commit``) and prunes its fast tier."""
     queue = drain_queue()
     if nbytes:
@@ -102,7 +104,7 @@ def queue_rank_drain(
         )
         queue.submit(save, upload, config.drain_timeout_s)
         if not coordinator:
-            queue.submit(save, AwaitCommit(durable, file), config.drain_timeout_s)
+            queue.submit(save, AwaitCommit(durable, file, started), config.drain_timeout_s)
     if not coordinator:
         queue_prune(save, durable, config)
 

@@ -120,7 +120,18 @@ def _save_with_a_damaged_rank_file(run: str, tier_base: str) -> tuple[str, float
         outcome = "drained"
     except ckptio.DrainError as exc:
         outcome = str(exc)
-    return outcome, time.monotonic() - start
+    waited = time.monotonic() - start
+    # The same step saved again over the refused one: its note is an earlier save's, so rank 1, which awaits
+    # the commit past the 8th poll (rank 0's upload is slowed to ~10 s), must not take it for its own.
+    time.sleep(1.0)  # a later save: more than REFUSAL_CLOCK_SKEW_S after the refusal
+    slow = ckptio.WriterConfig(local_tier=tier, overwrite=True, drain_bandwidth=12_000 if rank == 0 else None)
+    dcp.save({f"w{rank}": torch.arange(float(N)) - rank}, storage_writer=ckptio.Writer(f"{run}/step-1", slow))
+    try:
+        ckptio.wait_for_uploads()
+        again = "drained"
+    except ckptio.DrainError as exc:
+        again = str(exc)
+    return outcome, waited, again
 
 
 def test_a_refused_file_ends_the_commit_that_waits_for_it(tmp_path):
@@ -130,10 +141,13 @@ def test_a_refused_file_ends_the_commit_that_waits_for_it(tmp_path):
     from tests.helpers.harness import spawn
 
     outcomes = spawn(2, _save_with_a_damaged_rank_file, str(tmp_path / "run"), str(tmp_path / "tiers"), timeout=120)
-    (coordinator, waited), (refused, _) = outcomes
+    (coordinator, waited, again_0), (refused, _, again_1) = outcomes
     assert "fails its CRC32C" in refused
     assert "was refused by its drain" in coordinator and waited < 30, outcomes
-    assert not os.path.exists(tmp_path / "run" / "step-1" / "ckptio.json")
+    assert again_0 == again_1 == "drained", outcomes
+    state = {"w0": torch.zeros(N), "w1": torch.zeros(N)}
+    ckptio.load(state, str(tmp_path / "run" / "step-1"))
+    assert torch.equal(state["w0"], torch.arange(float(N))) and torch.equal(state["w1"], torch.arange(float(N)) - 1)
 
 
 def _save_without_coordinator(url: str, value: float) -> str:
