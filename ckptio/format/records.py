@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -335,6 +335,20 @@ class Manifest:
     def runs_of(self, item: StoredItem) -> tuple[Extent, ...]:
         """Where ``item``'s stored bytes lie: its file from its offset, or the runs of an item stored in pieces."""
         return self.extents.get(item.file) or (Extent(item.file, item.offset, item.stored_bytes),)
+
+    def records(self) -> list[StoredItem]:
+        """Every stored record: the items' and each rank's kept copies of per-rank objects."""
+        return [*self.items.values(), *(copy for copies in self.per_rank.values() for copy in copies.values())]
+
+
+def placed_blocks(records: Iterable[StoredItem], file: str) -> list[tuple[int, int, int]]:
+    """``(file offset, stored length, CRC32C)`` of every block ``records`` place in ``file``, by offset."""
+    return sorted(
+        (offset, length, crc)
+        for record in records
+        if record.file == file
+        for offset, (length, crc) in zip(record.block_offsets[:-1], record.blocks, strict=True)
+    )
 
 
 def planner_data_json(planner_data: Any) -> Any:

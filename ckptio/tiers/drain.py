@@ -30,7 +30,7 @@ from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError, CheckpointExistsError, DrainError, StorageError
 from ckptio.format.codec import checksum
 from ckptio.format.names import METADATA_NAME, REFUSED_SUFFIX
-from ckptio.format.records import StoredItem
+from ckptio.format.records import StoredItem, placed_blocks
 from ckptio.format.versions import decode_metadata
 from ckptio.saving.commit import publish
 from ckptio.storage import FsspecStore, LocalStore, open_store
@@ -143,12 +143,7 @@ class Upload:
 def durable_segments(records: Iterable[StoredItem], file: str, nbytes: int) -> tuple[tuple[int, int | None], ...]:
     """``(length, CRC32C)`` of the runs that make up the first ``nbytes`` of ``file``: each block the
     records place there, and any bytes between blocks (``None``: nothing to check them against)."""
-    blocks = sorted(
-        (offset, length, crc)
-        for record in records
-        if record.file == file
-        for offset, (length, crc) in zip(record.block_offsets[:-1], record.blocks, strict=True)
-    )
+    blocks = placed_blocks(records, file)
     segments: list[tuple[int, int | None]] = []
     at = 0
     for offset, length, crc in [*blocks, (nbytes, 0, None)]:

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from ckptio.errors import CheckpointError
 from ckptio.format.codec import checksum
 from ckptio.format.names import METADATA_NAME, parse_data_file_name
-from ckptio.format.records import Manifest, StoredItem
+from ckptio.format.records import Manifest, StoredItem, placed_blocks
 from ckptio.format.v1 import pack_counts
 from ckptio.format.versions import decode_metadata
 from ckptio.storage import FsspecStore
@@ -190,14 +190,7 @@ def damaged_blocks(local: FsspecStore, file: str, manifest: Manifest, copies: Lo
     """What is wrong with the fast-tier file ``file``, checked as a load would check it: every block the
     checkpoint stores there (its durable part) or relocated there (replicas) against its CRC32C; ``None``
     when every block is whole."""
-    records = [r for r in manifest.items.values() if r.file == file]
-    records += [c for per_rank in manifest.per_rank.values() for c in per_rank.values() if c.file == file]
-    records += [r for r in copies.relocated.values() if r.file == file]
-    blocks = sorted(
-        (offset, length, crc)
-        for record in records
-        for offset, (length, crc) in zip(record.block_offsets[:-1], record.blocks, strict=True)
-    )
+    blocks = placed_blocks([*manifest.records(), *copies.relocated.values()], file)
     try:
         with open(local.path(file), "rb", buffering=0) as f:
             for offset, length, crc in blocks:

@@ -132,7 +132,7 @@ def _resume(
     every_file_survives = all(rank is not None for rank in uploader.values())
     if not (restarts_locally or every_file_survives):
         return False
-    records = [*manifest.items.values(), *(c for copies in manifest.per_rank.values() for c in copies.values())]
+    records = manifest.records()
     mine = [
         Upload(durable, local.path(n), n, durable_segments(records, n, manifest.files[n]), resumed=True)
         for n in missing
