@@ -124,12 +124,18 @@ def _copy_into(state_dict: dict[str, Any], buffers: dict[str, Any], on_gpu: bool
     return _copy_objects(staged)
 
 
+def _checkpointable(tensor: torch.Tensor) -> bool:
+    # A runtime-checkable Protocol's isinstance probes every field (~10 us a tensor: 90 ms per walk of a
+    # 9,000-tensor state on an async save's blocking path); a plain tensor fails the first lookup.
+    return hasattr(tensor, CHECKPOINTABLE_FIELDS[0]) and isinstance(tensor, CheckpointableTensor)
+
+
 def holds_checkpointable(value: Any) -> bool:
     """Whether ``value`` (a state dict or part of one) holds a ``CheckpointableTensor``."""
     if CheckpointableTensor is None:
         return False
     if isinstance(value, torch.Tensor):
-        return isinstance(value, CheckpointableTensor)
+        return _checkpointable(value)
     if isinstance(value, Mapping):
         return any(holds_checkpointable(v) for v in value.values())
     return isinstance(value, (list, tuple)) and any(holds_checkpointable(v) for v in value)
@@ -142,7 +148,7 @@ def _carry_checkpointable_fields(source: Any, staged: Any) -> None:
     if CheckpointableTensor is None:
         return
     if isinstance(source, torch.Tensor):
-        if isinstance(source, CheckpointableTensor) and isinstance(staged, torch.Tensor):
+        if _checkpointable(source) and isinstance(staged, torch.Tensor):
             for name in CHECKPOINTABLE_FIELDS:
                 setattr(staged, name, getattr(source, name))
     elif isinstance(source, Mapping) and isinstance(staged, Mapping):
