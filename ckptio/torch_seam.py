@@ -1,7 +1,7 @@
-"""What ckptio takes from torch beyond its public API, in one place: each name with the torch releases
-it was checked on (2.13.0, 2.14.1, 2.15.0) and the public API preferred wherever torch has one.
-``tests/test_torch_seam.py`` imports each on every torch the suite runs on, so a release that moves
-one fails there by name."""
+"""What ckptio takes from torch beyond its public API, in one place, the public API preferred wherever
+torch has one. Each name is checked on the two torches ``make test`` runs (2.13.0, and 2.15.0 for the
+protocol tests; 2.14.1 ran them before 2.15): ``tests/test_torch_seam.py`` finds each there, so a release
+that moves one fails by name."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-# Checked on 2.13.0, 2.14.1, 2.15.0. Staging: torch's host copies of a state (fresh, or into buffers kept).
+# Staging: torch's host copies of a state (fresh, or into buffers kept).
 from torch.distributed._shard.sharded_tensor import ShardedTensor  # FSDP1's sharded state dicts
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
@@ -29,7 +29,7 @@ try:  # public from torch 2.15 on (the private module then warns that it is depr
 except ImportError:  # torch 2.13, 2.14
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-try:  # torch >= 2.14: a local tensor that carries its global shape and offsets, saved as shards
+try:  # torch 2.15 (the issue reports 2.14 too): a local tensor carrying its global shape and offsets
     from torch.distributed.checkpoint.protocol import CheckpointableTensor
 except ImportError:  # torch 2.13
     CheckpointableTensor = None

@@ -94,9 +94,9 @@ def queue_rank_drain(
     started: float,
 ) -> None:
     """This rank's jobs: upload its durable bytes (the first ``nbytes`` of ``file``, holding the blocks
-    of ``records``); a rank other than the coordinator then awaits the commit (of the save that began at
-    ``started``, unix time: refusals noted there before it are an earlier save's) (the coordinator's
-    ``Commit`` is queued by ``queue_commit``) and prunes its fast tier."""
+    of ``records``); a rank other than the coordinator then awaits the commit, which the coordinator's
+    ``Commit`` (queued by ``queue_commit``) makes, and prunes its fast tier. ``started``: when this save
+    began (unix time); refusals noted at the URL before it are an earlier save's."""
     queue = drain_queue()
     if nbytes:
         upload = Upload(
