@@ -39,7 +39,7 @@ $(WHEEL_VENV)/.installed: pyproject.toml setup.py Makefile $(VENV)/.installed
 
 .PHONY: wheel test-installed
 wheel: $(VENV)/.installed
-	rm -rf $(WHEEL_DIR) && $(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR) .
+	rm -rf $(WHEEL_DIR) build/lib && $(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR) .
 
 .PHONY: bench test test-fast test-torch-newest lint radosgw
 bench: $(VENV)/.installed

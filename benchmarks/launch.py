@@ -73,7 +73,7 @@ PRELOAD = [
     "torch._dynamo",
     "s3fs",
     "ckptio",
-    "ckptio.format.v3_decode",
+    "ckptio.format.document",
     "ckptio.storage.s3",
     "ckptio.bench.runner",
 ]

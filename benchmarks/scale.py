@@ -245,7 +245,7 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
         path = os.path.join(root, "ckpt")
         if writer == "ckptio":
             import ckptio
-            from ckptio.format.versions import decode_metadata
+            from ckptio.format.document import decode_metadata
 
             storage = ckptio.Writer(path)
             storage.set_up_storage_writer(True, rank=0)
@@ -310,7 +310,7 @@ def simulate_without_coordinator(layout: str, ranks: int, layers: int) -> dict:
     import tracemalloc
 
     import ckptio
-    from ckptio.format.versions import decode_metadata
+    from ckptio.format.document import decode_metadata
     from ckptio.loading.reader import read_metadata_bytes
     from ckptio.saving.replicas import split_by_holders
     from ckptio.saving.writer import FragmentSave

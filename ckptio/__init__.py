@@ -1,9 +1,8 @@
 """ckptio: a PyTorch Distributed Checkpoint writer and reader for S3 and shared filesystems."""
 
-from ckptio import deprecated_paths
-from ckptio.api import load, save, unwrap  # noqa: E402
-from ckptio.config import StorageConfig, WriterConfig  # noqa: E402
-from ckptio.errors import (  # noqa: E402
+from ckptio.api import load, save, unwrap
+from ckptio.config import StorageConfig, WriterConfig
+from ckptio.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointFormatError,
@@ -17,24 +16,17 @@ from ckptio.errors import (  # noqa: E402
     StorageError,
     UnsafeObjectError,
 )
-from ckptio.hf.export import export_safetensors  # noqa: E402
-from ckptio.hf.reader import HFReader  # noqa: E402
-from ckptio.loading.reader import Reader  # noqa: E402
-from ckptio.loading.safe_load import SafeLoadPlanner  # noqa: E402
-from ckptio.saving.planner import SavePlanner  # noqa: E402
-from ckptio.saving.staging import Stager, release_staging_buffers  # noqa: E402
-from ckptio.saving.writer import Writer  # noqa: E402
-from ckptio.state.per_rank import PerRank  # noqa: E402
-from ckptio.tiers.drain import DrainError, uploads_pending, wait_for_uploads  # noqa: E402
-from ckptio.tiers.latest import latest  # noqa: E402
-from ckptio.version import __version__  # noqa: E402
-
-deprecated_paths.install()
-
-
-def __getattr__(name: str):
-    return deprecated_paths.moved_attribute(name)
-
+from ckptio.hf.export import export_safetensors
+from ckptio.hf.reader import HFReader
+from ckptio.loading.reader import Reader
+from ckptio.loading.safe_load import SafeLoadPlanner
+from ckptio.saving.planner import SavePlanner
+from ckptio.saving.staging import Stager, release_staging_buffers
+from ckptio.saving.writer import Writer
+from ckptio.state.per_rank import PerRank
+from ckptio.tiers.drain import DrainError, uploads_pending, wait_for_uploads
+from ckptio.tiers.latest import latest
+from ckptio.version import __version__
 
 __all__ = [
     "CheckpointError",

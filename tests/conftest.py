@@ -156,5 +156,5 @@ def raw_checkpoint(tmp_path):
     state = {"w": torch.arange(20000.0), "b": torch.arange(7), "step": 3}
     ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0))
     doc = read_stored_doc(url)
-    assert doc["format_version"] == 4
+    assert doc["format_version"] == 8
     return url, doc

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -22,7 +23,9 @@ def _source_modules() -> set[str]:
 
 def _build(kind: str, out: pathlib.Path) -> pathlib.Path:
     """The wheel as pip builds it, or the sdist through setuptools' PEP 517 hook (what ``python -m build``
-    calls), from the checkout."""
+    calls), from the checkout. setuptools copies modules into ``build/lib`` and keeps what an earlier
+    build left there (a module since deleted would ship again): every build starts without it."""
+    shutil.rmtree(ROOT / "build" / "lib", ignore_errors=True)
     if kind == "wheel":
         command = ["-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(ROOT)]
     else:

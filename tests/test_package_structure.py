@@ -7,8 +7,6 @@ from __future__ import annotations
 import ast
 import importlib
 import pathlib
-import sys
-import warnings
 
 import pytest
 
@@ -21,7 +19,6 @@ LAYERS = [
         "ckptio.config",
         "ckptio.errors",
         "ckptio.gc_pause",
-        "ckptio.deprecated_paths",
         "ckptio.torch_seam",
     ),
     ("ckptio.format", "ckptio.storage", "ckptio.state"),
@@ -100,50 +97,16 @@ def test_no_import_circles():
     assert circles == []
 
 
-@pytest.mark.parametrize(
-    "old, new", [("ckptio.convert", "ckptio.tools.convert"), ("ckptio.compact", "ckptio.format.v3")]
-)
-def test_old_module_paths_import_with_a_deprecation_warning(old, new):
-    import ckptio
-    from ckptio.deprecated_paths import MOVED
-
-    assert MOVED[old] == new
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert callable(ckptio.tools.convert.load_full)
-    for old_path, new_paths in MOVED.items():
-        for new_path in [new_paths] if isinstance(new_paths, str) else new_paths:
-            assert importlib.util.find_spec(new_path) is not None, old_path
-
-
-@pytest.mark.parametrize(
-    "old, names",
-    [
-        ("ckptio.report", ("describe", "verify", "find_garbage", "collect_garbage", "delete_checkpoint")),
-        ("ckptio.layout", ("data_file_name", "check_block_lengths", "StoredItem", "Header", "legacy_document")),
-    ],
-)
-def test_a_split_module_keeps_every_public_name_under_its_old_path(old, names):
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to ckptio.[a-z.]+ and"):
-        module = importlib.import_module(old)
-    for name in names:
-        assert callable(getattr(module, name)), name
-
-
-def test_attribute_access_to_an_old_path_works_too():
+def test_0_2_module_paths_are_gone():
+    """0.2's flat module paths (``ckptio.convert``, ``ckptio.layout``, ...) were kept importable with a
+    warning through 0.x; 1.0 has one path per module."""
     import ckptio
 
-    sys.modules.pop("ckptio.convert", None)
-    vars(ckptio).pop("convert", None)  # an earlier import set it on the package
-    with pytest.warns(DeprecationWarning):
-        assert ckptio.convert.load_full is importlib.import_module("ckptio.tools.convert").load_full
-    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
-        ckptio.nothing_here  # noqa: B018
+    for old in ("ckptio.convert", "ckptio.layout", "ckptio.report", "ckptio.compact", "ckptio.stored_items"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    with pytest.raises(AttributeError, match="no attribute 'convert'"):
+        ckptio.convert  # noqa: B018
 
 
 def test_every_module_the_rank_servers_preload_imports():

@@ -22,7 +22,7 @@ def _module_names() -> list[str]:
     for package, folder in (("ckptio", ROOT / "ckptio"), ("ckptio.bench", ROOT / "benchmarks")):
         for path in sorted(folder.rglob("*.py")):
             parts = path.relative_to(folder).with_suffix("").parts
-            if parts[-1] == "__main__" or "deprecated_paths" in parts:
+            if parts[-1] == "__main__":
                 continue
             parts = parts[:-1] if parts[-1] == "__init__" else parts
             names.append(".".join((package, *parts)))

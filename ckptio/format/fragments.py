@@ -9,17 +9,13 @@ the items it wrote, like ``ckptio.json``, plus a ``fragment`` field::
 
 ``save_id`` is the same on every rank of one save and differs between saves; ``replicas`` lists the
 chunks this rank holds but left to another rank (``writers``), decided from the placements every
-holder sees alike. The checkpoint is committed when all ``ranks`` fragments of one save are present;
-``merge`` then checks the set (one save, every rank once, one rank count, every replica written by
-its writer) and joins the fragments' keys, chunks, items and files. Items several ranks wrote under
-one key (objects and plain tensors: no rank knows who else holds them, so every holder stores its own)
-are kept once when they are equal; objects that differ are kept per rank, as
-``WriterConfig(differing_objects="keep_per_rank")`` keeps them; plain tensors that differ are refused,
-as a save with a coordinator refuses them.
-
-``fragment_columns`` applies the same rule column by column to fragments of one chunk per key (what saves
-at thousands of ranks write), and writes the same document. No I/O here: ``loading/fragment_set.py``
-lists and reads the fragments.
+holder sees alike. The checkpoint is committed when all ``ranks`` fragments of one save are present.
+``merge.py`` joins them: one save, every rank once, one rank count, every replica written by its
+writer; items several ranks wrote under one key (objects and plain tensors: no rank knows who else
+holds them, so every holder stores its own) are kept once when they are equal; objects that differ
+are kept per rank, as ``WriterConfig(differing_objects="keep_per_rank")`` keeps them; plain tensors
+that differ are refused, as a save with a coordinator refuses them. The refusals are worded here. No
+I/O: ``loading/fragment_set.py`` lists and reads the fragments.
 """
 
 from __future__ import annotations
@@ -29,14 +25,10 @@ import itertools
 import re
 from typing import Any, NamedTuple
 
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-
 from ckptio.config import INT64_LIMIT
 from ckptio.errors import CheckpointFormatError, IncompleteCheckpointError, MixedFragmentsError, PerRankStateError
-from ckptio.format.names import FragmentName, dtype_name, fragment_name
-from ckptio.format.records import Header, Manifest, StoredItem
+from ckptio.format.names import FragmentName, fragment_name
 from ckptio.format.rules import require_count, require_counts
-from ckptio.format.stored_items import StoredItems
 
 #: The field of a fragment document that makes it one.
 FRAGMENT_FIELD = "fragment"
@@ -119,16 +111,6 @@ def _plain_replicas(keys: list, offsets: list, writers: list, ranks: int) -> boo
     )
 
 
-@dataclasses.dataclass
-class Fragment:
-    """One rank's decoded fragment, and where it was read from."""
-
-    name: str
-    where: str
-    manifest: Manifest
-    info: FragmentInfo
-
-
 def check_set(named: dict[str, FragmentName], where: str) -> int:
     """The rank count of the fragment set whose names are ``named`` (name -> its rank and count);
     ``MixedFragmentsError`` when the names claim different rank counts, ``IncompleteCheckpointError``
@@ -155,61 +137,6 @@ def check_set(named: dict[str, FragmentName], where: str) -> int:
     return ranks
 
 
-def merge(fragments: list[Fragment], where: str) -> tuple[Metadata, dict, Header, dict[str, dict[int, StoredItem]]]:
-    """Join a complete set of fragments (one per rank, ``check_set`` passed) into what
-    ``versions.encode_metadata`` takes: DCP metadata, item records by ``(key, offsets or None)``,
-    the header, and the objects kept per rank."""
-    fragments = sorted(fragments, key=lambda f: f.info.rank)
-    check_one_save([(f.name, f.where, f.info) for f in fragments], where)
-    state: dict[str, Any] = {}
-    chunks_seen: dict[str, dict[tuple[int, ...], Any]] = {}
-    planner_data: dict[str, Any] = {}
-    items: dict[tuple[str, Any], StoredItem] = {}  # the first rank's copy of each item
-    first_rank: dict[tuple[str, Any], int] = {}
-    copies: dict[tuple[str, Any], dict[int, StoredItem]] = {}  # items more than one rank stored: every copy
-    files: dict[str, int] = {}
-    writers: dict[str, int] = {}
-    for fragment in fragments:
-        rank, manifest = fragment.info.rank, fragment.manifest
-        for fqn, md in manifest.metadata.state_dict_metadata.items():
-            _merge_key(state, chunks_seen, fqn, md, fragment.where)
-        for fqn, path in (manifest.metadata.planner_data or {}).items():
-            if planner_data.setdefault(fqn, path) != path:
-                refuse_paths(fqn, path, planner_data[fqn], fragment.where)
-        for key, item in _records(manifest.items):
-            if key not in items:
-                items[key], first_rank[key] = item, rank
-            else:
-                copies.setdefault(key, {first_rank[key]: items[key]})[rank] = item
-        for name, size in manifest.header.files.items():
-            if name in files:
-                refuse_file_twice(name, writers[name], fragment.where)
-            files[name] = size
-            writers[name] = manifest.header.writer_ranks.get(name, rank)
-    per_rank = _one_copy_each(items, copies, state, where)
-    check_replicas(fragments, items, where)
-    first = fragments[0].manifest.header
-    header = dataclasses.replace(
-        first,
-        files=files,
-        writer_ranks=writers,
-        world_size=len(fragments),
-        created_unix=max(f.manifest.header.created_unix for f in fragments),
-        mesh=next((f.manifest.header.mesh for f in fragments if f.manifest.header.mesh), None),
-    )
-    metadata = Metadata(state_dict_metadata=state, planner_data=planner_data or None)
-    if first.dcp_version is not None:
-        metadata.version = first.dcp_version
-    return metadata, items, header, per_rank
-
-
-def _records(items: Any) -> Any:
-    """``((key, offsets or None), record)`` of a fragment's items (offsets as tuples: a torch.Size is equal)."""
-    if isinstance(items, StoredItems):
-        return items.records()
-    return (((index.fqn, index.offset), item) for index, item in items.items())
-
-
 def check_one_save(fragments: list[tuple[str, str, FragmentInfo]], where: str) -> None:
     """The fragments (name, where read, record; by rank) are one save's, one per rank."""
     for expected, (name, read_from, info) in enumerate(fragments):
@@ -227,32 +154,6 @@ def check_one_save(fragments: list[tuple[str, str, FragmentInfo]], where: str) -
             f"{where} holds fragments of {len(by_save)} different saves ({shown}): a save to this path was cut "
             "off on some ranks and another one overwrote the rest. It never loads; load an earlier checkpoint"
         )
-
-
-def _merge_key(state: dict, chunks_seen: dict, fqn: str, md: Any, where: str) -> None:
-    known = state.get(fqn)
-    if known is None:
-        if isinstance(md, TensorStorageMetadata):
-            state[fqn] = TensorStorageMetadata(md.properties, md.size, list(md.chunks))
-            chunks_seen[fqn] = {tuple(c.offsets): c for c in md.chunks}
-        else:
-            state[fqn] = md
-        return
-    if isinstance(md, BytesStorageMetadata) or isinstance(known, BytesStorageMetadata):
-        if type(md) is not type(known):
-            refuse_kinds(fqn, isinstance(md, TensorStorageMetadata), isinstance(known, TensorStorageMetadata), where)
-        return
-    if md.size != known.size or md.properties.dtype != known.properties.dtype:
-        mine, first = dtype_name(md.properties.dtype), dtype_name(known.properties.dtype)
-        refuse_shapes(fqn, (mine, md.size), (first, known.size), where)
-    seen = chunks_seen[fqn]
-    for chunk in md.chunks:
-        other = seen.get(tuple(chunk.offsets))
-        if other is None:
-            seen[tuple(chunk.offsets)] = chunk
-            known.chunks.append(chunk)
-        elif other.sizes != chunk.sizes:
-            refuse_sizes(fqn, chunk.offsets, chunk.sizes, other.sizes, where)
 
 
 def refuse_kinds(fqn: str, tensor: bool, known_tensor: bool, where: str) -> None:
@@ -291,33 +192,6 @@ def refuse_file_twice(name: str, first_writer: int, where: str) -> None:
     )
 
 
-def _one_copy_each(
-    items: dict[tuple[str, Any], StoredItem],
-    copies: dict[tuple[str, Any], dict[int, StoredItem]],
-    state: dict[str, Any],
-    where: str,
-) -> dict[str, dict[int, StoredItem]]:
-    """Of the items several ranks stored (``copies``), keep one record where every copy holds the same
-    value (the lowest rank's, already in ``items``); keep objects whose values differ per rank (taken
-    out of ``items``, returned); refuse differing plain tensors."""
-    per_rank: dict[str, dict[int, StoredItem]] = {}
-    for key, by_rank in copies.items():
-        first = items[key]
-        value = _value_of(first)
-        if all(_value_of(other) == value for other in by_rank.values()):
-            continue
-        fqn = key[0]
-        if isinstance(state[fqn], BytesStorageMetadata):
-            per_rank[fqn] = dict(by_rank)
-            del items[key]
-            continue
-        groups: dict[Any, list[int]] = {}
-        for rank, item in by_rank.items():
-            groups.setdefault(_value_of(item), []).append(rank)
-        refuse_differing_tensor(fqn, list(groups.values()), where)
-    return per_rank
-
-
 def refuse_differing_tensor(fqn: str, groups: list[list[int]], where: str) -> None:
     """Copies of a plain tensor differ: ``groups`` lists the ranks of each value."""
     described = "; ".join(f"ranks {_ranks(ranks)}" for ranks in groups)
@@ -327,25 +201,6 @@ def refuse_differing_tensor(fqn: str, groups: list[list[int]], where: str) -> No
         "before it commits, so this checkpoint does not load. Save per-rank tensors under per-rank keys "
         "(ckptio.PerRank) or as DTensors"
     )
-
-
-def _value_of(item: StoredItem) -> tuple:
-    """What decides that two copies hold the same value: equal CRC32Cs of equally encoded blocks (copies
-    encoded differently, by ranks with different settings, are kept apart, never merged unchecked)."""
-    return (item.kind, item.dtype, item.shape, item.logical_bytes, item.codec, item.block_size, item.blocks)
-
-
-def check_replicas(fragments: list[Any], stored: Any, where: str) -> None:
-    """Every chunk a rank held and left to another (each fragment's ``info.replicas``) is among the
-    ``stored`` ``(key, offsets)`` (torch.Size keys hash as tuples)."""
-    for fragment in fragments:
-        for replica in fragment.info.replicas:
-            if (replica.fqn, replica.offsets) not in stored:
-                raise IncompleteCheckpointError(
-                    f"{where}: rank {fragment.info.rank} holds key {replica.fqn!r} at {list(replica.offsets)} and left "
-                    f"it to rank {replica.writer}, whose fragment does not store it: the ranks disagreed about who "
-                    "writes it (different meshes or placements on different ranks?). Load an earlier checkpoint"
-                )
 
 
 def _ranks(ranks: list[int]) -> str:

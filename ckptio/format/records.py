@@ -19,7 +19,6 @@ from ckptio.errors import CheckpointFormatError
 from ckptio.format.names import (
     FORMAT_NAME,
     FORMAT_VERSION,
-    INCREMENTAL_VERSION,
     Codec,
     ItemKind,
     dtype_from_name,
@@ -199,10 +198,12 @@ class Header:
     config: SavedConfig = SavedConfig()
     writer_ranks: dict[str, int] = dataclasses.field(default_factory=dict)  # data file -> rank that wrote it
     dcp_version: str | None = None
-    chain: ChainRecord | None = None  # an incremental save's (format version 7)
+    chain: ChainRecord | None = None  # an incremental save's
+    features: tuple[str, ...] = ()  # what the document uses beyond the base format (``tables.FEATURES``)
 
     def to_json(self) -> dict[str, Any]:
         chain = {"chain": self.chain.to_json()} if self.chain is not None else {}
+        chain |= {"features": list(self.features)} if self.features else {}
         return chain | {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
@@ -232,8 +233,6 @@ class Header:
         config = FieldReader(field.mapping("config"), f"{where}: config")
         mesh = field.mapping("mesh", nullable=True)
         chain = doc.get("chain")
-        if chain is not None and doc.get("format_version", 0) < INCREMENTAL_VERSION:
-            raise CheckpointFormatError(f"{where}: 'chain' is format version {INCREMENTAL_VERSION}'s")
         created = created_unix(field.value("created_unix", (int, float), 0.0), where)
         return cls(
             files=files,

@@ -57,28 +57,33 @@ for items stored in pieces (some blocks in the base's file, the changed ones in 
 from __future__ import annotations
 
 import array
-import base64
-import binascii
 import itertools
 import operator
-import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from ckptio.config import INT64_LIMIT
-from ckptio.errors import CheckpointError, CheckpointFormatError
+from ckptio.errors import CheckpointError
+from ckptio.format.columns import (  # noqa: F401 - the legacy decoder's columns
+    _TYPECODES,
+    PackedBlocks,
+    _b64,
+    crc_column,
+    decode_array,
+    decode_column,
+    encode_array,
+    encode_column,
+    encode_packed,
+    encode_packed_array,
+)
+from ckptio.format.encode import encode_files
+from ckptio.format.encode import paths_by_key as _paths_by_key
 from ckptio.format.names import (
     CODECS,
-    KEY_PREFIX_RULE,
     SIBLING_PREFIX,
     dtype_name,
-    parse_data_file_name,
-    parse_data_file_names,
-    split_sibling_file_name,
 )
 from ckptio.format.records import Reference, planner_data_json
 
@@ -87,153 +92,6 @@ from ckptio.format.records import Reference, planner_data_json
 #: (its other dimension's offsets and sizes are one number each): it pays from ~25 chunks on. At 1,024
 #: ranks x 8 layers of FSDP, all keys in the table took 6.3 MiB, per-key records 4.9 MiB.
 TABLE_MAX_CHUNKS = 16
-#: Width letter -> bytes per entry, and the ``array`` type code of that width on this platform.
-_WIDTHS = {"B": 1, "H": 2, "I": 4, "Q": 8}
-_TYPECODES = {
-    letter: next(code for code in "BHILQ" if array.array(code).itemsize == width) for letter, width in _WIDTHS.items()
-}
-
-# ---------------------------------------------------------------------------------------
-# Columns
-
-
-def encode_column(values: list[int]) -> int | str:
-    """A COL: the value itself when every entry has it, else the narrowest packed string."""
-    if values and values.count(values[0]) == len(values):
-        return values[0]
-    return encode_packed(values)
-
-
-def encode_packed(values: Iterable[int], letter: str | None = None) -> str:
-    """The narrowest packed string of ``values`` (a list), or of that ``letter``'s width (any iterable:
-    CRC32Cs, always 4 bytes, go from their records into the array without a list between)."""
-    if letter is None:
-        top = max(values, default=0)
-        letter = next((letter for letter, width in _WIDTHS.items() if top < 1 << (8 * width)), "Q")
-    packed = array.array(_TYPECODES[letter], values)
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return letter + base64.b64encode(packed.tobytes()).decode()
-
-
-def encode_array(values: np.ndarray) -> int | str:
-    """``encode_column`` of a numpy array of non-negative integers (the same COL for the same values)."""
-    if len(values) and bool((values == values[0]).all()):
-        return int(values[0])
-    return encode_packed_array(values)
-
-
-def encode_packed_array(values: np.ndarray, letter: str | None = None) -> str:
-    """``encode_packed`` of a numpy array of non-negative integers."""
-    if letter is None:
-        top = int(values.max()) if len(values) else 0
-        letter = next((letter for letter, width in _WIDTHS.items() if top < 1 << (8 * width)), "Q")
-    return letter + base64.b64encode(values.astype(f"<u{_WIDTHS[letter]}").tobytes()).decode()
-
-
-def decode_array(value: Any, count: int, what: str, packed_only: bool = False) -> np.ndarray:
-    """``decode_column`` as a numpy array of int64 (every entry is below 2^63)."""
-    if _constant(value, what, packed_only):
-        return np.full(count, value, dtype=np.int64)
-    return PackedBlocks(value, count, what, packed_only).to_numpy()
-
-
-def decode_column(value: Any, count: int, what: str, packed_only: bool = False) -> list[int]:
-    """``count`` non-negative integers from a COL (a BLOCKS string when ``packed_only``)."""
-    if _constant(value, what, packed_only):
-        return [value] * count
-    return PackedBlocks(value, count, what, packed_only)[:].tolist()
-
-
-def _constant(value: Any, what: str, packed_only: bool) -> bool:
-    """Whether a COL is one integer (every entry's), checked; a packed string is for ``PackedBlocks``."""
-    if not isinstance(value, int) or isinstance(value, bool) or packed_only:
-        return False
-    if not 0 <= value < INT64_LIMIT:
-        raise CheckpointFormatError(f"{what} must hold non-negative integers below 2^63, got {value}")
-    return True
-
-
-class PackedBlocks:
-    """A packed column whose entries are decoded when a slice of them is asked for: checked on
-    construction for its width letter and its length (no allocation), an entry range's base64 on use.
-    A load needs the per-block CRC32C of the items it reads, not of all: decoding every block's CRC was
-    most of a large checkpoint's decode time (base64 in CPython runs at ~0.4 GB/s)."""
-
-    __slots__ = ("_text", "_width", "_typecode", "_count", "_what")
-
-    def __init__(self, value: Any, count: int, what: str, packed_only: bool = True):
-        letter = value[:1] if isinstance(value, str) else None
-        if letter not in _WIDTHS:
-            kind = "a packed string" if packed_only else "an integer or a packed string"
-            raise CheckpointFormatError(
-                f"{what} must be {kind} (a width letter B, H, I or Q, then base64): {value!r:.40}"
-            )
-        width = _WIDTHS[letter]
-        text = value[1:]
-        nbytes = count * width
-        padding = (3 - nbytes % 3) % 3
-        if len(text) % 4:
-            raise CheckpointFormatError(f"{what} is not valid base64")
-        padded = len(text) - len(text.rstrip("="))
-        if len(text) != 4 * -(-nbytes // 3) or padded != padding:
-            held = len(text) // 4 * 3 - padded
-            raise CheckpointFormatError(
-                f"{what} holds {held / width:g} entries of {width} bytes where {count} are expected"
-            )
-        self._text, self._width, self._typecode, self._count, self._what = text, width, _TYPECODES[letter], count, what
-
-    def __len__(self) -> int:
-        return self._count
-
-    @property
-    def width(self) -> int:
-        """Bytes per entry."""
-        return self._width
-
-    def __getitem__(self, entries: slice) -> array.array:
-        """The entries of a slice (step 1), as an ``array`` of the column's width."""
-        start, stop, _ = entries.indices(self._count)
-        stop = max(start, stop)
-        first, end = start * self._width, stop * self._width  # bytes wanted
-        skip = first % 3  # base64 decodes in groups of 4 characters = 3 bytes
-        raw = _b64decode(self._text[(first - skip) // 3 * 4 : -(-end // 3) * 4], self._what)
-        packed = array.array(self._typecode, raw[skip : skip + end - first])
-        if sys.byteorder != "little":
-            packed.byteswap()
-        if self._width == 8 and packed and max(packed) >= INT64_LIMIT:
-            raise CheckpointFormatError(f"{self._what} holds {max(packed)}, past the largest count or offset (2^63-1)")
-        return packed
-
-    def to_numpy(self) -> np.ndarray:
-        """Every entry, as a numpy array of int64."""
-        values = np.frombuffer(_b64decode(self._text, self._what), dtype=f"<u{self._width}")
-        if self._width == 8 and len(values) and values.max() >= INT64_LIMIT:
-            raise CheckpointFormatError(f"{self._what} holds {values.max()}, past the largest count or offset (2^63-1)")
-        return values.astype(np.int64)
-
-
-def crc_column(value: Any, count: int, what: str) -> PackedBlocks:
-    """A ``crc32c`` column (BLOCKS): entries of at most 4 bytes (a CRC32C has 32 bits; version 3 wrote
-    the narrowest width, later versions 4 bytes)."""
-    column = PackedBlocks(value, count, what)
-    if column.width > 4:
-        raise CheckpointFormatError(f"{what} holds {column.width}-byte entries; a CRC32C has 4 bytes")
-    return column
-
-
-def _b64decode(text: str, what: str) -> bytes:
-    try:
-        if sys.version_info >= (3, 11):
-            return binascii.a2b_base64(text, strict_mode=True)
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise CheckpointFormatError(f"{what} is not valid base64") from None
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
 
 # ---------------------------------------------------------------------------------------
 # Encoding (the writer's side: records it made itself)
@@ -406,85 +264,6 @@ def _key_record(
         }
     record.update(_storage_columns(stored, file_numbers, block_size))
     return record
-
-
-def encode_files(names: list[str], files: dict[str, int], writer_ranks: dict[str, int]) -> dict[str, Any]:
-    """The ``files`` columns of the data files ``names`` (sorted), their sizes and writing ranks."""
-    if names and names[0].startswith(SIBLING_PREFIX):  # sorted: a sibling's files come first
-        columns = _encode_files_with_siblings(names)
-        ranks = columns["ranks"]
-    else:
-        save_ids, ranks, spread = parse_data_file_names(names)
-        columns = {"save_ids": save_ids, "ranks": ranks}
-        if spread:  # version 5
-            columns["key_prefix"] = KEY_PREFIX_RULE
-    writers = [writer_ranks.get(name, rank) for name, rank in zip(names, ranks, strict=True)]
-    columns["ranks"] = encode_column(ranks)
-    columns["sizes"] = encode_column([files[name] for name in names])
-    if writers != ranks:
-        columns["writers"] = encode_column(writers)
-    return columns
-
-
-def _encode_files_with_siblings(names: list[str]) -> dict[str, Any]:
-    """Version 7: data files of sibling checkpoints (an incremental save's references) beside its own:
-    ``bases`` names each sibling (and its key-prefix rule), ``base`` numbers each file's (0: its own)."""
-    save_ids, ranks, base_numbers = [], [], []
-    bases: dict[str | None, int] = {None: 0}
-    spread_of: dict[str | None, bool] = {}
-    for name in names:
-        sibling, own = split_sibling_file_name(name)
-        parsed = parse_data_file_name(own)
-        if parsed is None or spread_of.setdefault(sibling, parsed.spread) != parsed.spread:
-            raise ValueError(f"{name!r} is not a ckptio data file name, or its folder mixes key-prefix rules")
-        save_ids.append(parsed.save_id)
-        ranks.append(parsed.rank)
-        base_numbers.append(bases.setdefault(sibling, len(bases)))
-    columns: dict[str, Any] = {"save_ids": save_ids, "ranks": ranks, "base": encode_column(base_numbers)}
-    columns["bases"] = [
-        {"name": sibling, **({"key_prefix": KEY_PREFIX_RULE} if spread_of[sibling] else {})}
-        for sibling in bases
-        if sibling is not None
-    ]
-    if spread_of.get(None):
-        columns["key_prefix"] = KEY_PREFIX_RULE
-    return columns
-
-
-def _paths_by_key(metadata: Metadata) -> dict[str, list[int] | None] | None:
-    """torch's planner data ``{flat key: path}`` as a per-key code (``None``: the key split at every dot);
-    ``None`` when it is not such a map of exactly the saved keys (it is then stored as it is)."""
-    planner_data = metadata.planner_data
-    if not isinstance(planner_data, dict) or planner_data.keys() != metadata.state_dict_metadata.keys():
-        return None
-    paths = {}
-    for fqn, path in planner_data.items():
-        try:  # a path of names only (most keys): its parts' dots are the key's, less the joins
-            if not isinstance(path, (tuple, list)) or ".".join(path) != fqn:
-                return None
-            code = None if fqn.count(".") == len(path) - 1 else [part.count(".") + 1 for part in path]
-        except TypeError:  # list indices (or what is not a path)
-            code = encode_path(path)
-            if code is False or ".".join(map(str, path)) != fqn:
-                return None
-        paths[fqn] = code
-    return paths
-
-
-def encode_path(path: Any) -> list[int] | None | bool:
-    """A flat key's path as a count of its dot-separated parts per path element (0: a list index);
-    ``None`` when every part is its own string element; ``False`` when it is not such a path."""
-    if not isinstance(path, (tuple, list)):
-        return False
-    code = []
-    for part in path:
-        if type(part) is str:
-            code.append(part.count(".") + 1)
-        elif isinstance(part, int) and not isinstance(part, bool) and part >= 0:
-            code.append(0)
-        else:
-            return False
-    return None if code.count(1) == len(code) else code
 
 
 def _dimension_columns(boxes: tuple[tuple[int, ...], ...], ndim: int) -> list[int | str]:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckptio.config import INT64_LIMIT, is_block_size
 from ckptio.errors import CheckpointFormatError
+from ckptio.format.decode import decode_path
 from ckptio.format.names import (
     FORMAT_VERSION,
     FRAGMENT_VERSION,
@@ -41,7 +42,6 @@ from ckptio.format.rules import (
     check_codecs,
     check_file_numbers,
     check_inline_bytes,
-    check_list_index,
     check_shape,
     check_spans,
     decode_inline,
@@ -355,50 +355,6 @@ def _decode_tensors(table: Any, context: _Context) -> tuple[StoredKey, list[str]
     _storage_columns_of(key, table, context, where, item_sizes)
     key.firsts = list(itertools.accumulate(chunks, initial=0))
     return key, names, entries
-
-
-def decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, ...]:
-    """A flat key's path from its code (see ``encode_path``); list indices as ``rules.check_list_index`` allows.
-    Valid answers are remembered (the fragments of a save without a coordinator repeat each key's path
-    thousands of times)."""
-    if code is None:
-        return tuple(fqn.split("."))
-    if isinstance(code, list) and all(type(n) is int for n in code):
-        memo = (fqn, tuple(code), keys)
-        path = _PATHS.get(memo)
-        if path is None:
-            path = _PATHS[memo] = _decode_path(fqn, code, keys, where)
-            if len(_PATHS) > _PATHS_KEPT:
-                _PATHS.clear()
-        return path
-    return _decode_path(fqn, code, keys, where)
-
-
-_PATHS: dict[tuple, tuple] = {}
-_PATHS_KEPT = 1 << 16
-
-
-def _decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, ...]:
-    parts = fqn.split(".")
-    if not isinstance(code, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in code):
-        raise CheckpointFormatError(f"{where}: the path of key {fqn!r:.80} must be a list of part counts")
-    if code == [len(parts)]:  # the key is one element of its path (a flat state's dotted names)
-        return (fqn,)
-    path: list[str | int] = []
-    at = 0
-    for n in code:
-        if n == 0:
-            part = parts[at] if at < len(parts) else ""
-            number = int(part) if part.isdecimal() and part.isascii() and str(int(part)) == part else part
-            check_list_index(number, keys, fqn, where)
-            path.append(number)
-            at += 1
-        else:
-            path.append(".".join(parts[at : at + n]))
-            at += n
-    if at != len(parts):
-        raise CheckpointFormatError(f"{where}: the path of key {fqn!r:.80} does not cover the key's parts")
-    return tuple(path)
 
 
 def _decode_key(fqn: str, record: Any, context: _Context) -> tuple[Any, StoredKey]:

@@ -12,9 +12,9 @@ import concurrent.futures
 
 from ckptio.config import FRAGMENT_READS
 from ckptio.errors import CheckpointError
+from ckptio.format.document import merge_fragments
 from ckptio.format.fragments import check_set
 from ckptio.format.names import FragmentName, parse_fragment_name
-from ckptio.format.versions import merge_fragments
 from ckptio.gc_pause import paused_gc
 from ckptio.storage import FsspecStore
 

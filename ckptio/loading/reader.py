@@ -25,9 +25,9 @@ from ckptio.errors import (
     PerRankStateError,
     remember_metadata_error,
 )
+from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, TORCH_DCP_METADATA_NAME, parse_data_file_name
 from ckptio.format.records import Manifest, StoredItem
-from ckptio.format.versions import decode_metadata
 from ckptio.loading.extents import byte_source, recorded_sizes
 from ckptio.loading.fetch import load_jobs, prepared_jobs
 from ckptio.loading.fragment_set import FragmentsFound, complete_set, merged_metadata

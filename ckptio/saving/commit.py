@@ -14,8 +14,8 @@ from ckptio.errors import (
     CheckpointNotFoundError,
     StorageError,
 )
+from ckptio.format.document import decode_fragment, decode_metadata
 from ckptio.format.names import METADATA_NAME, own_file_names
-from ckptio.format.versions import decode_fragment, decode_metadata
 from ckptio.loading.fragment_set import complete_set, merged_metadata
 from ckptio.saving.references import by_sibling, files_in_use, release
 from ckptio.storage import FsspecStore

@@ -37,6 +37,7 @@ from ckptio.format.codec import block_digest
 from ckptio.format.names import INCREMENTAL_VERSION, SIBLING_PREFIX, is_sibling_name, sibling_file_name
 from ckptio.format.records import DIGEST_BYTES, NO_DIGEST, Extent, Manifest, StoredItem
 from ckptio.format.stored_items import StoredItems
+from ckptio.format.view import ItemTable
 from ckptio.loading.reader import read_manifest
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class Base:
         """The base's record of ``item`` (``data_file.ItemBytes``) when it stores the same kind of item (key,
         chunk, dtype, shape, length, block size) with digests in a file, else ``None``."""
         items = self.manifest.items
-        old = items.peek(item.index) if isinstance(items, StoredItems) else items.get(item.index)
+        old = items.peek(item.index) if isinstance(items, (ItemTable, StoredItems)) else items.get(item.index)
         if (
             old is None
             or old.digests is None

@@ -26,6 +26,7 @@ from torch.futures import Future
 
 from ckptio.config import StorageConfig, WriterConfig
 from ckptio.errors import CheckpointError, CheckpointExistsError, CheckpointFormatError, StorageError
+from ckptio.format.document import decode_fragment, decode_metadata, encode_metadata
 from ckptio.format.fragments import FragmentInfo, Replica
 from ckptio.format.names import METADATA_NAME, SIBLING_PREFIX, ItemKind, data_file_name, fragment_name
 from ckptio.format.records import (
@@ -37,7 +38,6 @@ from ckptio.format.records import (
     SavedConfig,
     StoredItem,
 )
-from ckptio.format.versions import decode_fragment, decode_metadata, encode_metadata
 from ckptio.gc_pause import paused_gc
 from ckptio.saving import ordering, staging
 from ckptio.saving.commit import check_target, clear_for_fragments, publish, publish_fragment

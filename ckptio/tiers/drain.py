@@ -29,9 +29,9 @@ from typing import Any, Callable, Iterable, Iterator
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError, CheckpointExistsError, DrainError, StorageError
 from ckptio.format.codec import checksum
+from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, REFUSED_SUFFIX
 from ckptio.format.records import StoredItem, placed_blocks
-from ckptio.format.versions import decode_metadata
 from ckptio.saving.commit import publish
 from ckptio.storage import FsspecStore, LocalStore, open_store
 from ckptio.tiers.background import drain_storage_options, lower_this_thread

@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ckptio.errors import CheckpointError
 from ckptio.format.codec import checksum
+from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, parse_data_file_name
 from ckptio.format.records import Manifest, StoredItem, placed_blocks
 from ckptio.format.v1 import pack_counts
-from ckptio.format.versions import decode_metadata
 from ckptio.storage import FsspecStore
 from ckptio.tiers.paths import HELD_SUFFIX
 

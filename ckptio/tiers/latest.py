@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError
+from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, parse_data_file_name
 from ckptio.format.records import Manifest
-from ckptio.format.versions import decode_metadata
 from ckptio.loading.fragment_set import complete_set
 from ckptio.loading.read_once import read_on
 from ckptio.loading.together import fail_together

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError, MixedFragmentsError
+from ckptio.format.document import decode_fragment, decode_metadata
 from ckptio.format.names import (
     METADATA_NAME,
     REFUSED_SUFFIX,
@@ -14,7 +15,6 @@ from ckptio.format.names import (
     parse_reference_marker_name,
 )
 from ckptio.format.records import Manifest
-from ckptio.format.versions import decode_fragment, decode_metadata
 from ckptio.loading.fragment_set import complete_set, fragments_in
 from ckptio.loading.reader import read_manifest
 from ckptio.saving.references import by_sibling, files_in_use, release

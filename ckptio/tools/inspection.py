@@ -81,6 +81,7 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
         "url": url,
         "written_by": header.written_by,
         "format_version": header.format_version,
+        "features": list(header.features),
         "created": datetime.datetime.fromtimestamp(header.created_unix, datetime.timezone.utc).isoformat(),
         "save_id": header.save_id,
         "world_size": header.world_size,
@@ -119,7 +120,9 @@ def every_item(manifest: Manifest) -> list[tuple[MetadataIndex, StoredItem]]:
 def format_description(desc: dict[str, Any]) -> str:
     lines = [
         f"checkpoint   {desc['url']}",
-        f"written by   {desc['written_by']} (format {desc['format_version']}) at {desc['created']}",
+        f"written by   {desc['written_by']} (format {desc['format_version']}"
+        + "".join(f", {feature}" for feature in desc.get("features", []))
+        + f") at {desc['created']}",
         f"saved on     {desc['world_size']} ranks"
         + (f", mesh {_mesh(desc['mesh'])}" if desc.get("mesh") else "")
         + f", mode {desc['mode']}, compression {desc['compression'] or 'none'}"

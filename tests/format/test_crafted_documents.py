@@ -92,10 +92,10 @@ def _format_error_for(url: str, raw: bytes | str) -> str:
 def test_garbage_json_is_a_named_format_error(tmp_path):
     url = saved_with_dcp(tmp_path)
     good = open(meta_path(url)).read()
-    doc, view = json.loads(good), read_doc(url)  # version 4; the same in version 2's schema
+    doc, view = json.loads(good), read_doc(url)  # version 8; the same in version 2's schema
     assert "deeper than" in _format_error_for(url, "[" * 100_000 + "]" * 100_000)
     assert "not valid JSON" in _format_error_for(
-        url, good.replace('"format_version":4', '"format_version":' + "9" * 5000, 1)
+        url, good.replace('"format_version":8', '"format_version":' + "9" * 5000, 1)
     )
     assert "repeats the JSON key 'files'" in _format_error_for(url, good[:-1] + ',"files":{}}')
     items = view["items"] + [view["items"][0]]

@@ -4,6 +4,7 @@ Fragments are crafted from a one-process save without collectives (one fragment,
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 
@@ -107,9 +108,11 @@ def test_equal_copies_merge_and_differing_objects_are_kept_per_rank(tmp_path):
 
 def _differing_inline(key: str):
     def edit(rank, doc):
-        if rank == 1:
-            table = doc["objects"] if key in doc["objects"]["keys"] else doc["tensors"]
-            table["crc32c"] = "IAAAAAA=="  # another value: another checksum
+        if rank == 1:  # another value of the key's one block: another checksum
+            item = doc["keys"]["names"].index(key)
+            crcs = bytearray(base64.b64decode(doc["blocks"]["crc32c"][1:]))
+            crcs[4 * item] ^= 1
+            doc["blocks"]["crc32c"] = "I" + base64.b64encode(bytes(crcs)).decode()
 
     return edit
 
@@ -134,11 +137,8 @@ def test_a_key_stored_as_a_tensor_and_as_an_object_is_refused(tmp_path):
     url = _saved(tmp_path)
 
     def edit(rank, doc):
-        if rank == 1:  # rank 1 holds no tensor "w", and its object "meta.x" is renamed "w"
-            del doc["tensors"]
-            doc["objects"]["keys"] = ["w"]
-            doc["objects"].pop("paths", None)
-            doc["planner_data"] = {"w": ["w"]}
+        if rank == 1:  # rank 1 stores its tensor as "x" and its object as "w"
+            doc["keys"]["names"] = ["x", "w"]
 
     _as_two_ranks(url, edit)
     error = _load_error(url)
@@ -153,26 +153,29 @@ def test_fragment_names_are_parsed_exactly():
         assert parse_fragment_name(name) is None, name
 
 
-def test_a_fragment_keeps_one_part_of_a_tensor_in_the_tensors_table_in_version_6(tmp_path):
-    """A fragment's key of one chunk that is part of its tensor: a 'boxed' table entry (version 6),
-    which a version 4 or 5 document may not have, and which must hold 0 or 1."""
-    from ckptio.format.versions import decode_fragment
+def test_a_fragment_keeps_one_part_of_a_tensor_as_a_boxed_key(tmp_path):
+    """A fragment's key of one chunk that is part of its tensor: a 'boxed' tensor row with its item's
+    box, which must hold 0 or 1, and which the merged set must cover."""
+    from ckptio.format.document import decode_fragment
 
     url = str(tmp_path / "ckpt")
     ckptio.save(STATE, url, ckptio.WriterConfig(use_collectives=False))
     doc = _doc(url, fragment_name(0, 1))
-    assert doc["format_version"] == 6 and "boxed" not in doc["tensors"]  # whole: no boxes
-    doc["tensors"].update(size=16, boxed=1, offsets=0, sizes=8)  # the stored 8 elements: [0, 8) of 16
+    assert doc["features"] == ["fragment"] and "boxed" not in doc["tensors"]  # whole: no boxes
+    doc["tensors"].update(size=16, boxed=1)
+    doc["items"].update(offsets=[0], sizes=[8])  # the stored 8 elements: [0, 8) of 16
     manifest, _ = decode_fragment(json.dumps(doc).encode(), "fragment")
     (chunk,) = manifest.metadata.state_dict_metadata["w"].chunks
     assert list(chunk.offsets) == [0] and list(chunk.sizes) == [8]
     _write(url, fragment_name(0, 1), doc)  # the whole set: one rank, half of "w"
     with pytest.raises(ckptio.CheckpointFormatError, match="does not cover the tensor"):
         ckptio.Reader(url).prefetch_metadata()
-    for version, boxed, message in ((5, 1, "a 'boxed' column is format version 6's"), (6, 2, "as must 'boxed'")):
-        bad = {**doc, "format_version": version, "tensors": {**doc["tensors"], "boxed": boxed}}
-        with pytest.raises(ckptio.CheckpointFormatError, match=message):
-            decode_fragment(json.dumps(bad).encode(), "fragment")
+    bad = {**doc, "tensors": {**doc["tensors"], "boxed": 2}}
+    with pytest.raises(ckptio.CheckpointFormatError, match="'boxed' 0 or 1"):
+        decode_fragment(json.dumps(bad).encode(), "fragment")
+    unboxed = {**doc, "tensors": {**doc["tensors"], "boxed": 0}}  # its box read as the whole tensor's
+    with pytest.raises(ckptio.CheckpointFormatError, match="'offsets' and 'sizes' must hold a column per dimension"):
+        decode_fragment(json.dumps(unboxed).encode(), "fragment")
 
 
 def test_a_fragment_name_claiming_billions_of_ranks_is_refused_without_counting_them(tmp_path):

@@ -1,7 +1,8 @@
 """Every format rule (``ckptio.format.rules``) holds in every format version the decoder accepts.
 
 Each case crafts the checkpoint's *records* (DCP's metadata and the stored items), then writes them in
-each version's schema with that version's own encoder (version 4 first: what every save writes), and
+each version's schema with that version's own encoder (version 8 first: ckptio 1.0's, what every save
+writes; then 0.x's, read by ``format/legacy.py``), and
 expects the same named error from the decoder. The untouched records decode in every version, so a case
 fails only through the rule it breaks."""
 
@@ -20,11 +21,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptio.errors import CheckpointFormatError
+from ckptio.format.document import decode_metadata
 from ckptio.format.names import Codec
-from ckptio.format.versions import decode_metadata
 from tests.helpers.crafted import FILE, Records, sample_records, stored_item, tensor_entry
 
-VERSIONS = [4, 3, 2, 1]
+VERSIONS = [8, 4, 3, 2, 1]
 
 
 def _replace(r: Records, fqn: str, i: int = 0, **fields) -> None:
@@ -59,11 +60,17 @@ def _huge_shape(r: Records) -> None:
 CASES: dict[str, tuple[Callable[[Records], None], str | dict[int, str]]] = {
     "byte planes need 2/4/8-byte elements": (
         lambda r: _replace(r, "q", codec=Codec.ZSTD_BYTEPLANES, blocks=((64, 0),)),
-        {4: "byte planes but is not a tensor", 3: "byte planes but", 2: "byte planes but", 1: "version 1 lacks"},
+        {
+            8: "byte planes but is not a tensor",
+            4: "byte planes but is not a tensor",
+            3: "byte planes but",
+            2: "byte planes but",
+            1: "version 1 lacks",
+        },
     ),
     "byte planes are version 2's": (
         lambda r: _replace(r, "h", codec=Codec.ZSTD_BYTEPLANES, blocks=((100, 0),)),
-        {4: None, 3: None, 2: None, 1: "uses codec 'zstd-byteplanes', which format version 1 lacks"},
+        {8: None, 4: None, 3: None, 2: None, 1: "uses codec 'zstd-byteplanes', which format version 1 lacks"},
     ),
     "block size": (lambda r: _replace(r, "h", block_size=100, blocks=((100, 0), (28, 0))), "invalid block_size 100"),
     "item inside its file": (

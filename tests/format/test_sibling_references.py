@@ -12,8 +12,8 @@ import torch.distributed.checkpoint as dcp
 
 import ckptio
 from ckptio.errors import CheckpointFormatError
+from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME
-from ckptio.format.versions import decode_metadata
 from ckptio.storage import open_store
 
 
@@ -33,7 +33,7 @@ def _decode(doc: dict) -> None:
 
 
 def test_the_saved_document_names_its_sibling_and_decodes(incremental_doc):
-    assert incremental_doc["format_version"] == 7
+    assert incremental_doc["format_version"] == 8 and incremental_doc["features"] == ["incremental"]
     assert incremental_doc["files"]["bases"] == [{"name": "step-1"}]
     manifest = decode_metadata(json.dumps(incremental_doc).encode(), "saved")
     assert sorted(manifest.files)[0].startswith("../step-1/data-")
@@ -52,7 +52,7 @@ def test_a_sibling_name_that_is_not_one_folder_beside_it_is_refused(incremental_
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda d: d.update(format_version=6), "format version 6"),
+        (lambda d: d.update(features=[]), "belongs to feature 'incremental'"),
         (lambda d: d["files"].update(base=5), "past the 1 of 'bases'"),
         (lambda d: d["files"].update(bases=[]), "non-empty list"),
         (lambda d: d["files"].update(bases=[{"name": "step-1"}, {"name": "step-1"}]), "twice"),
@@ -69,23 +69,19 @@ def test_malformed_references_and_chains_are_named_format_errors(incremental_doc
         _decode(incremental_doc)
 
 
-def _tables(doc: dict) -> list[dict]:
-    return [t for t in (doc.get("tensors"), doc.get("objects")) if t] + list(doc["keys"].values())
-
-
-def test_digests_of_the_wrong_length_or_in_an_older_version_are_refused(incremental_doc):
-    table = next(t for t in _tables(incremental_doc) if "digests" in t)
+def test_digests_of_the_wrong_length_are_refused(incremental_doc):
+    table = incremental_doc["blocks"]
     table["digests"] = table["digests"][:-8]
     with pytest.raises(CheckpointFormatError, match="digests"):
         _decode(incremental_doc)
 
 
-def test_digests_before_version_7_are_refused(tmp_path):
+def test_digests_without_the_incremental_feature_are_refused(tmp_path):
     url = str(tmp_path / "plain")
     dcp.save({"w": torch.ones(8)}, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(incremental_from="previous")))
     doc = json.loads(open_store(url).read(METADATA_NAME))
-    doc["format_version"] = 4
-    with pytest.raises(CheckpointFormatError, match="'digests' column is format version 7"):
+    del doc["features"]
+    with pytest.raises(CheckpointFormatError, match="'digests' belongs to feature 'incremental'"):
         _decode(doc)
 
 
@@ -112,12 +108,12 @@ def test_an_item_in_pieces_names_its_runs_and_decodes(pieces_doc):
 @pytest.mark.parametrize(
     "change, match",
     [
-        (lambda d: d.update(format_version=6), "format version 6 does not have"),
+        (lambda d: d.update(features=[]), "belongs to feature 'incremental'"),
         (lambda d: d["extents"].update(items=0), "'items'"),
         (lambda d: d["extents"].update(items=2), "entries"),
         (lambda d: d["extents"].update(file=0), "names one of the"),
         (lambda d: d["extents"].update(file=9), "names one of the"),
-        (lambda d: d["extents"].update(length=0), "at least one byte"),
+        (lambda d: d["extents"].update(length=0), "holds a byte"),
         (lambda d: d["extents"].update(at=10**9), "spans bytes"),
         (lambda d: d["extents"].update(count=0), "at least one run"),
         (lambda d: d["extents"].update(count=10**12), "within the document"),
@@ -130,7 +126,7 @@ def test_malformed_runs_of_an_item_in_pieces_are_named_format_errors(pieces_doc,
 
 
 def test_an_item_past_its_pieces_is_refused(pieces_doc):
-    table = pieces_doc["tensors"]
+    table = pieces_doc["items"]
     table["at"] = 1  # the item now ends a byte past its virtual file
     with pytest.raises(CheckpointFormatError, match="spans bytes"):
         _decode(pieces_doc)

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ckptio.errors import CheckpointFormatError
+from ckptio.format.document import decode_metadata
 from ckptio.format.names import dtype_name
 from ckptio.format.v3 import TABLE_MAX_CHUNKS, encode_column, encode_packed
-from ckptio.format.versions import decode_metadata
 from tests.helpers.crafted import FILE, Records, stored_item, tensor_entry
 
 EXAMPLES = int(os.environ.get("CKPTIO_PROPERTY_EXAMPLES", "100"))

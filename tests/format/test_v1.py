@@ -11,9 +11,10 @@ import torch
 
 import ckptio
 from ckptio import CheckpointFormatError
-from ckptio.format.names import FORMAT_VERSION, data_file_name
+from ckptio.format.document import decode_metadata
+from ckptio.format.names import data_file_name
+from ckptio.format.tables import FORMAT_VERSION
 from ckptio.format.v1 import pack_counts
-from ckptio.format.versions import decode_metadata
 
 
 def minimal_doc(**changes) -> dict:
@@ -92,7 +93,7 @@ def test_decode_rejects_garbage_future_versions_and_inconsistent_sizes():
         decode({"format": "other"})
 
 
-def test_saves_write_version_4_and_the_readable_view_keeps_each_codecs_oldest_version(tmp_path):
+def test_saves_write_version_8_and_the_readable_view_keeps_each_codecs_oldest_version(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     from ckptio.format.v1 import legacy_document
@@ -104,7 +105,7 @@ def test_saves_write_version_4_and_the_readable_view_keeps_each_codecs_oldest_ve
         value = torch.randn(100_000).to(dtype) if name == "planes" else torch.zeros(100_000, dtype=dtype)
         dcp.save({"t": value}, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(compression=compression)))
         raw = open(os.path.join(url, "ckptio.json"), "rb").read()
-        assert json.loads(raw)["format_version"] == 4 and FORMAT_VERSION == 7
+        assert json.loads(raw)["format_version"] == FORMAT_VERSION == 8
         view = legacy_document(decode_metadata(raw, "x"))
         assert view["format_version"] == (2 if name == "planes" else 1), name
         for document in (raw, json.dumps(view).encode()):  # the view is itself a loadable document

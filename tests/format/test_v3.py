@@ -14,10 +14,10 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ckptio.errors import CheckpointFormatError
+from ckptio.format.columns import encode_column, encode_packed
+from ckptio.format.document import decode_metadata
 from ckptio.format.names import data_file_name
 from ckptio.format.v1 import legacy_document
-from ckptio.format.v3 import encode_column, encode_packed
-from ckptio.format.versions import decode_metadata
 
 FILE = data_file_name("0123456789abcdef", 0)
 
@@ -115,7 +115,7 @@ def test_empty_chunks_never_overlap():
 
 
 def test_per_block_columns_decode_any_slice_on_use_and_check_their_length_first():
-    from ckptio.format.v3 import PackedBlocks
+    from ckptio.format.columns import PackedBlocks
 
     for values in ([], [3], [1, 2], [0, 1 << 16], [7, 1 << 31, 5], list(range(0, 1 << 40, 1 << 33))):
         column = PackedBlocks(encode_packed(values), len(values), "col")
@@ -300,14 +300,14 @@ def test_a_plain_dcp_load_decodes_the_checksums_of_what_it_reads_only(tmp_path):
     url = str(tmp_path / "ckpt")
     dcp.save({f"t{i}": torch.full((8,), float(i)) for i in range(50)}, storage_writer=ckptio.Writer(url))
     doc = json.load(open(f"{url}/ckptio.json"))
-    crcs = doc["tensors"]["crc32c"]
+    crcs = doc["blocks"]["crc32c"]
     at = 1 + 30 * 4 // 3 * 4  # the base64 of t30's checksum (one block each)
-    doc["tensors"]["crc32c"] = crcs[:at] + "*" + crcs[at + 1 :]
+    doc["blocks"]["crc32c"] = crcs[:at] + "*" + crcs[at + 1 :]
     json.dump(doc, open(f"{url}/ckptio.json", "w"))
     out = {"t7": torch.zeros(8)}
     dcp.load(out, storage_reader=ckptio.Reader(url))
     assert torch.equal(out["t7"], torch.full((8,), 7.0))
-    with pytest.raises(ckptio.CheckpointFormatError, match=r"tensors table: crc32c .* not valid base64"):
+    with pytest.raises(ckptio.CheckpointFormatError, match=r"blocks: crc32c .* not valid base64"):
         ckptio.load({"t30": torch.zeros(8)}, url)
 
 

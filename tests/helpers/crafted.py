@@ -17,10 +17,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckptio.format.document import encode_metadata
+from ckptio.format.legacy import encode_legacy
 from ckptio.format.names import Codec, ItemKind, data_file_name
 from ckptio.format.records import Header, Manifest, SavedConfig, StoredItem, block_logical_lengths
+from ckptio.format.tables import FORMAT_VERSION
 from ckptio.format.v1 import legacy_document
-from ckptio.format.versions import encode_metadata
 
 FILE = data_file_name("0123456789abcdef", 0)
 BLOCK = 128
@@ -39,9 +41,11 @@ class Records:
     def document(self, version: int) -> bytes:
         metadata = Metadata(state_dict_metadata=self.state, planner_data=self.planner_data)
         header = Header(files=self.files, config=SavedConfig(max_block_size=BLOCK))
+        items = {(index.fqn, index.offset): item for index, item in self.items.items()}
+        if version == FORMAT_VERSION:
+            return encode_metadata(metadata, items, header)
         if version >= 3:
-            items = {(index.fqn, index.offset): item for index, item in self.items.items()}
-            return encode_metadata(metadata, items, header, format_version=version)
+            return encode_legacy(metadata, items, header, format_version=version)
         manifest = Manifest(header=header, metadata=metadata, items=self.items)
         return json.dumps({**legacy_document(manifest), "format_version": version}).encode()
 

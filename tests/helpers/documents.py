@@ -69,14 +69,14 @@ HUGE = [2**63, 2**64, 2**63 - 1]
 
 
 def rewrite_in_version(url: str, version: int) -> dict:
-    """The checkpoint's metadata written again in format ``version`` (3 or 4), and that document."""
-    from ckptio.format.versions import encode_metadata
+    """The checkpoint's metadata written again in ckptio 0.x's format ``version`` (3 or 4), and that document."""
+    from ckptio.format.legacy import encode_legacy
 
     reader = ckptio.Reader(url)
     reader.read_metadata()
     manifest = reader.manifest
     items = {(index.fqn, index.offset): item for index, item in manifest.items.items()}
-    raw = encode_metadata(manifest.metadata, items, manifest.header, manifest.per_rank, format_version=version)
+    raw = encode_legacy(manifest.metadata, items, manifest.header, manifest.per_rank, format_version=version)
     with open(meta_path(url), "wb") as f:
         f.write(raw)
     return json.loads(raw)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ckptio
-from ckptio.format.v3 import encode_column, encode_packed
+from ckptio.format.columns import encode_column, encode_packed
 from ckptio.tools.cli import main as cli_main
 from tests.helpers import llama
 from tests.helpers.documents import write_doc
@@ -90,12 +90,15 @@ def test_a_tensor_declared_far_beyond_its_files_is_refused_by_every_export_befor
     each other), every path that allocates whole tensors checks the files first and names the file."""
     url, doc = raw_checkpoint
     numel = 12 << 30  # fp32: 48 GiB
-    table = doc["tensors"]
-    assert table["keys"] == ["w", "b"]
+    assert doc["keys"]["names"] == ["w", "b", "step"]
     block = 64 << 20
     blocks = math.ceil(numel * 4 / block)
-    table.update(size=encode_column([numel, 7]), at=encode_column([0, numel * 4]))
-    table.update(block_size=encode_column([block, doc["block_size"]]), crc32c=encode_packed([0] * (blocks + 1), "I"))
+    doc["tensors"]["size"] = encode_column([numel, 7])
+    items = doc["items"]
+    items.update(
+        at=encode_column([0, numel * 4, numel * 4 + 7 * 8]), block_size=encode_column([block] + [doc["block_size"]] * 2)
+    )
+    doc["blocks"]["crc32c"] = encode_packed([0] * (blocks + 2), "I")
     doc["files"]["sizes"] = numel * 4 + 4096
     write_doc(url, doc)
     ckptio.Reader(url).read_metadata()  # consistent claims: they load as metadata

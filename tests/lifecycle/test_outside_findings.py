@@ -199,7 +199,7 @@ def test_packed_8_byte_entries_past_2_63_are_refused_on_every_platform(value):
     """Finding 5: the bound was tested for the array typecode 'Q', and 8-byte arrays are 'L' on 64-bit
     Linux: a chunk offset of 2^63 became an OverflowError in the read (a StorageError inviting a retry)."""
     from ckptio.errors import CheckpointFormatError
-    from ckptio.format.v3 import PackedBlocks, decode_array, decode_column
+    from ckptio.format.columns import PackedBlocks, decode_array, decode_column
 
     column = _packed_8_bytes(3, value)
     for decode in (decode_column, decode_array):
@@ -222,7 +222,7 @@ def test_packed_8_byte_entries_past_2_63_are_refused_on_every_platform(value):
 def test_integers_and_save_ids_of_the_wrong_kind_are_named_format_errors(tmp_path, field, value):
     """Finding 5: an integer column is bounded by value; a save id is a string, never a number."""
     from ckptio.errors import CheckpointFormatError
-    from ckptio.format.versions import decode_metadata
+    from ckptio.format.document import decode_metadata
 
     doc = _metadata(tmp_path)
     target = doc
@@ -243,15 +243,15 @@ def test_digest_entries_wider_than_4_bytes_are_refused(tmp_path):
     import struct
 
     from ckptio.errors import CheckpointFormatError
-    from ckptio.format.versions import decode_metadata
+    from ckptio.format.document import decode_metadata
 
     url = str(tmp_path / "run" / "step-1")
     ckptio.save({"w": torch.arange(float(N))}, url, ckptio.WriterConfig(incremental_from="previous"))
     with open(os.path.join(url, "ckptio.json")) as f:
         doc = json.load(f)
-    entries = base64.b64decode(doc["tensors"]["digests"][1:])
+    entries = base64.b64decode(doc["blocks"]["digests"][1:])
     words = struct.unpack(f"<{len(entries) // 4}I", entries)
-    doc["tensors"]["digests"] = "Q" + base64.b64encode(struct.pack(f"<{len(words)}Q", *words)).decode()
+    doc["blocks"]["digests"] = "Q" + base64.b64encode(struct.pack(f"<{len(words)}Q", *words)).decode()
     with pytest.raises(CheckpointFormatError, match="digests"):
         decode_metadata(json.dumps(doc).encode(), "ckptio.json")
 

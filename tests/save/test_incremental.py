@@ -240,7 +240,7 @@ def test_everything_changed_writes_no_references(tmp_path):
     changed = {k: v + 1 for k, v in _state().items()}
     _save(str(run / "step-2"), changed, incremental_from="previous")
     assert _own_and_referenced(str(run / "step-2")) == ([], None)
-    assert json.loads((run / "step-2" / METADATA_NAME).read_text())["format_version"] == 7  # digests kept
+    assert json.loads((run / "step-2" / METADATA_NAME).read_text())["features"] == ["incremental"]  # digests kept
 
 
 def test_an_incremental_save_without_collectives_is_refused_by_name(tmp_path):

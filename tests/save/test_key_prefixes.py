@@ -56,7 +56,7 @@ def test_a_spread_checkpoint_through_every_reader_and_cli_verb(where, tmp_path, 
     assert parsed.spread and data == data_file_name(parsed.save_id, 0, spread=True) and len(listed) == 2
     assert store.list_names() == sorted([METADATA_NAME, data.split("/")[0]])  # ckptio.json at the root
     doc = json.loads(store.read(METADATA_NAME))
-    assert doc["format_version"] == 5 and doc["files"]["key_prefix"] == "sha256-2"
+    assert doc["features"] == ["key_prefix"] and doc["files"]["key_prefix"] == "sha256-2"
 
     loaded = _empty()
     ckptio.load(loaded, url, storage_options=options)
@@ -66,7 +66,7 @@ def test_a_spread_checkpoint_through_every_reader_and_cli_verb(where, tmp_path, 
     assert _same(loaded, state)
 
     assert cli_main(["verify", "-q", url, *cli_options]) == 0 and "every checksum matches" in capsys.readouterr().out
-    assert cli_main(["inspect", url, *cli_options]) == 0 and "format 5" in capsys.readouterr().out
+    assert cli_main(["inspect", url, *cli_options]) == 0 and "(format 8, key_prefix)" in capsys.readouterr().out
     assert cli_main(["convert", url, str(tmp_path / "plain.pt"), *cli_options]) == 0
     assert torch.equal(torch.load(tmp_path / "plain.pt", weights_only=True)["w"], state["w"])
     out = str(tmp_path / "hf")
@@ -137,9 +137,9 @@ def test_spread_prefixes_draw_at_most_half_the_503s_of_one_prefix_under_a_per_pr
 def test_key_prefixes_in_a_document_are_checked_as_every_name_is(tmp_path):
     url = saved(tmp_path, key_prefix="hash")
     doc = read_stored_doc(url)
-    assert doc["format_version"] == 5 and doc["files"]["key_prefix"] == "sha256-2"
-    for version, rule in ((4, "sha256-2"), (5, "sha256-3"), (5, None)):
-        write_doc(url, {**doc, "format_version": version, "files": {**doc["files"], "key_prefix": rule}})
+    assert doc["features"] == ["key_prefix"] and doc["files"]["key_prefix"] == "sha256-2"
+    for features, rule in (([], "sha256-2"), (["key_prefix"], "sha256-3"), (["key_prefix"], None)):
+        write_doc(url, {**doc, "features": features, "files": {**doc["files"], "key_prefix": rule}})
         error = load_error(url, fresh())
         assert isinstance(error, ckptio.CheckpointFormatError) and f"key_prefix {rule!r}" in str(error), error
     write_doc(url, {**doc, "files": {k: v for k, v in doc["files"].items() if k != "key_prefix"}})

@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 import ckptio
-from ckptio.format.fragment_columns import columnar
 from ckptio.format.names import METADATA_NAME, fragment_name, parse_data_file_name
 from ckptio.storage import open_store
 from ckptio.tools.cleanup import find_garbage
@@ -53,9 +52,9 @@ def test_saved_on_2x2_without_collectives_loads_on_1x4_4x1_and_one_process(tmp_p
     # model.w (640x64 fp32, 80 KiB per shard) replicated across the 2 groups: written once; model.e sharded
     # 4 ways (420 B per rank) and every rank's small objects go inline into its fragment
     assert writers == [0, 1], files
-    for rank in range(4):  # of the shape the column merge takes (fragment_columns), not only the record merge's
+    for rank in range(4):  # 1.0 documents with the fragment feature
         with open(os.path.join(url, fragment_name(rank, 4)), "rb") as f:
-            assert columnar(json.load(f))
+            assert json.load(f)["features"] == ["fragment"]
     _load_everywhere(url, case, through="dcp" if mode == "all_ranks" else "ckptio")
 
 

@@ -102,7 +102,7 @@ def test_inspect_and_verify_cli(tmp_path, capsys):
     # the compact metadata, readable: a JSON object per item, itself a loadable (version 1 or 2) document
     items = {i["fqn"]: i for i in desc["metadata"]["items"]}
     assert items["z"]["shape"] == [256, 256] and items["z"]["codec"] == "zstd" and len(items) == len(desc["keys"])
-    assert desc["format_version"] == 4 and desc["metadata"]["format_version"] in (1, 2)
+    assert desc["format_version"] == 8 and desc["metadata"]["format_version"] in (1, 2)
     os.replace(os.path.join(url, METADATA_NAME), os.path.join(url, "v3.json"))
     with open(os.path.join(url, METADATA_NAME), "w") as f:
         json.dump(desc["metadata"], f)

@@ -1,11 +1,7 @@
-"""The one module that knows format versions: which one a save writes (4; 5 with spread key prefixes;
-6, a rank's fragment of a save without a coordinator) and how each is read.
-
-Version 1 (ckptio 0.1: a JSON object per item) and 2 (the same with the ``zstd-byteplanes`` codec) are
-decoded by ``v1``; versions 3 (per-key columns) and 4 (whole tensors in one table as well) are encoded
-by ``v3`` and decoded by ``v3_decode``. Both
-apply the same rules (``rules``) and build the same records (``records``). A newer version than this
-ckptio knows is refused asking for an upgrade.
+"""Checkpoints of ckptio 0.x, kept apart from the 1.0 path: format versions 1 and 2 (a JSON object per
+item, ``v1``) and 3 to 7 (per-key records and tables, ``v3``, ``v3_decode``), read into the same
+``Manifest`` a 1.0 document gives, so that they load. Nothing writes them (``encode_legacy`` exists for
+the tests of this reader); a 0.x fragment of a save without a coordinator is refused (``document``).
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio.errors import CheckpointFormatError
-from ckptio.format.fragment_columns import merge_columns
-from ckptio.format.fragments import FRAGMENT_FIELD, Fragment, FragmentInfo, merge
+from ckptio.format.fragments import FRAGMENT_FIELD, FragmentInfo
 from ckptio.format.names import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -36,7 +31,7 @@ from ckptio.format.v3_decode import decode_extents, decode_files, decode_keys
 from ckptio.gc_pause import paused_gc
 
 
-def encode_metadata(
+def encode_legacy(
     metadata: Metadata,
     items: dict[tuple[str, torch.Size | None], StoredItem],
     header: Header,
@@ -88,36 +83,9 @@ def _digested(items: dict) -> bool:
 
 
 @paused_gc()
-def decode_metadata(raw: bytes, where: str) -> Manifest:
-    return _decode_document(_parse_json(raw, where), where, len(raw))
-
-
-@paused_gc()
-def decode_fragment(raw: bytes, where: str) -> tuple[Manifest, FragmentInfo]:
-    """A rank's fragment of a save without a coordinator: its items, and whose and which save's it is."""
-    doc = _parse_json(raw, where)
-    manifest = _decode_document(doc, where, len(raw), cover=False)  # its rank's part of each tensor
-    return manifest, FragmentInfo.from_json(doc.get(FRAGMENT_FIELD), where)
-
-
-@paused_gc()
-def merge_fragments(fragments: dict[str, bytes], ranks: int, where: str) -> bytes:
-    """The metadata document of a save without a coordinator, from its ``ranks`` fragments (name ->
-    bytes, a complete set by name: ``fragments.check_set``), for every reader to decode as it decodes
-    ``ckptio.json``: merged column by column (``fragment_columns``) when every fragment is of the shape
-    that merge takes, else each fragment decoded and checked, then the set (``fragments.merge``)."""
-    if len(fragments) != ranks:
-        raise ValueError(f"merge_fragments takes the {ranks} fragments of a complete set, got {len(fragments)}")
-    parsed = ((name, f"{where}/{name}", _parse_json(raw, f"{where}/{name}")) for name, raw in fragments.items())
-    doc = merge_columns(parsed, where)  # each parsed fragment dropped once read into rows
-    if doc is not None:
-        return _dumps(doc)
-    decoded = []  # a fragment the column merge does not take: every fragment decoded into records
-    for name, raw in fragments.items():
-        manifest, info = decode_fragment(raw, f"{where}/{name}")
-        decoded.append(Fragment(name, f"{where}/{name}", manifest, info))
-    metadata, items, header, per_rank = merge(decoded, where)
-    return encode_metadata(metadata, items, header, per_rank)
+def decode_legacy(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
+    """A format version 1 to 7 document, parsed (``document.parse_json``)."""
+    return _decode_document(doc, where, doc_bytes)
 
 
 def _decode_document(doc: Any, where: str, doc_bytes: int, cover: bool = True) -> Manifest:
@@ -141,30 +109,9 @@ def _decode_document(doc: Any, where: str, doc_bytes: int, cover: bool = True) -
         raise CheckpointFormatError(f"{where} does not follow the ckptio metadata schema: {exc!r:.300}") from None
 
 
-def _parse_json(raw: bytes, where: str) -> Any:
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out = dict(pairs)
-        if len(out) != len(pairs):
-            seen: set[str] = set()
-            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-            raise CheckpointFormatError(f"{where} repeats the JSON key {dup!r:.80}; the metadata is ambiguous")
-        return out
-
-    try:
-        return json.loads(raw, object_pairs_hook=no_duplicates)
-    except CheckpointFormatError:
-        raise
-    except RecursionError:  # json's C parser counts its nesting and stops cleanly
-        raise CheckpointFormatError(
-            f"{where} nests JSON deeper than the parser allows; it is not ckptio metadata"
-        ) from None
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, int digit limit
-        raise CheckpointFormatError(
-            f"{where} is not valid JSON ({str(exc):.200}); the metadata is damaged or not a ckptio checkpoint"
-        ) from None
-
-
 def decode_version_3(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True) -> Manifest:
+    if doc.get("chain") is not None and doc["format_version"] < INCREMENTAL_VERSION:
+        raise CheckpointFormatError(f"{where}: 'chain' is format version {INCREMENTAL_VERSION}'s")
     names, files, writers = decode_files(doc.get("files"), doc["format_version"], where)
     header = Header.from_json(doc, where, checked_files=(files, writers))
     extents = decode_extents(doc.get("extents"), names, files, doc["format_version"], doc_bytes, where)

@@ -1,0 +1,545 @@
+"""The one decoder of ckptio 1.0's metadata: a parsed JSON document into checked ``Tables``.
+
+Each rule is applied once, to whole columns (numpy): entry counts, widths and base64 (``columns``),
+kinds, dtypes and shapes, boxes inside their tensors and tiling them (``rules.check_chunks_tile``),
+codecs, block sizes and lengths, spans inside data files, inline bytes, paths. A failure is a
+``CheckpointFormatError`` naming the field and the first key (and item) that breaks the rule. No
+declared number leads to an allocation larger than the document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import numpy as np
+
+from ckptio.config import INT64_LIMIT, MAX_BLOCK_SIZE_LIMIT, ZSTD_MAX_RATIO, is_block_size
+from ckptio.errors import CheckpointFormatError
+from ckptio.format.columns import PackedBlocks, crc_column, decode_array, decode_column
+from ckptio.format.fragments import FragmentInfo
+from ckptio.format.names import (
+    CODECS,
+    KEY_PREFIX_RULE,
+    PLANE_ITEMSIZES,
+    SAVE_ID,
+    Codec,
+    data_file_name,
+    dtype_from_name,
+    is_sibling_name,
+    sibling_file_name,
+)
+from ckptio.format.records import VIRTUAL_PREFIX, Extent, Header
+from ckptio.format.rules import (
+    check_chunks_tile,
+    check_list_index,
+    check_planner_paths,
+    check_shape,
+    decode_inline,
+    refuse_data_file_name,
+)
+from ckptio.format.tables import (
+    FEATURES,
+    FRAGMENT,
+    INCREMENTAL,
+    KEY_PREFIX,
+    MAX_DIMS,
+    MAX_RANK,
+    OBJECT,
+    PER_RANK,
+    TENSOR,
+    Tables,
+    block_counts,
+)
+
+_SAVE_ID = re.compile(SAVE_ID)
+_PLANES = CODECS.index(Codec.ZSTD_BYTEPLANES)
+#: Entries of the ``digests`` column (4 bytes each) per block: 16 bytes.
+DIGEST_ENTRIES = 4
+
+
+def decode_tables(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True) -> Tables:
+    """The checked tables of a version 8 document (``doc_bytes`` long). ``cover``: every tensor's items
+    must cover it (not in a rank's fragment, which holds the chunks that rank wrote)."""
+    features = _features(doc.get("features", []), where)
+    for field, feature in (("fragment", FRAGMENT), ("chain", INCREMENTAL), ("extents", INCREMENTAL)):
+        if doc.get(field) is not None and feature not in features:
+            raise CheckpointFormatError(f"{where}: '{field}' belongs to feature {feature!r}, which it does not declare")
+    names, sizes, writers = decode_files(doc.get("files"), features, where)
+    files = dict(zip(names, sizes, strict=True))
+    header = dataclasses.replace(
+        Header.from_json(doc, where, checked_files=(files, writers)), features=tuple(sorted(features))
+    )
+    extents = decode_extents(doc.get("extents"), names, sizes, doc_bytes, where)
+    all_files = names + tuple(extents)
+    file_sizes = np.array(sizes + [sum(run.length for run in runs) for runs in extents.values()], dtype=np.int64)
+    block_size = doc.get("block_size")
+    if not is_block_size(block_size):
+        raise CheckpointFormatError(f"{where}: 'block_size' {block_size!r:.40} is not a valid block size")
+    keys = _table(doc, "keys", where)
+    key_names, paths, kind, count = _keys(keys, doc_bytes, f"{where}: keys")
+    tensors = _tensor_columns(doc, kind, count, doc_bytes, where)
+    planner_data = None
+    if doc.get("planner_data") == "paths":
+        paths = paths or [None] * len(key_names)
+        for fqn, code in zip(key_names, paths, strict=True):
+            decode_path(fqn, code, len(key_names), where)
+    else:
+        if paths is not None:
+            raise CheckpointFormatError(f"{where}: keys: 'paths' is only for 'planner_data': 'paths'")
+        planner_data = check_planner_paths(doc.get("planner_data"), len(key_names), where)
+    tables = Tables(
+        header=header,
+        features=features,
+        files=all_files,
+        block_size=block_size,
+        planner_data=planner_data,
+        names=key_names,
+        paths=paths if doc.get("planner_data") == "paths" else None,
+        kind=kind,
+        count=count,
+        **tensors,
+        offsets=np.zeros((0, 0), dtype=np.int64),
+        sizes=np.zeros((0, 0), dtype=np.int64),
+        ranks=np.zeros(0, dtype=np.int64),
+        length=np.zeros(0, dtype=np.int64),
+        file=np.zeros(0, dtype=np.int64),
+        at=np.zeros(0, dtype=np.int64),
+        codec=np.zeros(0, dtype=np.int64),
+        item_block_size=np.zeros(0, dtype=np.int64),
+        inline={},
+        starts=np.zeros(1, dtype=np.int64),
+        crc=np.zeros(0, dtype=np.uint32),
+        stored=None,
+        digests=None,
+        extents=extents,
+    )
+    _items(tables, _table(doc, "items", where), doc_bytes, cover, f"{where}: items")
+    _blocks(tables, _table(doc, "blocks", where), file_sizes, doc_bytes, f"{where}: blocks")
+    if FRAGMENT in features:
+        tables.fragment = FragmentInfo.from_json(doc.get("fragment"), where)
+    return tables
+
+
+def _features(value: Any, where: str) -> frozenset[str]:
+    if not isinstance(value, list) or not set(map(type, value)) <= {str} or len(set(value)) != len(value):
+        raise CheckpointFormatError(f"{where}: 'features' must be a list of distinct feature names")
+    unknown = sorted(set(value) - FEATURES)
+    if unknown:
+        raise CheckpointFormatError(
+            f"{where} uses feature {unknown[0]!r:.60}, which this ckptio does not know (it reads "
+            f"{sorted(FEATURES)}): upgrade ckptio to load it"
+        )
+    return frozenset(value)
+
+
+def _table(doc: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    table = doc.get(name)
+    if not isinstance(table, dict):
+        raise CheckpointFormatError(f"{where}: required table {name!r} must be a JSON object")
+    return table
+
+
+# ---------------------------------------------------------------------------------------
+# Files and extents
+
+
+def decode_files(value: Any, features: frozenset[str], where: str) -> tuple[tuple[str, ...], list[int], dict]:
+    """The ``files`` columns: the data file names in file-number order, their sizes and writers."""
+    if not isinstance(value, dict) or not isinstance(value.get("save_ids"), list):
+        raise CheckpointFormatError(f"{where}: 'files' must hold 'save_ids', 'ranks' and 'sizes' columns")
+    spread = "key_prefix" in value
+    if spread and (KEY_PREFIX not in features or value["key_prefix"] != KEY_PREFIX_RULE):
+        raise CheckpointFormatError(
+            f"{where}: 'files' has key_prefix {value['key_prefix']!r:.40}; only feature {KEY_PREFIX!r} has one, "
+            f"{KEY_PREFIX_RULE!r}"
+        )
+    save_ids = value["save_ids"]
+    count = len(save_ids)
+    ranks = decode_column(value.get("ranks"), count, f"{where}: files: ranks")
+    sizes = decode_column(value.get("sizes"), count, f"{where}: files: sizes")
+    writers = decode_column(value["writers"], count, f"{where}: files: writers") if "writers" in value else ranks
+    if not all(isinstance(s, str) and _SAVE_ID.fullmatch(s) for s in save_ids):
+        for save_id, rank in zip(save_ids, ranks, strict=True):  # which one
+            if not isinstance(save_id, str):  # a number would spell a valid name: refused by type
+                raise CheckpointFormatError(f"{where}: files: save_ids holds {save_id!r:.40}, not a string")
+            if not _SAVE_ID.fullmatch(save_id):
+                refuse_data_file_name(data_file_name(save_id, rank), where)  # names the file and raises
+    if "bases" in value:
+        names = _names_with_siblings(value, save_ids, ranks, spread, features, where)
+    else:
+        names = tuple(data_file_name(s, rank, spread) for s, rank in zip(save_ids, ranks, strict=True))
+    if len(set(names)) != count:
+        raise CheckpointFormatError(f"{where}: 'files' names a data file twice")
+    return names, sizes, dict(zip(names, writers, strict=True))
+
+
+def _names_with_siblings(
+    value: dict[str, Any], save_ids: list[str], ranks: list[int], spread: bool, features: frozenset[str], where: str
+) -> tuple[str, ...]:
+    """Data files of sibling checkpoints (``bases``, numbered by ``base``) and of its own. A sibling is
+    one folder name beside the checkpoint's, never a path."""
+    bases = value["bases"]
+    if INCREMENTAL not in features or not isinstance(bases, list) or not bases:
+        raise CheckpointFormatError(
+            f"{where}: 'files.bases' (data files of other checkpoints) belongs to feature {INCREMENTAL!r}, as a "
+            "non-empty list"
+        )
+    siblings: list[tuple[str, bool]] = []
+    for base in bases:
+        if not isinstance(base, dict) or set(base) - {"name", "key_prefix"} or not is_sibling_name(base.get("name")):
+            raise CheckpointFormatError(
+                f"{where}: each of 'files.bases' must be {{'name': a sibling folder's name, 'key_prefix'?}}, got "
+                f"{base!r:.80}"
+            )
+        if base.get("key_prefix", KEY_PREFIX_RULE) != KEY_PREFIX_RULE:
+            raise CheckpointFormatError(
+                f"{where}: base {base['name']!r} has unknown key_prefix {base['key_prefix']!r:.40}"
+            )
+        siblings.append((base["name"], "key_prefix" in base))
+    if len({name for name, _ in siblings}) != len(siblings):
+        raise CheckpointFormatError(f"{where}: 'files.bases' names a sibling twice")
+    numbers = decode_column(value.get("base", 0), len(save_ids), f"{where}: files: base")
+    if numbers and max(numbers) > len(siblings):
+        raise CheckpointFormatError(f"{where}: 'files.base' numbers a base past the {len(siblings)} of 'bases'")
+    names = []
+    for save_id, rank, number in zip(save_ids, ranks, numbers, strict=True):
+        if number:
+            sibling, sibling_spread = siblings[number - 1]
+            names.append(sibling_file_name(sibling, data_file_name(save_id, rank, sibling_spread)))
+        else:
+            names.append(data_file_name(save_id, rank, spread))
+    return tuple(names)
+
+
+def decode_extents(
+    value: Any, names: tuple[str, ...], sizes: list[int], doc_bytes: int, where: str
+) -> dict[str, tuple[Extent, ...]]:
+    """The runs of data files that hold each item an incremental save stored in pieces, by the virtual
+    file name (``~<n>``) its items number after the data files. Every run lies inside its data file
+    (never a virtual one) and holds at least a byte."""
+    if value is None:
+        return {}
+    what = f"{where}: extents"
+    count = value.get("items") if isinstance(value, dict) else None
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= doc_bytes:
+        raise CheckpointFormatError(f"{what}: 'items' must count the items stored in pieces, got {count!r:.40}")
+    runs_per_item = decode_array(value.get("count"), count, f"{what}: count")
+    total = int(runs_per_item.sum())
+    if runs_per_item.min() < 1 or total > doc_bytes:
+        raise CheckpointFormatError(f"{what}: each item is stored in at least one run, all within the document")
+    file, at, length = (decode_array(value.get(k), total, f"{what}: {k}") for k in ("file", "at", "length"))
+    if file.min() < 1 or file.max() > len(names) or length.min() < 1:
+        raise CheckpointFormatError(f"{what}: every run names one of the {len(names)} data files and holds a byte")
+    _check_spans(file, at, length, names, np.array(sizes, dtype=np.int64), what)
+    out: dict[str, tuple[Extent, ...]] = {}
+    ends = np.cumsum(runs_per_item).tolist()
+    file_list, at_list, length_list = file.tolist(), at.tolist(), length.tolist()
+    first = 0
+    for k, end in enumerate(ends, 1):
+        out[f"{VIRTUAL_PREFIX}{k}"] = tuple(
+            Extent(names[file_list[i] - 1], at_list[i], length_list[i]) for i in range(first, end)
+        )
+        first = end
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Keys and tensors
+
+
+def _keys(table: dict[str, Any], doc_bytes: int, where: str) -> tuple[list[str], Any, np.ndarray, np.ndarray]:
+    names = table.get("names")
+    if not isinstance(names, list) or not set(map(type, names)) <= {str} or len(set(names)) != len(names):
+        raise CheckpointFormatError(f"{where}: 'names' must be a list of distinct key names")
+    paths = table.get("paths")
+    if paths is not None and (not isinstance(paths, list) or len(paths) != len(names)):
+        raise CheckpointFormatError(f"{where}: 'paths' must have one entry per key")
+    kind = decode_array(table.get("kind", TENSOR), len(names), f"{where}: kind")
+    count = decode_array(table.get("count", 1), len(names), f"{where}: count")
+    if len(names) and kind.max() > PER_RANK:
+        raise CheckpointFormatError(f"{where}: key {names[int(np.argmax(kind > PER_RANK))]!r:.80} has unknown kind")
+    wrong = ((kind == OBJECT) & (count != 1)) | ((kind == PER_RANK) & (count < 1)) | (count > doc_bytes)
+    if wrong.any():
+        fqn = names[int(np.argmax(wrong))]
+        raise CheckpointFormatError(
+            f"{where}: key {fqn!r:.80} has {int(count[np.argmax(wrong)])} items: an object has one, a per-rank "
+            "object at least one, and no key more than its metadata could describe"
+        )
+    if float(count.sum(dtype=np.float64)) > doc_bytes:
+        raise CheckpointFormatError(f"{where}: 'count' declares more items than the document could describe")
+    return names, paths, kind, count
+
+
+def _tensor_columns(
+    doc: dict[str, Any], kind: np.ndarray, count: np.ndarray, doc_bytes: int, where: str
+) -> dict[str, Any]:
+    """The tensor columns (one row per tensor key): dtypes, shapes, requires_grad, boxed."""
+    rows = int((kind == TENSOR).sum())
+    table = doc.get("tensors")
+    if table is None and not rows:
+        table = {"dtypes": [], "dtype": 0, "ndim": 0, "size": 0, "requires_grad": 0}
+    what = f"{where}: tensors"
+    if not isinstance(table, dict):
+        raise CheckpointFormatError(f"{what}: the tensors table must be a JSON object")
+    kinds = table.get("dtypes")
+    if not isinstance(kinds, list) or len(set(map(str, kinds))) != len(kinds):
+        raise CheckpointFormatError(f"{what}: 'dtypes' must be a list of distinct dtype names")
+    dtypes = [dtype_from_name(name, what) for name in kinds]
+    number = decode_array(table.get("dtype"), rows, f"{what}: dtype")
+    ndim = decode_array(table.get("ndim"), rows, f"{what}: ndim")
+    grad = decode_array(table.get("requires_grad"), rows, f"{what}: requires_grad")
+    tensor_counts = count[kind == TENSOR]
+    boxed = decode_array(table.get("boxed", 0), rows, f"{what}: boxed") if "boxed" in table else tensor_counts != 1
+    if rows and (number.max() >= len(dtypes) or ndim.max() > MAX_DIMS or grad.max() > 1 or np.max(boxed) > 1):
+        raise CheckpointFormatError(
+            f"{what}: 'dtype' must index 'dtypes', 'ndim' be at most {MAX_DIMS}, 'requires_grad' and 'boxed' 0 or 1"
+        )
+    boxed = boxed.astype(bool)
+    if (~boxed & (tensor_counts != 1)).any():
+        raise CheckpointFormatError(f"{what}: a key of other than one item must be 'boxed'")
+    flat = decode_array(table.get("size"), int(ndim.sum()), f"{what}: size").tolist()
+    ends = np.cumsum(ndim).tolist()
+    shapes = [tuple(flat[end - n : end]) for n, end in zip(ndim.tolist(), ends, strict=True)]
+    itemsizes = [dtype.itemsize for dtype in dtypes]
+    for shape, n in zip(shapes, number.tolist(), strict=True):
+        if len(shape) > 1 and math.prod(float(d) for d in shape if d) * itemsizes[n] >= INT64_LIMIT / 2:
+            check_shape(shape, itemsizes[n], what)  # exact, where the float estimate is near the limit
+        elif len(shape) == 1 and shape[0] * itemsizes[n] >= INT64_LIMIT:
+            check_shape(shape, itemsizes[n], what)
+    return {"dtypes": kinds, "dtype": number, "shapes": shapes, "requires_grad": grad, "boxed": boxed}
+
+
+# ---------------------------------------------------------------------------------------
+# Items
+
+
+def _items(tables: Tables, table: dict[str, Any], doc_bytes: int, cover: bool, where: str) -> None:
+    """The item columns, checked: boxes, ranks, lengths, files, offsets, codecs, block sizes, inline bytes."""
+    count = len(tables.names) and int(tables.count.sum())
+    item_keys = tables.item_keys
+    item_kind = tables.kind[item_keys]
+    rows = tables.tensor_rows()[item_keys]  # each item's tensor row (-1: an object)
+    tensor = rows >= 0
+    ndims = np.array([len(shape) for shape in tables.shapes] + [0], dtype=np.int64)
+    item_ndim = ndims[rows]  # -1 picks the 0 after the tensors
+    dims = int(item_ndim.max()) if count else 0
+    shapes = np.zeros((len(tables.shapes) + 1, dims), dtype=np.int64)
+    for i, shape in enumerate(tables.shapes):
+        shapes[i, : len(shape)] = shape
+    item_shape = shapes[rows]
+    boxed = tensor & np.append(tables.boxed, False)[rows]
+    offsets = np.zeros((count, dims), dtype=np.int64)
+    sizes = np.where(tensor[:, None], item_shape, 0)
+    columns = (table.get("offsets", []), table.get("sizes", []))
+    box_dims = int(item_ndim[boxed].max()) if boxed.any() else 0
+    if not all(isinstance(c, list) and len(c) == box_dims for c in columns):
+        raise CheckpointFormatError(f"{where}: 'offsets' and 'sizes' must hold a column per dimension ({box_dims})")
+    for d in range(box_dims):
+        at = boxed & (item_ndim > d)
+        offsets[at, d] = decode_array(columns[0][d], int(at.sum()), f"{where}: offsets column {d}")
+        sizes[at, d] = decode_array(columns[1][d], int(at.sum()), f"{where}: sizes column {d}")
+    outside = ((sizes > item_shape) | (offsets > item_shape - sizes)) & boxed[:, None]
+    if outside.any():
+        i = int(np.argmax(outside.any(axis=1)))
+        raise CheckpointFormatError(
+            f"{_key(tables, item_keys, i, where)} has a chunk at {offsets[i, : item_ndim[i]].tolist()} of size "
+            f"{sizes[i, : item_ndim[i]].tolist()} outside its shape {list(tables.shapes[rows[i]])}"
+        )
+    _check_tiling(tables, offsets, sizes, boxed, item_keys, cover, where)
+    per_rank = item_kind == PER_RANK
+    ranks = np.full(count, -1, dtype=np.int64)
+    if per_rank.any():
+        ranks[per_rank] = decode_array(table.get("ranks"), int(per_rank.sum()), f"{where}: ranks")
+        pairs = np.unique(np.stack([item_keys[per_rank], ranks[per_rank]]), axis=1)
+        if pairs.shape[1] != per_rank.sum() or ranks.max() >= MAX_RANK:
+            raise CheckpointFormatError(
+                f"{where}: a per-rank object's copies must name distinct ranks below {MAX_RANK}"
+            )
+    length = np.zeros(count, dtype=np.int64)
+    length[~tensor] = decode_array(table.get("length"), int((~tensor).sum()), f"{where}: length")
+    itemsize = np.array([dtype_from_name(name).itemsize for name in tables.dtypes] + [1], dtype=np.int64)
+    item_itemsize = itemsize[np.append(tables.dtype, len(tables.dtypes))[rows]]
+    elements = np.prod(np.where(np.arange(dims) < item_ndim[:, None], sizes, 1), axis=1)  # 1 for a scalar
+    length[tensor] = elements[tensor] * item_itemsize[tensor]
+    file = decode_array(table.get("file"), count, f"{where}: file")
+    at = decode_array(table.get("at"), count, f"{where}: at")
+    codec = decode_array(table.get("codec", 0), count, f"{where}: codec")
+    block_size = decode_array(table.get("block_size", tables.block_size), count, f"{where}: block_size")
+    bad = (file > len(tables.files)) | ((file == 0) & (at != 0))
+    _refuse(bad, tables, item_keys, where, lambda i: f"points at data file number {file[i]} (offset {at[i]}); the "
+            f"checkpoint has {len(tables.files)} (0 = inline, at offset 0)")  # fmt: skip
+    bad = codec >= len(CODECS)
+    _refuse(bad, tables, item_keys, where, lambda i: f"has unknown codec number {codec[i]}")
+    bad = (codec == _PLANES) & ~(tensor & np.isin(item_itemsize, PLANE_ITEMSIZES))
+    _refuse(
+        bad, tables, item_keys, where, lambda _: "uses byte planes but is not a tensor of 2-, 4- or 8-byte elements"
+    )
+    bad = (block_size <= 0) | (block_size > MAX_BLOCK_SIZE_LIMIT) | (block_size % 64 != 0)
+    _refuse(bad, tables, item_keys, where, lambda i: f"has invalid block_size {block_size[i]}")
+    blocks = block_counts(length, block_size)
+    _refuse(
+        blocks > doc_bytes,
+        tables,
+        item_keys,
+        where,
+        lambda i: f"has {blocks[i]} blocks, past what its metadata describes",
+    )
+    inline = table.get("inline", [])
+    if not isinstance(inline, list) or len(inline) != int((file == 0).sum()):
+        raise CheckpointFormatError(f"{where}: 'inline' must hold one base64 string per inline item")
+    tables.offsets, tables.sizes, tables.ranks, tables.length = offsets, sizes, ranks, length
+    tables.file, tables.at, tables.codec, tables.item_block_size = file, at, codec, block_size
+    tables.starts = np.concatenate(([0], np.cumsum(blocks)))
+    tables.inline = dict(zip(np.flatnonzero(file == 0).tolist(), inline, strict=True))  # decoded with the blocks
+
+
+def _check_tiling(
+    tables: Tables, offsets: np.ndarray, sizes: np.ndarray, boxed: np.ndarray, item_keys: np.ndarray, cover: bool,
+    where: str,
+) -> None:  # fmt: skip
+    """The chunks of each boxed key start at distinct offsets and cover each element once (at most once
+    without ``cover``). Keys of one unboxed chunk are their whole tensor."""
+    firsts = tables.firsts.tolist()
+    rows = tables.tensor_rows().tolist()
+    for k in np.flatnonzero(tables.kind == TENSOR).tolist():
+        row = rows[k]
+        if not tables.boxed[row] and tables.count[k] == 1:
+            continue
+        shape = tables.shapes[row]
+        n = len(shape)
+        first, end = firsts[k], firsts[k + 1]
+        check_chunks_tile(
+            shape, end - first, offsets[first:end, :n].T.tolist(), sizes[first:end, :n].T.tolist(),
+            f"{where}: key {tables.names[k]!r:.80}", cover,
+        )  # fmt: skip
+
+
+def _key(tables: Tables, item_keys: np.ndarray, i: int, where: str) -> str:
+    """Where item ``i`` is: its key, and which of its items."""
+    k = int(item_keys[i])
+    first = int(tables.firsts[k])
+    more = f" item {i - first}" if tables.count[k] > 1 else ""
+    return f"{where}: key {tables.names[k]!r:.80}{more}"
+
+
+def _refuse(bad: np.ndarray, tables: Tables, item_keys: np.ndarray, where: str, why: Any) -> None:
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise CheckpointFormatError(f"{_key(tables, item_keys, i, where)} {why(i)}")
+
+
+# ---------------------------------------------------------------------------------------
+# Blocks
+
+
+def _blocks(tables: Tables, table: dict[str, Any], file_sizes: np.ndarray, doc_bytes: int, where: str) -> None:
+    """Each item's blocks: a CRC32C each, stored lengths that fit the logical ones, spans inside files."""
+    total = int(tables.starts[-1])
+    if total > doc_bytes:
+        raise CheckpointFormatError(f"{where}: the items declare more blocks than the document could describe")
+    tables.crc = crc_column(table.get("crc32c"), total, f"{where}: crc32c (one per block)")  # decoded on use
+    item_keys = tables.item_keys
+    compressed = bool(tables.codec.any())
+    if compressed != ("stored_lengths" in table):
+        raise CheckpointFormatError(f"{where}: 'stored_lengths' must be present exactly when an item is compressed")
+    stored_items = tables.length
+    if compressed:
+        stored = decode_array(table["stored_lengths"], total, f"{where}: stored_lengths", packed_only=True)
+        block_item = np.repeat(np.arange(len(tables.length)), np.diff(tables.starts))
+        size = tables.item_block_size[block_item]
+        position = np.arange(total) - tables.starts[:-1][block_item]
+        logical = np.minimum(size, tables.length[block_item] - position * size)
+        raw = tables.codec[block_item] == 0
+        bad = (stored <= 0) | (stored > logical) | (raw & (stored != logical)) | (stored * ZSTD_MAX_RATIO < logical)
+        if bad.any():
+            b = int(np.argmax(bad))
+            i = int(block_item[b])
+            raise CheckpointFormatError(
+                f"{_key(tables, item_keys, i, where)} block {int(position[b])} has stored length {int(stored[b])} for "
+                f"{int(logical[b])} logical bytes"
+            )
+        tables.stored = stored
+        sums = np.concatenate(([0], np.cumsum(stored)))
+        stored_items = sums[tables.starts[1:]] - sums[tables.starts[:-1]]
+    in_file = tables.file > 0
+    _check_spans(tables.file[in_file], tables.at[in_file], stored_items[in_file], tables.files, file_sizes, where)
+    for i, text in list(tables.inline.items()):
+        data = decode_inline(text, where)
+        if data is None or len(data) != stored_items[i]:
+            raise CheckpointFormatError(
+                f"{_key(tables, item_keys, i, where)} is stored inline but its bytes do not match its blocks"
+            )
+        tables.inline[i] = data
+    if "digests" in table:
+        if INCREMENTAL not in tables.features:
+            raise CheckpointFormatError(
+                f"{where}: 'digests' belongs to feature {INCREMENTAL!r}, which it does not declare"
+            )
+        digests = PackedBlocks(table["digests"], DIGEST_ENTRIES * total, f"{where}: digests (16 bytes per block)")
+        if digests.width != 4:  # sliced as 4-byte entries: wider ones would shift every block's digest
+            raise CheckpointFormatError(f"{where}: digests holds {digests.width}-byte entries, not 4")
+        tables.digests = digests
+
+
+def _check_spans(
+    file: np.ndarray, at: np.ndarray, length: np.ndarray, names: tuple[str, ...], sizes: np.ndarray, where: str
+) -> None:
+    """Each span (data file number ``file``, 1-based, from ``at`` for ``length`` bytes) lies inside it."""
+    size = sizes[file - 1] if len(file) else file
+    bad = (at > size) | (length > size - at)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise CheckpointFormatError(
+            f"{where}: item spans bytes {at[i]}..{int(at[i]) + int(length[i])} of {names[file[i] - 1]}, which the "
+            f"metadata says holds {size[i]} bytes"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Paths
+
+
+def decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, ...]:
+    """A flat key's path from its code (``encode.path_code``); list indices as ``rules.check_list_index``
+    allows. Valid answers are remembered (fragments of one save repeat each key's path)."""
+    if code is None:
+        return tuple(fqn.split("."))
+    if isinstance(code, list) and all(type(n) is int for n in code):
+        memo = (fqn, tuple(code), keys)
+        path = _PATHS.get(memo)
+        if path is None:
+            path = _PATHS[memo] = _decode_path(fqn, code, keys, where)
+            if len(_PATHS) > _PATHS_KEPT:
+                _PATHS.clear()
+        return path
+    return _decode_path(fqn, code, keys, where)
+
+
+_PATHS: dict[tuple, tuple] = {}
+_PATHS_KEPT = 1 << 16
+
+
+def _decode_path(fqn: str, code: Any, keys: int, where: str) -> tuple[str | int, ...]:
+    parts = fqn.split(".")
+    if not isinstance(code, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in code):
+        raise CheckpointFormatError(f"{where}: the path of key {fqn!r:.80} must be a list of part counts")
+    if code == [len(parts)]:  # the key is one element of its path (a flat state's dotted names)
+        return (fqn,)
+    path: list[str | int] = []
+    at = 0
+    for n in code:
+        if n == 0:
+            part = parts[at] if at < len(parts) else ""
+            number = int(part) if part.isdecimal() and part.isascii() and str(int(part)) == part else part
+            check_list_index(number, keys, fqn, where)
+            path.append(number)
+            at += 1
+        else:
+            path.append(".".join(parts[at : at + n]))
+            at += n
+    if at != len(parts):
+        raise CheckpointFormatError(f"{where}: the path of key {fqn!r:.80} does not cover the key's parts")
+    return tuple(path)

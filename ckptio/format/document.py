@@ -1,0 +1,137 @@
+"""The metadata document's one way in and out: every save encodes, and every load, tool and tier decodes,
+through here. ckptio 1.0 writes and reads format version 8 (``tables``); a checkpoint of ckptio 0.x is
+read by ``legacy`` (kept apart: nothing of it is on the 1.0 path); a newer version asks for an upgrade.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ckptio.errors import CheckpointFormatError
+from ckptio.format.decode import decode_tables
+from ckptio.format.encode import encode, tables_of
+from ckptio.format.fragments import FragmentInfo
+from ckptio.format.merge import merge_tables
+from ckptio.format.names import FORMAT_NAME
+from ckptio.format.records import Header, Manifest, StoredItem
+from ckptio.format.tables import FORMAT_VERSION, FRAGMENT, Tables
+from ckptio.format.view import manifest_of_tables
+from ckptio.gc_pause import paused_gc
+
+
+def encode_metadata(
+    metadata: Metadata,
+    items: Mapping[tuple[str, Any], StoredItem],
+    header: Header,
+    per_rank: Mapping[str, Mapping[int, StoredItem]] | None = None,
+    fragment: FragmentInfo | None = None,
+) -> bytes:
+    """A save's metadata document: DCP's metadata, ckptio's record of each ``(key, chunk offsets or
+    None)``, the header, the objects kept per rank; with ``fragment``, a rank's fragment of a save
+    without a coordinator."""
+    return encode(tables_of(metadata, items, per_rank or {}, header, fragment))
+
+
+@paused_gc()
+def decode_metadata(raw: bytes, where: str) -> Manifest:
+    doc = parse_json(raw, where)
+    if _version(doc, where) < FORMAT_VERSION:
+        from ckptio.format.legacy import decode_legacy
+
+        return decode_legacy(doc, where, len(raw))
+    tables = _decode(doc, where, len(raw))
+    if FRAGMENT in tables.features:
+        raise CheckpointFormatError(
+            f"{where} is a rank's fragment of a save without a coordinator, not a checkpoint's metadata"
+        )
+    return manifest_of_tables(tables)
+
+
+@paused_gc()
+def decode_fragment(raw: bytes, where: str) -> tuple[Manifest, FragmentInfo]:
+    """A rank's fragment of a save without a coordinator: its items, and whose and which save's it is."""
+    tables = _fragment_tables(raw, where)
+    return manifest_of_tables(tables), tables.fragment  # type: ignore[return-value]
+
+
+@paused_gc()
+def merge_fragments(fragments: dict[str, bytes], ranks: int, where: str) -> bytes:
+    """The metadata document of a save without a coordinator, from its ``ranks`` fragments (name ->
+    bytes, a complete set by name: ``fragments.check_set``), checked as any ``ckptio.json`` is."""
+    if len(fragments) != ranks:
+        raise ValueError(f"merge_fragments takes the {ranks} fragments of a complete set, got {len(fragments)}")
+    decoded = []
+    for name, raw in fragments.items():
+        read_from = f"{where}/{name}"
+        decoded.append((name, read_from, _fragment_tables(raw, read_from)))
+    try:
+        document = encode(merge_tables(decoded, where))
+    except ValueError as exc:  # the fragments' data file names mix key-prefix rules
+        raise CheckpointFormatError(f"{where}: its fragments cannot form one checkpoint: {exc}") from None
+    decode_metadata(document, where)  # every rule of the merged set, as a load applies them
+    return document
+
+
+def _fragment_tables(raw: bytes, where: str) -> Tables:
+    doc = parse_json(raw, where)
+    version = _version(doc, where)
+    tables = _decode(doc, where, len(raw), cover=False) if version == FORMAT_VERSION else None
+    if tables is None or FRAGMENT not in tables.features:
+        raise CheckpointFormatError(
+            f"{where} is not a ckptio 1.0 fragment (format version {version}, features "
+            f"{sorted(tables.features) if tables else '-'}): a save without a coordinator by ckptio 0.x does not "
+            "load in 1.0; load it with the ckptio that wrote it and save it again"
+        )
+    return tables
+
+
+def _decode(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True) -> Tables:
+    try:
+        return decode_tables(doc, where, doc_bytes, cover)
+    except CheckpointFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
+        raise CheckpointFormatError(f"{where} does not follow the ckptio metadata schema: {exc!r:.300}") from None
+
+
+def _version(doc: Any, where: str) -> int:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CheckpointFormatError(f"{where} is not a ckptio metadata document (no 'format': 'ckptio')")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointFormatError(f"{where} has no valid format_version (a positive integer): {version!r:.40}")
+    if version > FORMAT_VERSION:
+        written_by = doc.get("written_by")
+        raise CheckpointFormatError(
+            f"{where} was written by {written_by if isinstance(written_by, str) else 'a newer ckptio'!s:.80} in "
+            f"format version {version}; this ckptio reads format versions up to {FORMAT_VERSION}: upgrade ckptio "
+            "to load it"
+        )
+    return version
+
+
+def parse_json(raw: bytes, where: str) -> Any:
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise CheckpointFormatError(f"{where} repeats the JSON key {dup!r:.80}; the metadata is ambiguous")
+        return out
+
+    try:
+        return json.loads(raw, object_pairs_hook=no_duplicates)
+    except CheckpointFormatError:
+        raise
+    except RecursionError:  # json's C parser counts its nesting and stops cleanly
+        raise CheckpointFormatError(
+            f"{where} nests JSON deeper than the parser allows; it is not ckptio metadata"
+        ) from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, int digit limit
+        raise CheckpointFormatError(
+            f"{where} is not valid JSON ({str(exc):.200}); the metadata is damaged or not a ckptio checkpoint"
+        ) from None

@@ -1,0 +1,275 @@
+"""The one merge of a save without a coordinator: its ranks' fragments (each a 1.0 document with the
+``fragment`` feature, decoded and checked by the one decoder) concatenated into one document's tables.
+
+What joining needs is checked here (``fragments`` states the rule and words the refusals): one save,
+every rank once, a key stored alike by every rank (kind, dtype, shape, path), a chunk's box alike, a
+data file named once, every replica stored by its writer, and the one rule for copies: items several
+ranks stored under one key and box are kept once when equal (equal CRC32Cs of equally encoded blocks),
+objects that differ are kept per rank, plain tensors that differ are refused. Everything the merged
+document shows (tiling and cover, spans, codecs, lengths) is checked when it is decoded, as any
+``ckptio.json`` is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ckptio.errors import CheckpointFormatError, IncompleteCheckpointError, MixedFragmentsError
+from ckptio.format.decode import decode_path
+from ckptio.format.fragments import (
+    check_one_save,
+    refuse_differing_tensor,
+    refuse_file_twice,
+    refuse_kinds,
+    refuse_paths,
+    refuse_shapes,
+    refuse_sizes,
+)
+from ckptio.format.names import SIBLING_PREFIX
+from ckptio.format.records import VIRTUAL_PREFIX, Extent
+from ckptio.format.tables import FRAGMENT, INCREMENTAL, PER_RANK, TENSOR, Tables, block_lengths, boxed_keys
+
+
+@dataclasses.dataclass
+class _Keys:
+    """Every key of the set, numbered as first met (rank by rank), with what every fragment must store alike."""
+
+    number: dict[str, int] = dataclasses.field(default_factory=dict)
+    names: list[str] = dataclasses.field(default_factory=list)
+    signature: list[tuple] = dataclasses.field(default_factory=list)  # (kind, dtype, shape, path)
+    requires_grad: list[int] = dataclasses.field(default_factory=list)
+
+    def numbers(self, tables: Tables, where: str) -> np.ndarray:
+        rows = tables.tensor_rows().tolist()
+        paths = tables.paths or [None] * len(tables.names)
+        grads = tables.requires_grad.tolist()
+        dtype = tables.dtype.tolist()
+        out = []
+        for fqn, kind, row, path in zip(tables.names, tables.kind.tolist(), rows, paths, strict=True):
+            tensor = row >= 0
+            signature = (kind, tables.dtypes[dtype[row]], tables.shapes[row]) if tensor else (kind, None, None)
+            signature += (path if path is None else tuple(path),)
+            number = self.number.get(fqn)
+            if number is None:
+                number = self.number[fqn] = len(self.names)
+                self.names.append(fqn)
+                self.signature.append(signature)
+                self.requires_grad.append(grads[row] if tensor else 0)
+            elif self.signature[number] != signature:
+                self._refuse(fqn, self.signature[number], signature, where)
+            out.append(number)
+        return np.array(out, dtype=np.int64)
+
+    @staticmethod
+    def _refuse(fqn: str, known: tuple, mine: tuple, where: str) -> None:
+        if (known[0] == TENSOR) != (mine[0] == TENSOR):
+            refuse_kinds(fqn, mine[0] == TENSOR, known[0] == TENSOR, where)
+        if known[1:3] != mine[1:3]:
+            refuse_shapes(fqn, mine[1:3], known[1:3], where)
+        refuse_paths(fqn, mine[3] or fqn.split("."), known[3] or fqn.split("."), where)
+
+
+def merge_tables(fragments: list[tuple[str, str, Tables]], where: str) -> Tables:
+    """The tables of a complete set of fragments (name, where read, decoded tables; one per rank)."""
+    fragments = sorted(fragments, key=lambda f: f[2].fragment.rank)  # type: ignore[union-attr]
+    check_one_save([(name, read_from, t.fragment) for name, read_from, t in fragments], where)
+    keys = _Keys()
+    parts: dict[str, list[Any]] = {name: [] for name in ("key", "rank", "length", "file", "at", "codec", "block")}
+    boxes: list[tuple[np.ndarray, np.ndarray]] = []
+    crcs, stored, digests, block_starts = [], [], [], []
+    inline: dict[int, bytes] = {}
+    files: dict[str, int] = {}
+    writers: dict[str, int] = {}
+    extents: dict[str, tuple[Extent, ...]] = {}
+    data_files = sum(len(t.files) - len(t.extents) for _, _, t in fragments)
+    items = blocks = 0
+    for _, read_from, t in fragments:
+        if (t.kind == PER_RANK).any():
+            raise CheckpointFormatError(f"{read_from} keeps objects per rank, which only a merge does")
+        rank = t.fragment.rank  # type: ignore[union-attr]
+        own = len(t.files) - len(t.extents)
+        for name, size in t.header.files.items():
+            if name in files:
+                refuse_file_twice(name, writers[name], read_from)
+            files[name] = size
+            writers[name] = t.header.writer_ranks.get(name, rank)
+        numbers = np.arange(len(t.files) + 1)
+        numbers[1 : own + 1] += len(files) - len(t.header.files)
+        numbers[own + 1 :] += data_files - own + len(extents)
+        for k, runs in enumerate(t.extents.values(), len(extents) + 1):
+            extents[f"{VIRTUAL_PREFIX}{k}"] = runs
+        parts["key"].append(keys.numbers(t, read_from)[t.item_keys])
+        parts["rank"].append(np.full(len(t.length), rank, dtype=np.int64))
+        parts["length"].append(t.length)
+        parts["file"].append(numbers[t.file])
+        parts["at"].append(t.at)
+        parts["codec"].append(t.codec)
+        parts["block"].append(t.item_block_size)
+        boxes.append((t.offsets, t.sizes))
+        inline.update((items + i, data) for i, data in t.inline.items())
+        crcs.append(t.crc_array())
+        stored.append(block_lengths(t))
+        digests.append(t.digest_array())
+        block_starts.append(t.starts[:-1] + blocks)
+        items += len(t.length)
+        blocks += int(t.starts[-1])
+    column = {name: np.concatenate(values) if values else np.zeros(0, np.int64) for name, values in parts.items()}
+    offsets, sizes = _padded(boxes)
+    starts = np.concatenate([*block_starts, [blocks]])
+    crc, lengths = np.concatenate(crcs), np.concatenate(stored)
+    keep, per_rank_keys = _one_copy_each(keys, column, offsets, sizes, starts, crc, lengths, where)
+    _check_replicas(fragments, keys, column["key"][keep], offsets[keep])
+    order = keep[np.argsort(column["key"][keep], kind="stable")]
+    kind = np.array([signature[0] for signature in keys.signature], dtype=np.int64)
+    kind[sorted(per_rank_keys)] = PER_RANK
+    first = fragments[0][2]
+    tensors = [s for s in keys.signature if s[0] == TENSOR]
+    dtypes = sorted({s[1] for s in tensors})
+    block_index = _block_index(starts, order)
+    all_digests = None if any(d is None for d in digests) else np.concatenate(digests).reshape(-1, 4)
+    features = set().union(*(t.features for _, _, t in fragments)) - {FRAGMENT}
+    if all_digests is None and first.header.chain is None and not extents and not any(map(is_sibling_file, files)):
+        features.discard(INCREMENTAL)
+    header = dataclasses.replace(
+        first.header,
+        files=files,
+        writer_ranks=writers,
+        world_size=len(fragments),
+        created_unix=max(t.header.created_unix for _, _, t in fragments),
+        mesh=next((t.header.mesh for _, _, t in fragments if t.header.mesh), None),
+    )
+    paths, planner_data = _planner(fragments, keys, where)
+    tables = Tables(
+        header=header,
+        features=frozenset(features),
+        files=tuple(name for _, _, t in fragments for name in t.files[: len(t.files) - len(t.extents)])
+        + tuple(extents),
+        block_size=first.block_size,
+        planner_data=planner_data,
+        names=keys.names,
+        paths=paths,
+        kind=kind,
+        count=np.bincount(column["key"][order], minlength=len(keys.names)),
+        dtypes=dtypes,
+        dtype=np.array([dtypes.index(s[1]) for s in tensors], dtype=np.int64),
+        shapes=[s[2] for s in tensors],
+        requires_grad=np.array([g for s, g in zip(keys.signature, keys.requires_grad, strict=True) if s[0] == TENSOR]),
+        boxed=np.ones(len(tensors), dtype=bool),
+        offsets=offsets[order],
+        sizes=sizes[order],
+        ranks=np.where(np.isin(column["key"][order], sorted(per_rank_keys)), column["rank"][order], -1),
+        length=column["length"][order],
+        file=column["file"][order],
+        at=column["at"][order],
+        codec=column["codec"][order],
+        item_block_size=column["block"][order],
+        inline={n: inline[i] for n, i in enumerate(order.tolist()) if i in inline},
+        starts=np.concatenate(([0], np.cumsum(starts[order + 1] - starts[order]))),
+        crc=crc[block_index],
+        stored=lengths[block_index] if column["codec"].any() else None,
+        digests=None if all_digests is None else all_digests[block_index].reshape(-1),
+        extents=extents,
+    )
+    tables.boxed = boxed_keys(tables)
+    return tables
+
+
+def is_sibling_file(name: str) -> bool:
+    return name.startswith(SIBLING_PREFIX)
+
+
+def _padded(boxes: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    dims = max((o.shape[1] for o, _ in boxes), default=0)
+    pad = [((0, 0), (0, dims - o.shape[1])) for o, _ in boxes]
+    offsets = (
+        np.concatenate([np.pad(o, p) for (o, _), p in zip(boxes, pad, strict=True)]) if boxes else np.zeros((0, 0))
+    )
+    sizes = np.concatenate([np.pad(s, p) for (_, s), p in zip(boxes, pad, strict=True)]) if boxes else np.zeros((0, 0))
+    return offsets.astype(np.int64), sizes.astype(np.int64)
+
+
+def _block_index(starts: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The blocks of the items ``order``, in turn."""
+    lengths = starts[order + 1] - starts[order]
+    first = np.repeat(starts[order] - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return first + np.arange(int(lengths.sum()))
+
+
+def _one_copy_each(
+    keys: _Keys, column: dict[str, np.ndarray], offsets: np.ndarray, sizes: np.ndarray, starts: np.ndarray,
+    crc: np.ndarray, lengths: np.ndarray, where: str,
+) -> tuple[np.ndarray, set[int]]:  # fmt: skip
+    """The items to keep (by position): each (key, box) once where its copies are equal; every copy of an
+    object whose copies differ (those keys are returned: kept per rank); differing plain tensors refused."""
+    rows = np.column_stack([column["key"], offsets])
+    _, first, group = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    group = group.reshape(-1)
+    copies = np.flatnonzero(first[group] != np.arange(len(group)))
+    if not len(copies):
+        return np.sort(first), set()
+    differing: dict[int, set[int]] = {}
+    for i in copies.tolist():
+        j = int(first[group[i]])
+        key = int(column["key"][i])
+        if not np.array_equal(sizes[i], sizes[j]):
+            refuse_sizes(keys.names[key], offsets[i].tolist(), sizes[i].tolist(), sizes[j].tolist(), where)
+        same = all(int(column[c][i]) == int(column[c][j]) for c in ("length", "codec", "block"))
+        same = same and np.array_equal(crc[starts[i] : starts[i + 1]], crc[starts[j] : starts[j + 1]])
+        if not (same and np.array_equal(lengths[starts[i] : starts[i + 1]], lengths[starts[j] : starts[j + 1]])):
+            differing.setdefault(j, {j}).add(i)
+    per_rank: set[int] = set()
+    keep = set(first.tolist())
+    for j, members in differing.items():
+        key = int(column["key"][j])
+        if keys.signature[key][0] == TENSOR:
+            by_value: dict[bytes, list[int]] = {}
+            for i in sorted(members | set(np.flatnonzero(group == group[j]).tolist())):
+                value = crc[starts[i] : starts[i + 1]].tobytes() + lengths[starts[i] : starts[i + 1]].tobytes()
+                by_value.setdefault(value, []).append(int(column["rank"][i]))
+            refuse_differing_tensor(keys.names[key], list(by_value.values()), where)
+        per_rank.add(key)
+        keep.update(np.flatnonzero(group == group[j]).tolist())
+    return np.array(sorted(keep), dtype=np.int64), per_rank
+
+
+def _check_replicas(
+    fragments: list[tuple[str, str, Tables]], keys: _Keys, kept_keys: np.ndarray, offsets: np.ndarray
+) -> None:
+    """Every chunk a rank held and left to another (its fragment's replicas) is among the kept items."""
+    if not any(t.fragment.replicas for _, _, t in fragments):  # type: ignore[union-attr]
+        return
+    stored = set(map(tuple, np.column_stack([kept_keys, offsets]).tolist()))
+    dims = offsets.shape[1]
+    for _, read_from, t in fragments:
+        for replica in t.fragment.replicas:  # type: ignore[union-attr]
+            number = keys.number.get(replica.fqn, -1)
+            box = tuple(replica.offsets) + (0,) * (dims - len(replica.offsets))
+            if (number, *box) not in stored or len(replica.offsets) > dims:
+                raise IncompleteCheckpointError(
+                    f"{read_from}: rank {t.fragment.rank} holds key {replica.fqn!r} at {list(replica.offsets)} and "  # type: ignore[union-attr]
+                    f"left it to rank {replica.writer}, whose fragment does not store it: the ranks disagreed about "
+                    "who writes it (different meshes or placements on different ranks?). Load an earlier checkpoint"
+                )
+
+
+def _planner(fragments: list[tuple[str, str, Tables]], keys: _Keys, where: str) -> tuple[list | None, Any]:
+    """Each key's path code when every fragment stores paths (compared with the keys), else torch's
+    planner data joined."""
+    if all(t.paths is not None for _, _, t in fragments):
+        return [None if s[3] is None else list(s[3]) for s in keys.signature], None
+    joined: dict[str, Any] = {}
+    for _, read_from, t in fragments:
+        own = t.planner_data
+        if t.paths is not None:
+            own = {
+                fqn: decode_path(fqn, code, len(t.names), read_from) for fqn, code in zip(t.names, t.paths, strict=True)
+            }
+        for fqn, path in (own or {}).items():
+            if joined.setdefault(fqn, path) != path:
+                refuse_paths(fqn, path, joined[fqn], read_from)
+    if joined and set(joined) - set(keys.number):
+        raise MixedFragmentsError(f"{where}: a fragment's planner data names keys it does not store")
+    return None, joined or None
