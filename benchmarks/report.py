@@ -399,7 +399,8 @@ def scale_table(rows: list[dict], markdown: bool = False) -> str:
     """``--scale``: the coordinator's seconds and the metadata bytes, per layout, size and writer;
     "us/item" divides the three phases by the items of all local plans (flat when growth is linear).
     Rows without a coordinator: global plan and finish are the slowest rank's own, decode is the merge
-    of the fragments on load, and the memory is one rank's (traced) instead of the coordinator's."""
+    of the fragments on load (where rank 0's merged ckptio.json is missing), "merged" a load's decode of
+    it, and the memory is one rank's (traced) instead of the coordinator's."""
     if not rows:
         return ""
     header = [
@@ -410,6 +411,7 @@ def scale_table(rows: list[dict], markdown: bool = False) -> str:
         "global plan s",
         "finish s",
         "decode s (min-max)",
+        "merged: decode s (min-max)",
         "us/item",
         "metadata MiB",
         "B/item",
@@ -430,6 +432,9 @@ def scale_table(rows: list[dict], markdown: bool = False) -> str:
                 f"{r['global_plan_s']:.2f}",
                 f"{r['finish_s']:.2f}",
                 f"{r['decode_s']:.2f} ({r['decode_min_s']:.2f}-{r['decode_max_s']:.2f})",
+                f"{r['merged_decode_s']:.2f} ({r['merged_decode_min_s']:.2f}-{r['merged_decode_max_s']:.2f})"
+                if "merged_decode_s" in r
+                else "-",
                 f"{total / r['items'] * 1e6:.1f}",
                 _mib(r["metadata_bytes"]),
                 f"{r['metadata_bytes'] / r['items']:.0f}",

@@ -305,13 +305,16 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
 
 def simulate_without_coordinator(layout: str, ranks: int, layers: int) -> dict:
     """ckptio saving without collectives: every rank plans, writes and commits its own fragment from its
-    own plan alone (timed per rank, all ranks run in turn; one rank's peak Python memory traced), then
-    one loading rank lists, reads and merges the fragments and decodes the result (``decode``)."""
+        own plan alone (timed per rank, all ranks run in turn; one rank's peak Python memory traced), then
+        rank 0 merges them into ``ckptio.json``, as a save does (``saving/merge_once.py``): ``merged_decode`` is
+    a load's decode of it; ``decode``, one loading rank's merge where the merged document is missing (list,
+    read and merge the fragments, decode the result)."""
     import tracemalloc
 
     import ckptio
     from ckptio.format.document import decode_metadata
     from ckptio.loading.reader import read_metadata_bytes
+    from ckptio.saving.merge_once import wait_for_merges
     from ckptio.saving.replicas import split_by_holders
     from ckptio.saving.writer import FragmentSave
     from ckptio.storage import open_store
@@ -327,7 +330,8 @@ def simulate_without_coordinator(layout: str, ranks: int, layers: int) -> dict:
     plan_s, finish_s, peak = [], [], 0
     with tempfile.TemporaryDirectory(prefix="ckptio-scale-") as root:
         path = os.path.join(root, "ckpt")
-        for rank, plan in enumerate(plans):
+        # rank 0 last: its merge starts once every fragment is there (ranks of one process share its merges)
+        for rank, plan in [*list(enumerate(plans))[1:], (0, plans[0])]:
             traced = rank == 0
             if traced:
                 tracemalloc.start()
@@ -360,12 +364,17 @@ def simulate_without_coordinator(layout: str, ranks: int, layers: int) -> dict:
                 peak = tracemalloc.get_traced_memory()[1]
                 tracemalloc.stop()
         del plans, holders
-        fragment_bytes = sum(e.stat().st_size for e in os.scandir(path) if e.name.startswith("ckptio."))
+        wait_for_merges()  # rank 0's merge, once the last rank's fragment arrived
+        merged_path = os.path.join(path, "ckptio.json")
+        merged_bytes = os.path.getsize(merged_path)
+        fragment_bytes = sum(e.stat().st_size for e in os.scandir(path) if e.name.startswith("ckptio.rank-"))
 
         def decode() -> None:
             decoded = decode_metadata(read_metadata_bytes(open_store(path)), path).metadata
             _resolve_first_chunks(decoded)
 
+        merged_in = _decode_times(decode)  # the loads after the merge: ckptio.json
+        os.remove(merged_path)  # a job that died right after its save: the load merges the fragments
         decoded_in = _decode_times(decode)
     plan_s.sort()
     finish_s.sort()
@@ -380,8 +389,12 @@ def simulate_without_coordinator(layout: str, ranks: int, layers: int) -> dict:
         "finish_s": finish_s[-1],
         "rank_median_s": plan_s[len(plan_s) // 2] + finish_s[len(finish_s) // 2],
         **decoded_in,
+        "merged_decode_s": merged_in["decode_s"],
+        "merged_decode_min_s": merged_in["decode_min_s"],
+        "merged_decode_max_s": merged_in["decode_max_s"],
+        "merged_bytes": merged_bytes,
         "metadata_bytes": fragment_bytes,
-        "metadata_read_bytes": fragment_bytes,  # the fragments, read once per load
+        "metadata_read_bytes": fragment_bytes,  # the fragments, read once per load that merges them
         "gathered_plan_bytes": 0,
         "rank_peak_bytes": peak,
     }

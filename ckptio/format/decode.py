@@ -348,7 +348,7 @@ def _items(tables: Tables, table: dict[str, Any], doc_bytes: int, cover: bool, w
             f"{_key(tables, item_keys, i, where)} has a chunk at {offsets[i, : item_ndim[i]].tolist()} of size "
             f"{sizes[i, : item_ndim[i]].tolist()} outside its shape {list(tables.shapes[rows[i]])}"
         )
-    _check_tiling(tables, offsets, sizes, boxed, item_keys, cover, where)
+    _check_tiling(tables, offsets, sizes, item_shape, cover, where)
     per_rank = item_kind == PER_RANK
     ranks = np.full(count, -1, dtype=np.int64)
     if per_rank.any():
@@ -397,20 +397,24 @@ def _items(tables: Tables, table: dict[str, Any], doc_bytes: int, cover: bool, w
 
 
 def _check_tiling(
-    tables: Tables, offsets: np.ndarray, sizes: np.ndarray, boxed: np.ndarray, item_keys: np.ndarray, cover: bool,
-    where: str,
-) -> None:  # fmt: skip
-    """The chunks of each boxed key start at distinct offsets and cover each element once (at most once
-    without ``cover``). Keys of one unboxed chunk are their whole tensor."""
-    firsts = tables.firsts.tolist()
-    rows = tables.tensor_rows().tolist()
-    for k in np.flatnonzero(tables.kind == TENSOR).tolist():
-        row = rows[k]
-        if not tables.boxed[row] and tables.count[k] == 1:
-            continue
-        shape = tables.shapes[row]
+    tables: Tables, offsets: np.ndarray, sizes: np.ndarray, item_shape: np.ndarray, cover: bool, where: str
+) -> None:
+    """The chunks of each key of several start at distinct offsets and cover each element once (at most
+    once without ``cover``: a fragment); a key's one chunk (already inside its shape) is all of it."""
+    firsts = tables.firsts
+    tensor_keys = np.flatnonzero(tables.kind == TENSOR)
+    counts = tables.count[tensor_keys]
+    several = tensor_keys[counts != 1]
+    if cover:  # a key of one chunk: the whole tensor
+        single = tensor_keys[counts == 1]
+        items = firsts[single]
+        short = (offsets[items] != 0).any(axis=1) | (sizes[items] != item_shape[items]).any(axis=1)
+        several = np.concatenate([several, single[short][:1]])  # the first that is not: named below
+    rows = tables.tensor_rows()
+    for k in several.tolist():
+        shape = tables.shapes[rows[k]]
         n = len(shape)
-        first, end = firsts[k], firsts[k + 1]
+        first, end = int(firsts[k]), int(firsts[k + 1])
         check_chunks_tile(
             shape, end - first, offsets[first:end, :n].T.tolist(), sizes[first:end, :n].T.tolist(),
             f"{where}: key {tables.names[k]!r:.80}", cover,

@@ -72,7 +72,7 @@ def merge_fragments(fragments: dict[str, bytes], ranks: int, where: str) -> byte
         document = encode(merge_tables(decoded, where))
     except ValueError as exc:  # the fragments' data file names mix key-prefix rules
         raise CheckpointFormatError(f"{where}: its fragments cannot form one checkpoint: {exc}") from None
-    decode_metadata(document, where)  # every rule of the merged set, as a load applies them
+    _decode(parse_json(document, where), where, len(document))  # every rule of the merged set, as a load's
     return document
 
 

@@ -210,16 +210,26 @@ def _one_copy_each(
     copies = np.flatnonzero(first[group] != np.arange(len(group)))
     if not len(copies):
         return np.sort(first), set()
+    firsts = first[group[copies]]  # the copy each is compared with: the lowest rank's
+    wrong = (sizes[copies] != sizes[firsts]).any(axis=1)
+    if wrong.any():
+        i, j = int(copies[np.argmax(wrong)]), int(firsts[np.argmax(wrong)])
+        refuse_sizes(keys.names[column["key"][i]], offsets[i].tolist(), sizes[i].tolist(), sizes[j].tolist(), where)
+    same = np.ones(len(copies), dtype=bool)
+    for name in ("length", "codec", "block"):
+        same &= column[name][copies] == column[name][firsts]
+    alike, twins = copies[same], firsts[same]  # as many blocks each: compare them all at once
+    mine, theirs = _block_index(starts, alike), _block_index(starts, twins)
+    equal = (crc[mine] == crc[theirs]) & (lengths[mine] == lengths[theirs])
+    counts = starts[alike + 1] - starts[alike]
+    blocks_equal = np.ones(len(alike), dtype=bool)
+    if len(equal):
+        segments = np.concatenate(([0], np.cumsum(counts)[:-1]))[counts > 0]
+        blocks_equal[counts > 0] = np.logical_and.reduceat(equal, segments)
+    same[same] = blocks_equal
     differing: dict[int, set[int]] = {}
-    for i in copies.tolist():
-        j = int(first[group[i]])
-        key = int(column["key"][i])
-        if not np.array_equal(sizes[i], sizes[j]):
-            refuse_sizes(keys.names[key], offsets[i].tolist(), sizes[i].tolist(), sizes[j].tolist(), where)
-        same = all(int(column[c][i]) == int(column[c][j]) for c in ("length", "codec", "block"))
-        same = same and np.array_equal(crc[starts[i] : starts[i + 1]], crc[starts[j] : starts[j + 1]])
-        if not (same and np.array_equal(lengths[starts[i] : starts[i + 1]], lengths[starts[j] : starts[j + 1]])):
-            differing.setdefault(j, {j}).add(i)
+    for i, j in zip(copies[~same].tolist(), firsts[~same].tolist(), strict=True):
+        differing.setdefault(j, {j}).add(i)
     per_rank: set[int] = set()
     keep = set(first.tolist())
     for j, members in differing.items():

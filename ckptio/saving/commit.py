@@ -6,7 +6,8 @@ metadata has replaced the old."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ckptio.errors import (
     CheckpointExistsError,
@@ -143,18 +144,25 @@ def _taken(what: str, coordinated: bool) -> CheckpointExistsError:
     return _exists(f"{what} (this rank's fragment of an earlier save without a coordinator)")
 
 
-def commit_merged(store: FsspecStore) -> dict[str, int] | None:
-    """``ckptio merge``: write the merge of a complete fragment set at ``store`` as its ``ckptio.json``
-    (created only if absent), so that loads read one document instead of merging; the fragments stay
-    (a later save there finds their names taken, as it finds a committed checkpoint). Returns the data
-    files of the merged checkpoint, or ``None`` when ``ckptio.json`` is already there."""
+def commit_merged(
+    store: FsspecStore, save_id: str | None = None, go_on: Callable[[], bool] = lambda: True
+) -> dict[str, int] | None:
+    """``ckptio merge``, and rank 0 after its save without a coordinator (``merge_once``): write the merge
+    of a complete fragment set at ``store`` as its ``ckptio.json`` (created only if absent), so that loads
+    read one document instead of merging; the fragments stay (a later save there finds their names taken,
+    as it finds a committed checkpoint). Returns the data files of the merged checkpoint, or ``None``
+    when ``ckptio.json`` is already there, the set is not of save ``save_id`` (when given), or ``go_on``
+    says no once the set is merged."""
     if store.exists(METADATA_NAME):
         return None
     fragments = complete_set(store)
     if not fragments:
         raise CheckpointNotFoundError(f"{store.url} holds no fragments of a save without a coordinator to merge")
     document = merged_metadata(store, fragments)
-    files = decode_metadata(document, store.describe(METADATA_NAME)).files
+    header = decode_metadata(document, store.describe(METADATA_NAME)).header
+    if (save_id is not None and header.save_id != save_id) or not go_on():
+        return None
+    files = header.files
     try:
         store.put_if_absent(METADATA_NAME, document)
     except FileExistsError:

@@ -52,6 +52,7 @@ from ckptio.saving.consistency import (
 from ckptio.saving.data_file import encode_items, item_bytes, pickled_objects
 from ckptio.saving.fragments import fragment_metadata, fragment_save_id
 from ckptio.saving.incremental import Base, note_saved, resolve_base
+from ckptio.saving.merge_once import merge_when_complete, settle
 from ckptio.saving.planning import Holdings, assign_writers
 from ckptio.saving.references import by_sibling, mark_references
 from ckptio.saving.replicas import own_writes
@@ -206,6 +207,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
 
     @paused_gc()
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        settle(self._open_store().url)  # this process's merge of an earlier save there is called off
         if self._fragment is not None:  # every rank, with its own plan alone
             if self.is_coordinator:
                 clear_for_fragments(self._open_store(), self.config.overwrite)
@@ -370,6 +372,8 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         store = self._open_store()
         refuse_unloadable(document, store.describe(name), decode_fragment)
         publish_fragment(store, name, document, files, self.config.overwrite)
+        if self.rank == 0:
+            merge_when_complete(store.url, self._open_store, save.save_id, save.ranks)
         metadata.storage_meta = self.storage_meta()
 
     # --- tiered saves (``WriterConfig.local_tier``, ``ckptio/tiers``) ------------------------------

@@ -433,8 +433,12 @@ def wait_for_uploads(timeout: float | None = None) -> None:
 
         dcp.save(state, storage_writer=ckptio.Writer("s3://bucket/run/step-200", cfg))
         ckptio.wait_for_uploads()
-    """
+
+    It waits as well for the merges of this process's saves without a coordinator (``merge_once``)."""
+    from ckptio.saving.merge_once import wait_for_merges
+
     _QUEUE.wait(timeout)
+    wait_for_merges(timeout)
 
 
 def uploads_pending() -> int:

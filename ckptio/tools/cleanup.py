@@ -17,6 +17,7 @@ from ckptio.format.names import (
 from ckptio.format.records import Manifest
 from ckptio.loading.fragment_set import complete_set, fragments_in
 from ckptio.loading.reader import read_manifest
+from ckptio.saving.merge_once import settle
 from ckptio.saving.references import by_sibling, files_in_use, release
 from ckptio.storage import FsspecStore
 
@@ -114,6 +115,7 @@ def delete_checkpoint(store: FsspecStore) -> list[str]:
     unfinished multipart upload, except the data files incremental checkpoints beside it reference (and
     their markers): those stay until the last of them is deleted, and are returned. The siblings this
     checkpoint referenced are released (``references.release``)."""
+    settle(store.url)  # this process's merge of a save without a coordinator there is called off
     bases = _referenced_siblings(store)
     for marker in COMMIT_MARKERS:
         store.remove(marker)

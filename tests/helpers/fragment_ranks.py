@@ -26,6 +26,18 @@ EXCHANGES = (
 )  # fmt: skip
 
 
+def only_fragments(url: str, storage_options: dict | None = None) -> str:
+    """``url`` as a job that died right after its save without a coordinator leaves it: its fragments,
+    without the ``ckptio.json`` its rank 0 merges them into (``saving/merge_once.py``)."""
+    from ckptio.storage import open_store
+
+    ckptio.wait_for_uploads()  # this process's merges, when it saved
+    store = open_store(url, storage_options)
+    if store.exists("ckptio.json"):
+        store.remove("ckptio.json")
+    return url
+
+
 def full(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {key: (torch.randn(shape, generator=g) * 10).to(dtype) for key, (shape, dtype) in SHAPES.items()}
@@ -92,6 +104,7 @@ def save(url: str, case: dict[str, Any], values: dict[str, Any] | None = None, p
             dcp.async_save(values, storage_writer=writer, planner=planner, use_collectives=False).result()
         else:
             dcp.save(values, storage_writer=writer, planner=planner, use_collectives=False)
+    ckptio.wait_for_uploads()  # rank 0's merge (a spawned rank ends without running atexit)
     return counts
 
 

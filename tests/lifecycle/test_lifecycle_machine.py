@@ -33,6 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import ckptio
 from ckptio.tiers.paths import step_order
 from ckptio.tools.cli import main as cli_main
+from tests.helpers.fragment_ranks import only_fragments
 from tests.helpers.tiered import flip_a_byte
 
 N = 1 << 15  # fp32 elements per tensor: past the inline limit, several blocks
@@ -110,13 +111,17 @@ class Lifecycle(RuleBasedStateMachine):
         if value is not None:
             self.durable[step] = (value, "json")
 
-    @rule(step=STEPS, overwrite=st.booleans())
-    def save_without_coordinator(self, step, overwrite):
+    @rule(step=STEPS, overwrite=st.booleans(), dies_after_save=st.booleans())
+    def save_without_coordinator(self, step, overwrite, dies_after_save):
         config = ckptio.WriterConfig(overwrite=overwrite, max_block_size=BLOCK)
         refused = step in self.durable and not overwrite
         value = self._save(step, config, refused, use_collectives=False)
-        if value is not None:
-            self.durable[step] = (value, "fragments")
+        if value is None:
+            return
+        ckptio.wait_for_uploads()  # rank 0 merged the fragments into ckptio.json
+        if dies_after_save:  # ... or the job died first: the loads merge them
+            only_fragments(self._url(step))
+        self.durable[step] = (value, "fragments" if dies_after_save else "json")
 
     @rule(tier=TIERS, step=STEPS, overwrite=st.booleans(), drain_finishes=st.booleans())
     def tiered_save(self, tier, step, overwrite, drain_finishes):

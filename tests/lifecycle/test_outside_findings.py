@@ -168,12 +168,14 @@ def test_a_requeued_job_s_fragments_never_complete_an_earlier_attempt_s_set(tmp_
     fragment; attempt 2 saves the step again with other values: its rank 0 finds its fragment taken, its
     rank 1 commits. The set is of two attempts: every load and ckptio merge must refuse it."""
     from ckptio.format.names import fragment_name
+    from tests.helpers.fragment_ranks import only_fragments
     from tests.helpers.harness import spawn
 
     url = str(tmp_path / "step-7")
     env = {"CKPTIO_JOB_ID": "slurm-4242"}
     assert spawn(2, _save_without_coordinator, url, 1.0, env=env) == ["saved", "saved"]
-    os.remove(os.path.join(url, fragment_name(1, 2)))  # rank 1 was killed before its fragment committed
+    os.remove(os.path.join(url, fragment_name(1, 2)))  # rank 1 was killed before its fragment committed,
+    only_fragments(url)  # so rank 0 never merged the set
     assert spawn(2, _save_without_coordinator, url, 2.0, env=env)[0] == "exists"
     assert os.path.exists(os.path.join(url, fragment_name(1, 2)))
     with pytest.raises(ckptio.MixedFragmentsError):

@@ -19,6 +19,7 @@ from ckptio.storage import open_store
 from ckptio.tools.cleanup import find_garbage
 from ckptio.tools.cli import main as cli_main
 from tests.helpers import fragment_ranks
+from tests.helpers.fragment_ranks import only_fragments
 from tests.helpers.harness import run_ranks, spawn
 
 HSDP = {"model.w": [("R",), ("S", 0)], "model.e": [("S", 1), ("S", 0)]}
@@ -46,8 +47,8 @@ def test_saved_on_2x2_without_collectives_loads_on_1x4_4x1_and_one_process(tmp_p
     case = {**CASE, "mode": mode, "compression": "zstd", "dedup": mode == "all_ranks"}
     exchanges = spawn(4, fragment_ranks.save, url, case)
     assert exchanges == [{}] * 4  # nothing but the closing barrier
-    files = _files(url)
-    assert [f for f in files if f.startswith("ckptio.")] == [fragment_name(r, 4) for r in range(4)]
+    files = _files(url)  # rank 0 merged the fragments once every rank's was there
+    assert [f for f in files if f.startswith("ckptio.")] == ["ckptio.json"] + [fragment_name(r, 4) for r in range(4)]
     writers = sorted(parse_data_file_name(f).rank for f in files if parse_data_file_name(f))
     # model.w (640x64 fp32, 80 KiB per shard) replicated across the 2 groups: written once; model.e sharded
     # 4 ways (420 B per rank) and every rank's small objects go inline into its fragment
@@ -55,6 +56,8 @@ def test_saved_on_2x2_without_collectives_loads_on_1x4_4x1_and_one_process(tmp_p
     for rank in range(4):  # 1.0 documents with the fragment feature
         with open(os.path.join(url, fragment_name(rank, 4)), "rb") as f:
             assert json.load(f)["features"] == ["fragment"]
+    if mode == "replica_group":  # and as a job that died right after its save leaves them: merged by the loads
+        only_fragments(url)
     _load_everywhere(url, case, through="dcp" if mode == "all_ranks" else "ckptio")
 
 
@@ -77,9 +80,16 @@ def test_a_load_with_collectives_lists_and_reads_each_fragment_once_for_all_rank
     case = {**CASE, "storage_options": options, "mode": "replica_group"}
     assert spawn(4, fragment_ranks.save, url, case) == [{}] * 4
     saved = proxy.reset()
-    assert saved.requests["LIST"] == 0 and saved.requests["HEAD"] <= 1, saved.requests  # nothing listed per rank
+    merged = [r for r in saved.log if r.operation == "PUT" and r.key.endswith("/ckptio.json")]
+    assert len(merged) == 1 and saved.requests["HEAD"] <= 2, saved.requests  # rank 0's merge, once
+    assert saved.requests["LIST"] <= 8, saved.requests  # rank 0 alone lists, until every fragment is there
     world, mesh, placements = LOADS["4x1"]
     loading = {**case, "load_mesh": mesh, "load_placements": placements}
+    assert spawn(world, fragment_ranks.load_and_compare, url, loading) == [[]] * 4
+    loaded = proxy.reset()  # the merged document: no listing, no fragment read
+    assert loaded.requests["LIST"] == 0 and not any("ckptio.rank-" in r.key for r in loaded.log), loaded.requests
+    open_store(url, options).remove(METADATA_NAME)  # a job that died right after its save: loads merge
+    proxy.reset()
     assert spawn(world, fragment_ranks.load_and_compare, url, loading) == [[]] * 4
     loaded = proxy.reset()
     fragment_gets = sorted(
@@ -116,6 +126,8 @@ def test_incomplete_mixed_and_duplicated_fragment_sets_are_refused_by_name(tmp_p
     spawn(4, fragment_ranks.save, a, CASE)
     spawn(4, fragment_ranks.save, b, CASE)
     spawn(2, fragment_ranks.save, two, {**CASE, "save_world": 2, "save_mesh": [1, 2]})
+    for url in (a, b, two):  # the sets as untrusted input: merged by the loads
+        only_fragments(url)
 
     probe = str(tmp_path / "probe")
     shutil.copytree(a, probe)
@@ -168,17 +180,19 @@ def test_saving_again_without_overwrite_is_refused_on_every_rank_and_with_it_rep
     assert all(o[0].startswith("CheckpointExistsError") for o in outcomes), outcomes
     before = _files(url)
     spawn(4, fragment_ranks.save, url, {**CASE, "overwrite": True, "seed": 12})
-    after = _files(url)
-    assert [f for f in after if f.startswith("ckptio.")] == [fragment_name(r, 4) for r in range(4)]
+    after = _files(url)  # merged again by its rank 0
+    assert [f for f in after if f.startswith("ckptio.")] == [METADATA_NAME] + [fragment_name(r, 4) for r in range(4)]
     assert not {f for f in before if parse_data_file_name(f)} & set(after)  # the old data files went
     _load_everywhere(url, {**CASE, "seed": 12})
+    with pytest.raises(ckptio.CheckpointExistsError):  # the merged checkpoint is committed there
+        ckptio.save({"x": torch.ones(3)}, url)
     # a save with a coordinator does not list the location for fragments (no save pays a LIST): its
-    # ckptio.json is what loads read; the fragments and their files stay, and gc names them
-    ckptio.save({"x": torch.ones(3)}, url)
+    # ckptio.json replaces the merged one (whose data files go); the fragments stay, and gc names them
+    ckptio.save({"x": torch.ones(3)}, url, ckptio.WriterConfig(overwrite=True))
     loaded = {"x": torch.zeros(3)}
     ckptio.load(loaded, url)
-    assert torch.equal(loaded["x"], torch.ones(3)) and set(after) < set(_files(url))
-    assert sorted(find_garbage(open_store(url)).files) == sorted(f for f in after if f != METADATA_NAME)
+    assert torch.equal(loaded["x"], torch.ones(3))
+    assert sorted(find_garbage(open_store(url)).files) == [fragment_name(r, 4) for r in range(4)]
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -193,7 +207,8 @@ def test_a_fragment_checkpoint_through_every_reader_and_cli_verb(where, tmp_path
     case["save_placements"] = {"model.w": [("R",), ("S", 1)], "model.e": [("R",), ("S", 0)]}
     spawn(2, fragment_ranks.save, url, case)
     store = open_store(url, options)
-    assert not store.exists(METADATA_NAME)
+    assert store.exists(METADATA_NAME)  # merged by rank 0; here as a job that died right after its save
+    only_fragments(url, options)
     assert spawn(1, fragment_ranks.load_and_compare, url, {**case, **_one_process()}, "ckptio") == [[]]
     assert cli_main(["verify", "-q", url, *cli]) == 0 and "every checksum matches" in capsys.readouterr().out
     out = cli_main(["inspect", url, *cli]) == 0 and capsys.readouterr().out
