@@ -81,11 +81,12 @@ def decode_tables(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool =
     keys = _table(doc, "keys", where)
     key_names, paths, kind, count = _keys(keys, doc_bytes, f"{where}: keys")
     tensors = _tensor_columns(doc, kind, count, doc_bytes, where)
-    planner_data = None
     if doc.get("planner_data") == "paths":
         paths = paths or [None] * len(key_names)
-        for fqn, code in zip(key_names, paths, strict=True):
-            decode_path(fqn, code, len(key_names), where)
+        keys_count = len(key_names)
+        planner_data = {
+            fqn: decode_path(fqn, code, keys_count, where) for fqn, code in zip(key_names, paths, strict=True)
+        }
     else:
         if paths is not None:
             raise CheckpointFormatError(f"{where}: keys: 'paths' is only for 'planner_data': 'paths'")

@@ -175,6 +175,8 @@ def encode(tables: Tables) -> bytes:
     del doc["writer_ranks"]  # in 'files'
     doc["format_version"] = FORMAT_VERSION
     doc.pop("features", None)  # the tables' own
+    for field in [name for name, value in doc.items() if value is None]:  # an absent field reads as null
+        del doc[field]
     if tables.features:
         doc["features"] = sorted(tables.features)
     data_files = tables.files[: len(tables.files) - len(tables.extents)]

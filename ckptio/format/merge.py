@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from ckptio.errors import CheckpointFormatError, IncompleteCheckpointError, MixedFragmentsError
-from ckptio.format.decode import decode_path
 from ckptio.format.fragments import (
     check_one_save,
     refuse_differing_tensor,
@@ -272,12 +271,7 @@ def _planner(fragments: list[tuple[str, str, Tables]], keys: _Keys, where: str) 
         return [None if s[3] is None else list(s[3]) for s in keys.signature], None
     joined: dict[str, Any] = {}
     for _, read_from, t in fragments:
-        own = t.planner_data
-        if t.paths is not None:
-            own = {
-                fqn: decode_path(fqn, code, len(t.names), read_from) for fqn, code in zip(t.names, t.paths, strict=True)
-            }
-        for fqn, path in (own or {}).items():
+        for fqn, path in (t.planner_data or {}).items():
             if joined.setdefault(fqn, path) != path:
                 refuse_paths(fqn, path, joined[fqn], read_from)
     if joined and set(joined) - set(keys.number):

@@ -40,7 +40,7 @@ class Tables:
     features: frozenset[str]
     files: tuple[str, ...]  # item ``file`` n > 0 names files[n - 1]: the data files, then virtual ones
     block_size: int  # the document's default
-    planner_data: Any  # ``None`` when keys carry their ``paths`` (torch's flattening), else torch's, checked
+    planner_data: Any  # torch's {key: path}, checked (a decoded document's; a save's when not as ``paths``)
     # keys
     names: list[str]
     paths: list[Any] | None  # each key's path code (``encode.path_code``), or None

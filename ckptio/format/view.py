@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptio.format.decode import DIGEST_ENTRIES, decode_path
+from ckptio.format.decode import DIGEST_ENTRIES
 from ckptio.format.names import CODECS, ItemKind, dtype_from_name
 from ckptio.format.records import Manifest, StoredItem, block_logical_lengths, manifest_of
 from ckptio.format.tables import PER_RANK, TENSOR, Tables
@@ -50,15 +50,7 @@ def manifest_of_tables(tables: Tables) -> Manifest:
         n = len(shape)
         chunks = [ChunkStorageMetadata(torch.Size(offsets[i][:n]), torch.Size(sizes[i][:n])) for i in range(first, end)]
         state[fqn] = TensorStorageMetadata(props[dtype[row], grad[row]], torch.Size(shape), chunks)
-    planner_data = tables.planner_data
-    if tables.paths is not None:
-        keys = len(tables.names)
-        planner_data = {
-            fqn: decode_path(fqn, code, keys, "") for fqn, code in zip(tables.names, tables.paths, strict=True)
-        }
-    elif tables.planner_data is None and not tables.names:
-        planner_data = None
-    return manifest_of(tables.header, state, items, per_rank, planner_data, tables.extents)
+    return manifest_of(tables.header, state, items, per_rank, tables.planner_data, tables.extents)
 
 
 class ItemTable(Mapping):
