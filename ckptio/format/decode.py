@@ -334,15 +334,15 @@ def _items(tables: Tables, table: dict[str, Any], doc_bytes: int, cover: bool, w
     boxed = tensor & np.append(tables.boxed, False)[rows]
     offsets = np.zeros((count, dims), dtype=np.int64)
     sizes = np.where(tensor[:, None], item_shape, 0)
-    columns = (table.get("offsets", []), table.get("sizes", []))
+    columns = (table.get("offsets", []), table.get("short", []))
     box_dims = int(item_ndim[boxed].max()) if boxed.any() else 0
     if not all(isinstance(c, list) and len(c) == box_dims for c in columns):
-        raise CheckpointFormatError(f"{where}: 'offsets' and 'sizes' must hold a column per dimension ({box_dims})")
-    for d in range(box_dims):
+        raise CheckpointFormatError(f"{where}: 'offsets' and 'short' must hold a column per dimension ({box_dims})")
+    for d in range(box_dims):  # a box: its offsets, and how much shorter than its tensor it is
         at = boxed & (item_ndim > d)
         offsets[at, d] = decode_array(columns[0][d], int(at.sum()), f"{where}: offsets column {d}")
-        sizes[at, d] = decode_array(columns[1][d], int(at.sum()), f"{where}: sizes column {d}")
-    outside = ((sizes > item_shape) | (offsets > item_shape - sizes)) & boxed[:, None]
+        sizes[at, d] -= decode_array(columns[1][d], int(at.sum()), f"{where}: short column {d}")
+    outside = ((sizes < 0) | (offsets > item_shape - sizes)) & boxed[:, None]
     if outside.any():
         i = int(np.argmax(outside.any(axis=1)))
         raise CheckpointFormatError(

@@ -236,12 +236,16 @@ def _items_table(tables: Tables) -> dict[str, Any]:
     ndims = np.array([len(shape) for shape in tables.shapes], dtype=np.int64)
     boxed_items = item_rows >= 0
     boxed_items[boxed_items] = tables.boxed[item_rows[boxed_items]]
-    if boxed_items.any():
+    if boxed_items.any():  # a box as its offsets and how much shorter than its tensor it is: 0 where whole
         item_ndim = ndims[item_rows[boxed_items]]
-        offsets, sizes = tables.offsets[boxed_items], tables.sizes[boxed_items]
+        shapes = np.zeros((len(tables.shapes), tables.sizes.shape[1]), dtype=np.int64)
+        for row, shape in enumerate(tables.shapes):
+            shapes[row, : len(shape)] = shape
+        offsets = tables.offsets[boxed_items]
+        short = shapes[item_rows[boxed_items]] - tables.sizes[boxed_items]
         dims = int(item_ndim.max())
         table["offsets"] = [encode_array(offsets[item_ndim > d, d]) for d in range(dims)]
-        table["sizes"] = [encode_array(sizes[item_ndim > d, d]) for d in range(dims)]
+        table["short"] = [encode_array(short[item_ndim > d, d]) for d in range(dims)]
     item_kind = np.repeat(tables.kind, tables.count)
     if (item_kind == PER_RANK).any():
         table["ranks"] = encode_array(tables.ranks[item_kind == PER_RANK])

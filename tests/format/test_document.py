@@ -63,7 +63,7 @@ BREACHES = [
     (lambda d: d["tensors"].update(requires_grad=2), "'requires_grad' and 'boxed' 0 or 1"),
     (lambda d: d["tensors"].update(boxed=encode_column([1, 0])), "a column per dimension"),
     (lambda d: d["tensors"].update(size=encode_column([2**62, 2**62, 3])), "more elements than a tensor can hold"),
-    (lambda d: d["items"].update(offsets=[0], sizes=[1]), r"a column per dimension \(0\)"),
+    (lambda d: d["items"].update(offsets=[0], short=[1]), r"a column per dimension \(0\)"),
     (lambda d: d["items"].update(length=encode_column([1, 2, 3])), "holds 3 entries of 1 bytes where 2 are expected"),
     (lambda d: d["items"].update(file=9), "points at data file number 9"),
     (lambda d: d["items"].update(at=2**62), "spans bytes"),

@@ -165,7 +165,7 @@ def test_a_fragment_keeps_one_part_of_a_tensor_as_a_boxed_key(tmp_path):
     doc = _doc(only_fragments(url), fragment_name(0, 1))
     assert doc["features"] == ["fragment"] and "boxed" not in doc["tensors"]  # whole: no boxes
     doc["tensors"].update(size=16, boxed=1)
-    doc["items"].update(offsets=[0], sizes=[8])  # the stored 8 elements: [0, 8) of 16
+    doc["items"].update(offsets=[0], short=[8])  # the stored 8 elements: [0, 8) of 16
     manifest, _ = decode_fragment(json.dumps(doc).encode(), "fragment")
     (chunk,) = manifest.metadata.state_dict_metadata["w"].chunks
     assert list(chunk.offsets) == [0] and list(chunk.sizes) == [8]
@@ -176,7 +176,7 @@ def test_a_fragment_keeps_one_part_of_a_tensor_as_a_boxed_key(tmp_path):
     with pytest.raises(ckptio.CheckpointFormatError, match="'boxed' 0 or 1"):
         decode_fragment(json.dumps(bad).encode(), "fragment")
     unboxed = {**doc, "tensors": {**doc["tensors"], "boxed": 0}}  # its box read as the whole tensor's
-    with pytest.raises(ckptio.CheckpointFormatError, match="'offsets' and 'sizes' must hold a column per dimension"):
+    with pytest.raises(ckptio.CheckpointFormatError, match="'offsets' and 'short' must hold a column per dimension"):
         decode_fragment(json.dumps(unboxed).encode(), "fragment")
 
 
