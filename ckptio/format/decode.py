@@ -374,7 +374,8 @@ def _items(tables: Tables, table: dict[str, Any], doc_bytes: int, cover: bool, w
             f"checkpoint has {len(tables.files)} (0 = inline, at offset 0)")  # fmt: skip
     bad = codec >= len(CODECS)
     _refuse(bad, tables, item_keys, where, lambda i: f"has unknown codec number {codec[i]}")
-    bad = (codec == _PLANES) & ~(tensor & np.isin(item_itemsize, PLANE_ITEMSIZES))
+    planes = codec == _PLANES
+    bad = planes & ~(tensor & np.isin(item_itemsize, PLANE_ITEMSIZES)) if planes.any() else planes
     _refuse(
         bad, tables, item_keys, where, lambda _: "uses byte planes but is not a tensor of 2-, 4- or 8-byte elements"
     )

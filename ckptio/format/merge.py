@@ -78,7 +78,7 @@ def merge_tables(fragments: list[tuple[str, str, Tables]], where: str) -> Tables
     keys = _Keys()
     parts: dict[str, list[Any]] = {name: [] for name in ("key", "rank", "length", "file", "at", "codec", "block")}
     boxes: list[tuple[np.ndarray, np.ndarray]] = []
-    crcs, stored, digests, block_starts = [], [], [], []
+    crcs, digests, block_starts = [], [], []
     inline: dict[int, bytes] = {}
     files: dict[str, int] = {}
     writers: dict[str, int] = {}
@@ -110,7 +110,6 @@ def merge_tables(fragments: list[tuple[str, str, Tables]], where: str) -> Tables
         boxes.append((t.offsets, t.sizes))
         inline.update((items + i, data) for i, data in t.inline.items())
         crcs.append(t.crc_array())
-        stored.append(block_lengths(t))
         digests.append(t.digest_array())
         block_starts.append(t.starts[:-1] + blocks)
         items += len(t.length)
@@ -118,7 +117,9 @@ def merge_tables(fragments: list[tuple[str, str, Tables]], where: str) -> Tables
     column = {name: np.concatenate(values) if values else np.zeros(0, np.int64) for name, values in parts.items()}
     offsets, sizes = _padded(boxes)
     starts = np.concatenate([*block_starts, [blocks]])
-    crc, lengths = np.concatenate(crcs), np.concatenate(stored)
+    crc = np.concatenate(crcs)
+    compressed = any(t.stored is not None for _, _, t in fragments)  # else every length follows from its item
+    lengths = np.concatenate([block_lengths(t).astype(np.int32) for _, _, t in fragments]) if compressed else None
     keep, per_rank_keys = _one_copy_each(keys, column, offsets, sizes, starts, crc, lengths, where)
     _check_replicas(fragments, keys, column["key"][keep], offsets[keep])
     order = keep[np.argsort(column["key"][keep], kind="stable")]
@@ -168,7 +169,7 @@ def merge_tables(fragments: list[tuple[str, str, Tables]], where: str) -> Tables
         inline={n: inline[i] for n, i in enumerate(order.tolist()) if i in inline},
         starts=np.concatenate(([0], np.cumsum(starts[order + 1] - starts[order]))),
         crc=crc[block_index],
-        stored=lengths[block_index] if column["codec"].any() else None,
+        stored=lengths[block_index].astype(np.int64) if lengths is not None else None,
         digests=None if all_digests is None else all_digests[block_index].reshape(-1),
         extents=extents,
     )
@@ -181,31 +182,41 @@ def is_sibling_file(name: str) -> bool:
 
 
 def _padded(boxes: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The fragments' boxes in one pair of arrays, as wide as the widest."""
     dims = max((o.shape[1] for o, _ in boxes), default=0)
-    pad = [((0, 0), (0, dims - o.shape[1])) for o, _ in boxes]
-    offsets = (
-        np.concatenate([np.pad(o, p) for (o, _), p in zip(boxes, pad, strict=True)]) if boxes else np.zeros((0, 0))
-    )
-    sizes = np.concatenate([np.pad(s, p) for (_, s), p in zip(boxes, pad, strict=True)]) if boxes else np.zeros((0, 0))
-    return offsets.astype(np.int64), sizes.astype(np.int64)
+    rows = sum(len(o) for o, _ in boxes)
+    offsets, sizes = np.zeros((rows, dims), dtype=np.int64), np.zeros((rows, dims), dtype=np.int64)
+    at = 0
+    for o, s in boxes:
+        offsets[at : at + len(o), : o.shape[1]] = o
+        sizes[at : at + len(o), : o.shape[1]] = s
+        at += len(o)
+    return offsets, sizes
 
 
 def _block_index(starts: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """The blocks of the items ``order``, in turn."""
+    """The blocks of the items ``order``, in turn: one array, built in place (a set of 8,192 fragments
+    has millions of blocks)."""
     lengths = starts[order + 1] - starts[order]
-    first = np.repeat(starts[order] - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return first + np.arange(int(lengths.sum()))
+    held = lengths > 0
+    first, lengths = starts[order][held], lengths[held]
+    total = int(lengths.sum())
+    index = np.ones(total, dtype=np.int32 if int(starts[-1]) < 1 << 31 else np.int64)
+    if total:
+        at = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        index[0] = first[0]
+        index[at[1:]] = first[1:] - (first[:-1] + lengths[:-1] - 1)  # from the last block of the item before
+        np.cumsum(index, out=index)
+    return index
 
 
 def _one_copy_each(
     keys: _Keys, column: dict[str, np.ndarray], offsets: np.ndarray, sizes: np.ndarray, starts: np.ndarray,
-    crc: np.ndarray, lengths: np.ndarray, where: str,
+    crc: np.ndarray, lengths: np.ndarray | None, where: str,
 ) -> tuple[np.ndarray, set[int]]:  # fmt: skip
     """The items to keep (by position): each (key, box) once where its copies are equal; every copy of an
     object whose copies differ (those keys are returned: kept per rank); differing plain tensors refused."""
-    rows = np.column_stack([column["key"], offsets])
-    _, first, group = np.unique(rows, axis=0, return_index=True, return_inverse=True)
-    group = group.reshape(-1)
+    first, group = _groups(np.column_stack([column["key"], offsets]))
     copies = np.flatnonzero(first[group] != np.arange(len(group)))
     if not len(copies):
         return np.sort(first), set()
@@ -219,7 +230,9 @@ def _one_copy_each(
         same &= column[name][copies] == column[name][firsts]
     alike, twins = copies[same], firsts[same]  # as many blocks each: compare them all at once
     mine, theirs = _block_index(starts, alike), _block_index(starts, twins)
-    equal = (crc[mine] == crc[theirs]) & (lengths[mine] == lengths[theirs])
+    equal = crc[mine] == crc[theirs]
+    if lengths is not None:
+        equal &= lengths[mine] == lengths[theirs]
     counts = starts[alike + 1] - starts[alike]
     blocks_equal = np.ones(len(alike), dtype=bool)
     if len(equal):
@@ -236,12 +249,27 @@ def _one_copy_each(
         if keys.signature[key][0] == TENSOR:
             by_value: dict[bytes, list[int]] = {}
             for i in sorted(members | set(np.flatnonzero(group == group[j]).tolist())):
-                value = crc[starts[i] : starts[i + 1]].tobytes() + lengths[starts[i] : starts[i + 1]].tobytes()
+                blocks = slice(starts[i], starts[i + 1])
+                value = crc[blocks].tobytes() + (b"" if lengths is None else lengths[blocks].tobytes())
                 by_value.setdefault(value, []).append(int(column["rank"][i]))
             refuse_differing_tensor(keys.names[key], list(by_value.values()), where)
         per_rank.add(key)
         keep.update(np.flatnonzero(group == group[j]).tolist())
     return np.array(sorted(keep), dtype=np.int64), per_rank
+
+
+def _groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Equal rows grouped: each group's first row (lowest position), and each row's group (as
+    ``np.unique(rows, axis=0, return_index=True, return_inverse=True)``, in a third of its memory)."""
+    order = np.lexsort(rows.T[::-1])  # stable: within a group, by position
+    starts = np.ones(len(rows), dtype=bool)
+    if len(rows):
+        ordered = rows[order]
+        starts[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+        del ordered
+    group = np.empty(len(rows), dtype=np.int64)
+    group[order] = np.cumsum(starts) - 1
+    return order[starts], group
 
 
 def _check_replicas(
