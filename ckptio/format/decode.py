@@ -52,6 +52,8 @@ from ckptio.format.tables import (
     TENSOR,
     Tables,
     block_counts,
+    logical_blocks,
+    padded_shapes,
 )
 
 _SAVE_ID = re.compile(SAVE_ID)
@@ -327,9 +329,7 @@ def _items(tables: Tables, table: dict[str, Any], doc_bytes: int, cover: bool, w
     ndims = np.array([len(shape) for shape in tables.shapes] + [0], dtype=np.int64)
     item_ndim = ndims[rows]  # -1 picks the 0 after the tensors
     dims = int(item_ndim.max()) if count else 0
-    shapes = np.zeros((len(tables.shapes) + 1, dims), dtype=np.int64)
-    for i, shape in enumerate(tables.shapes):
-        shapes[i, : len(shape)] = shape
+    shapes = padded_shapes(tables.shapes, dims, len(tables.shapes) + 1)  # the last row: objects'
     item_shape = shapes[rows]
     boxed = tensor & np.append(tables.boxed, False)[rows]
     offsets = np.zeros((count, dims), dtype=np.int64)
@@ -454,10 +454,7 @@ def _blocks(tables: Tables, table: dict[str, Any], file_sizes: np.ndarray, doc_b
     stored_items = tables.length
     if compressed:
         stored = decode_array(table["stored_lengths"], total, f"{where}: stored_lengths", packed_only=True)
-        block_item = np.repeat(np.arange(len(tables.length)), np.diff(tables.starts))
-        size = tables.item_block_size[block_item]
-        position = np.arange(total) - tables.starts[:-1][block_item]
-        logical = np.minimum(size, tables.length[block_item] - position * size)
+        block_item, position, logical = logical_blocks(tables)
         raw = tables.codec[block_item] == 0
         bad = (stored <= 0) | (stored > logical) | (raw & (stored != logical)) | (stored * ZSTD_MAX_RATIO < logical)
         if bad.any():

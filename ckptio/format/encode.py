@@ -41,6 +41,7 @@ from ckptio.format.tables import (
     PER_RANK,
     TENSOR,
     Tables,
+    padded_shapes,
 )
 
 _CODEC_NUMBERS = {codec.value: number for number, codec in enumerate(CODECS)}
@@ -238,9 +239,7 @@ def _items_table(tables: Tables) -> dict[str, Any]:
     boxed_items[boxed_items] = tables.boxed[item_rows[boxed_items]]
     if boxed_items.any():  # a box as its offsets and how much shorter than its tensor it is: 0 where whole
         item_ndim = ndims[item_rows[boxed_items]]
-        shapes = np.zeros((len(tables.shapes), tables.sizes.shape[1]), dtype=np.int64)
-        for row, shape in enumerate(tables.shapes):
-            shapes[row, : len(shape)] = shape
+        shapes = padded_shapes(tables.shapes, tables.sizes.shape[1])
         offsets = tables.offsets[boxed_items]
         short = shapes[item_rows[boxed_items]] - tables.sizes[boxed_items]
         dims = int(item_ndim.max())

@@ -103,11 +103,23 @@ def block_lengths(tables: Tables) -> np.ndarray:
     """Each block's stored length: the ``stored`` column, or (every item raw) its logical length."""
     if tables.stored is not None:
         return tables.stored
-    total = int(tables.starts[-1])
+    return logical_blocks(tables)[2]
+
+
+def logical_blocks(tables: Tables) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each block: its item, its position in the item, and its logical length."""
     block_item = np.repeat(np.arange(len(tables.length)), np.diff(tables.starts))
     size = tables.item_block_size[block_item]
-    position = np.arange(total) - tables.starts[:-1][block_item]
-    return np.minimum(size, tables.length[block_item] - position * size)
+    position = np.arange(int(tables.starts[-1])) - tables.starts[:-1][block_item]
+    return block_item, position, np.minimum(size, tables.length[block_item] - position * size)
+
+
+def padded_shapes(shapes: list[tuple[int, ...]], dims: int, rows: int | None = None) -> np.ndarray:
+    """The shapes as rows of ``dims`` entries (zeros past each one's own; ``rows`` rows, the rest zeros)."""
+    out = np.zeros((len(shapes) if rows is None else rows, dims), dtype=np.int64)
+    for row, shape in enumerate(shapes):
+        out[row, : len(shape)] = shape
+    return out
 
 
 def boxed_keys(tables: Tables) -> np.ndarray:
