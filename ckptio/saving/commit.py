@@ -17,7 +17,7 @@ from ckptio.errors import (
 )
 from ckptio.format.document import decode_fragment, decode_metadata
 from ckptio.format.names import METADATA_NAME, own_file_names
-from ckptio.loading.fragment_set import complete_set, merged_metadata
+from ckptio.loading.fragment_set import complete_set, fragments_in, merged_metadata
 from ckptio.saving.references import by_sibling, files_in_use, release
 from ckptio.storage import FsspecStore
 
@@ -61,15 +61,35 @@ def _exists(what: str) -> CheckpointExistsError:
 
 def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
     """Before a save without a coordinator (on its rank 0 alone): a committed ``ckptio.json`` there
-    would hide the fragments from every load, so it is refused, or with ``overwrite`` deleted with
-    its data files. (Each rank's fragment is created only if absent: ``publish_fragment``.)"""
+    would hide the fragments from every load, so it is refused, or with ``overwrite`` deleted. Where it
+    is the merge of the fragments there (an earlier save without a coordinator, merged by its rank 0 or
+    ``ckptio merge``), its data files are theirs and stay: the set still loads until each rank's new
+    fragment replaces its own and deletes its files (``publish_fragment``); else they go with it."""
     files = _committed_files(store, METADATA_NAME, decode_metadata)
     if files is None:
         return
     if not overwrite:
         raise _exists(store.describe(METADATA_NAME))
+    merged = _merged_from_fragments(store)
     store.remove(METADATA_NAME)
-    _drop_replaced(store, files, {})
+    if not merged:
+        _drop_replaced(store, files, {})
+
+
+def _merged_from_fragments(store: FsspecStore) -> bool:
+    """Whether ``ckptio.json`` at ``store`` is the merge of the fragment set there (same save)."""
+    found = sorted(fragments_in(store.list_names() or []))
+    if not found:
+        return False
+    try:
+        merged = decode_metadata(store.read(METADATA_NAME), store.describe(METADATA_NAME)).header.save_id
+        return _fragment_info(store, found[0]).save_id == merged
+    except (CheckpointFormatError, FileNotFoundError):
+        return False
+
+
+def _fragment_info(store: FsspecStore, name: str) -> Any:
+    return decode_fragment(store.read(name), store.describe(name))[1]
 
 
 def publish_fragment(store: FsspecStore, name: str, document: bytes, files: dict[str, int], overwrite: bool) -> None:

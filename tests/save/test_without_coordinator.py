@@ -231,3 +231,25 @@ def test_a_fragment_checkpoint_through_every_reader_and_cli_verb(where, tmp_path
 def _one_process() -> dict:
     world, mesh, placements = LOADS["one process"]
     return {"load_mesh": mesh, "load_placements": placements}
+
+
+def test_overwriting_a_merged_save_keeps_the_set_loadable_until_the_new_fragments_replace_it(tmp_path):
+    """Rank 0 of the next save without a coordinator removes the merged ckptio.json (it would hide the new
+    fragments) but not the data files: they are the fragments', which still load until each rank's new
+    fragment replaces its own; the files of a checkpoint saved with a coordinator go with its ckptio.json."""
+    from ckptio.saving.commit import clear_for_fragments
+
+    url = str(tmp_path / "ckpt")
+    ckptio.save({"w": torch.arange(70000.0)}, url, ckptio.WriterConfig(use_collectives=False))
+    ckptio.wait_for_uploads()  # rank 0's merge
+    before = _files(url)
+    assert METADATA_NAME in before and any(parse_data_file_name(f) for f in before)
+    clear_for_fragments(open_store(url), overwrite=True)
+    assert _files(url) == sorted(set(before) - {METADATA_NAME})
+    loaded = {"w": torch.zeros(70000)}
+    ckptio.load(loaded, url)  # merged by the load
+    assert torch.equal(loaded["w"], torch.arange(70000.0))
+    other = str(tmp_path / "coordinated")
+    ckptio.save({"w": torch.arange(70000.0)}, other)
+    clear_for_fragments(open_store(other), overwrite=True)
+    assert _files(other) == []
