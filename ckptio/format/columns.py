@@ -164,5 +164,6 @@ def _b64decode(text: str, what: str) -> bytes:
         raise CheckpointFormatError(f"{what} is not valid base64") from None
 
 
-def _b64(data: bytes) -> str:
+def b64(data: bytes) -> str:
+    """Bytes as base64 text (an inline item's stored bytes)."""
     return base64.b64encode(data).decode()

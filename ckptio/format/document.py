@@ -6,7 +6,7 @@ read by ``legacy`` (kept apart: nothing of it is on the 1.0 path); a newer versi
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -42,7 +42,7 @@ def decode_metadata(raw: bytes, where: str) -> Manifest:
     if _version(doc, where) < FORMAT_VERSION:
         from ckptio.format.legacy import decode_legacy
 
-        return decode_legacy(doc, where, len(raw))
+        return _schema_checked(decode_legacy, doc, where, len(raw))
     tables = _decode(doc, where, len(raw))
     if FRAGMENT in tables.features:
         raise CheckpointFormatError(
@@ -104,8 +104,14 @@ def _compact(tables: Tables, shared: dict[Any, Any]) -> Tables:
 
 
 def _decode(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True) -> Tables:
+    return _schema_checked(decode_tables, doc, where, doc_bytes, cover)
+
+
+def _schema_checked(decode: Callable[..., Any], doc: dict[str, Any], where: str, *args: Any) -> Any:
+    """``decode(doc, where, *args)``, a document of the wrong shape (a string for a list, a missing
+    field) a named format error."""
     try:
-        return decode_tables(doc, where, doc_bytes, cover)
+        return decode(doc, where, *args)
     except CheckpointFormatError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:

@@ -8,7 +8,6 @@ says it), torch's flattening path of a key (a small code per key instead of the 
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import itertools
 import json
@@ -20,7 +19,7 @@ import numpy as np
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ckptio.errors import CheckpointError
-from ckptio.format.columns import encode_array, encode_column, encode_packed_array
+from ckptio.format.columns import b64, encode_array, encode_column, encode_packed_array
 from ckptio.format.fragments import FragmentInfo
 from ckptio.format.names import (
     CODECS,
@@ -257,7 +256,7 @@ def _items_table(tables: Tables) -> dict[str, Any]:
     if len(tables.item_block_size) and not (tables.item_block_size == tables.block_size).all():
         table["block_size"] = encode_array(tables.item_block_size)
     if tables.inline:
-        table["inline"] = [_b64(tables.inline[i]) for i in sorted(tables.inline)]
+        table["inline"] = [b64(tables.inline[i]) for i in sorted(tables.inline)]
     return table
 
 
@@ -269,10 +268,6 @@ def _blocks_table(tables: Tables) -> dict[str, Any]:
     if digests is not None:
         table["digests"] = encode_packed_array(digests, "I")
     return table
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 # ---------------------------------------------------------------------------------------

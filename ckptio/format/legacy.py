@@ -14,10 +14,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio.errors import CheckpointFormatError
+from ckptio.format.decode import decode_extents, decode_files
 from ckptio.format.fragments import FRAGMENT_FIELD, FragmentInfo
 from ckptio.format.names import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     FRAGMENT_VERSION,
     INCREMENTAL_VERSION,
     SIBLING_PREFIX,
@@ -25,10 +24,10 @@ from ckptio.format.names import (
 )
 from ckptio.format.records import Header, Manifest, StoredItem, manifest_of, virtual_file_sizes
 from ckptio.format.rules import check_planner_paths
+from ckptio.format.tables import INCREMENTAL, KEY_PREFIX
 from ckptio.format.v1 import decode_version_1
 from ckptio.format.v3 import encode_document
-from ckptio.format.v3_decode import decode_extents, decode_files, decode_keys
-from ckptio.gc_pause import paused_gc
+from ckptio.format.v3_decode import decode_keys
 
 
 def encode_legacy(
@@ -82,43 +81,34 @@ def _digested(items: dict) -> bool:
     return first is not None and first.digests is not None
 
 
-@paused_gc()
 def decode_legacy(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
-    """A format version 1 to 7 document, parsed (``document.parse_json``)."""
-    return _decode_document(doc, where, doc_bytes)
+    """A format version 1 to 7 document, parsed and its version checked (``document``)."""
+    return decode_version_3(doc, where, doc_bytes) if doc["format_version"] >= 3 else decode_version_1(doc, where)
 
 
-def _decode_document(doc: Any, where: str, doc_bytes: int, cover: bool = True) -> Manifest:
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise CheckpointFormatError(f"{where} is not a ckptio metadata document (no 'format': 'ckptio')")
-    version = doc.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CheckpointFormatError(f"{where} has no valid format_version (a positive integer): {version!r:.40}")
-    if version > FORMAT_VERSION:
-        written_by = doc.get("written_by")
-        raise CheckpointFormatError(
-            f"{where} was written by {written_by if isinstance(written_by, str) else 'a newer ckptio'!s:.80} in "
-            f"format version {version}; this ckptio reads format versions up to {FORMAT_VERSION}: upgrade ckptio "
-            "to load it"
-        )
-    try:
-        return decode_version_3(doc, where, doc_bytes, cover) if version >= 3 else decode_version_1(doc, where)
-    except CheckpointFormatError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-        raise CheckpointFormatError(f"{where} does not follow the ckptio metadata schema: {exc!r:.300}") from None
-
-
-def decode_version_3(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True) -> Manifest:
-    if doc.get("chain") is not None and doc["format_version"] < INCREMENTAL_VERSION:
+def decode_version_3(doc: dict[str, Any], where: str, doc_bytes: int) -> Manifest:
+    version = doc["format_version"]
+    if doc.get("chain") is not None and version < INCREMENTAL_VERSION:
         raise CheckpointFormatError(f"{where}: 'chain' is format version {INCREMENTAL_VERSION}'s")
-    names, files, writers = decode_files(doc.get("files"), doc["format_version"], where)
+    if doc.get("extents") is not None and version < INCREMENTAL_VERSION:
+        raise CheckpointFormatError(f"{where}: extents: an object of format version {INCREMENTAL_VERSION} and later")
+    names, sizes, writers = decode_files(doc.get("files"), _features_of(version), where)
+    files = dict(zip(names, sizes, strict=True))
     header = Header.from_json(doc, where, checked_files=(files, writers))
-    extents = decode_extents(doc.get("extents"), names, files, doc["format_version"], doc_bytes, where)
+    extents = decode_extents(doc.get("extents"), names, sizes, doc_bytes, where)
     if extents:  # items stored in pieces name their virtual files after the data files
         names += tuple(extents)
         files = {**files, **virtual_file_sizes(extents)}
-    state, items, per_rank, paths = decode_keys(doc, names, files, doc_bytes, where, cover)
+    state, items, per_rank, paths = decode_keys(doc, names, files, doc_bytes, where)
     if doc.get("planner_data") != "paths":  # stored as it is
         paths = check_planner_paths(doc.get("planner_data"), len(state), where)
     return manifest_of(header, state, items, per_rank, paths, extents)
+
+
+def _features_of(version: int) -> frozenset[str]:
+    """What a 0.x version had that 1.0 declares as features: key prefixes from 5, sibling files from 7."""
+    return frozenset(
+        feature
+        for feature, since in ((KEY_PREFIX, SPREAD_KEYS_VERSION), (INCREMENTAL, INCREMENTAL_VERSION))
+        if version >= since
+    )

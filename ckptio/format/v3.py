@@ -69,7 +69,7 @@ from ckptio.errors import CheckpointError
 from ckptio.format.columns import (  # noqa: F401 - the legacy decoder's columns
     _TYPECODES,
     PackedBlocks,
-    _b64,
+    b64,
     crc_column,
     decode_array,
     decode_column,
@@ -313,7 +313,7 @@ def _storage_columns(stored: list[Any], file_numbers: dict[str, int], block_size
     digests = list(map(_DIGESTS, stored))
     if digests and None not in digests:  # version 7: every block's content digest, as 4 entries of 4 bytes
         columns["digests"] = encode_packed(array.array(_TYPECODES["I"], b"".join(digests)), "I")
-    inline = [_b64(item.inline) for item, file in zip(stored, item_files, strict=True) if file == ""]
+    inline = [b64(item.inline) for item, file in zip(stored, item_files, strict=True) if file == ""]
     if inline:
         columns["inline"] = inline
     return columns

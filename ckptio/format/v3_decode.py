@@ -25,16 +25,10 @@ from ckptio.format.names import (
     FORMAT_VERSION,
     FRAGMENT_VERSION,
     INCREMENTAL_VERSION,
-    KEY_PREFIX_RULE,
     SAVE_ID,
-    SPREAD_KEYS_VERSION,
-    data_file_name,
     dtype_from_name,
     dtype_name,
-    is_sibling_name,
-    sibling_file_name,
 )
-from ckptio.format.records import VIRTUAL_PREFIX, Extent
 from ckptio.format.rules import (
     check_block_lengths,
     check_block_sizes,
@@ -45,7 +39,6 @@ from ckptio.format.rules import (
     check_shape,
     check_spans,
     decode_inline,
-    refuse_data_file_name,
     require_counts,
 )
 from ckptio.format.stored_items import DIGEST_ENTRIES, StoredItems, StoredKey
@@ -77,116 +70,6 @@ class _Context:
         self.sizes = [files[name] for name in names]
         self.block_size, self.doc_bytes, self.where, self.cover = block_size, doc_bytes, where, cover
         self.digests = version >= INCREMENTAL_VERSION  # block digests (incremental saves)
-
-
-def decode_files(value: Any, version: int, where: str) -> tuple[tuple[str, ...], dict[str, int], dict[str, int]]:
-    """Version 3's ``files`` columns: the data file names in order, their sizes and writing ranks (the
-    names and sizes are then checked as every version's are, by ``Header``); from version 5 on, the
-    names are under key prefixes where ``key_prefix`` names the rule."""
-    if not isinstance(value, dict) or not isinstance(value.get("save_ids"), list):
-        raise CheckpointFormatError(f"{where}: 'files' must hold 'save_ids', 'ranks' and 'sizes' columns")
-    spread = "key_prefix" in value
-    if spread and (version < SPREAD_KEYS_VERSION or value["key_prefix"] != KEY_PREFIX_RULE):
-        raise CheckpointFormatError(
-            f"{where}: 'files' has key_prefix {value['key_prefix']!r:.40}, which format version {version} does "
-            f"not have (version {SPREAD_KEYS_VERSION} and later know {KEY_PREFIX_RULE!r})"
-        )
-    save_ids = value["save_ids"]
-    count = len(save_ids)
-    ranks = decode_column(value.get("ranks"), count, f"{where}: files: ranks")
-    sizes = decode_column(value.get("sizes"), count, f"{where}: files: sizes")
-    writers = decode_column(value["writers"], count, f"{where}: files: writers") if "writers" in value else ranks
-    try:
-        distinct = set(save_ids)  # usually one: a save's files share its id
-    except TypeError:  # a list or an object among them
-        distinct = {None}
-    if not all(isinstance(s, str) and _SAVE_ID.fullmatch(s) for s in distinct):
-        for save_id, rank in zip(save_ids, ranks, strict=True):  # which one
-            if not isinstance(save_id, str):  # a number would spell a valid name: refused by type
-                raise CheckpointFormatError(f"{where}: files: save_ids holds {save_id!r:.40}, not a string")
-            if not _SAVE_ID.fullmatch(save_id):
-                refuse_data_file_name(data_file_name(save_id, rank), where)  # names the file and raises
-    if "bases" in value:
-        names = _names_with_siblings(value, save_ids, ranks, spread, version, where)
-        if len(set(names)) != count:
-            raise CheckpointFormatError(f"{where}: 'files' names a data file twice")
-        return names, dict(zip(names, sizes, strict=True)), dict(zip(names, writers, strict=True))
-    names = tuple(data_file_name(save_id, rank, spread) for save_id, rank in zip(save_ids, ranks, strict=True))
-    if len(set(zip(save_ids, ranks, strict=True)) if len(distinct) > 1 else set(ranks)) != count:
-        raise CheckpointFormatError(f"{where}: 'files' names a data file twice")
-    return names, dict(zip(names, sizes, strict=True)), dict(zip(names, writers, strict=True))
-
-
-def _names_with_siblings(
-    value: dict[str, Any], save_ids: list[str], ranks: list[int], spread: bool, version: int, where: str
-) -> tuple[str, ...]:
-    """Version 7: the names of data files of sibling checkpoints (``bases``, numbered by ``base``) and
-    of its own. A sibling is one folder name beside the checkpoint's, never a path."""
-    bases = value["bases"]
-    if version < INCREMENTAL_VERSION or not isinstance(bases, list) or not bases:
-        raise CheckpointFormatError(
-            f"{where}: 'files' has 'bases' (data files of other checkpoints), which format version {version} does "
-            f"not have (version {INCREMENTAL_VERSION} and later do, as a non-empty list)"
-        )
-    siblings: list[tuple[str, bool]] = []
-    for base in bases:
-        if not isinstance(base, dict) or set(base) - {"name", "key_prefix"} or not is_sibling_name(base.get("name")):
-            raise CheckpointFormatError(
-                f"{where}: each of 'files.bases' must be {{'name': a sibling folder's name, 'key_prefix'?}}, got "
-                f"{base!r:.80}"
-            )
-        if base.get("key_prefix", KEY_PREFIX_RULE) != KEY_PREFIX_RULE:
-            raise CheckpointFormatError(
-                f"{where}: base {base['name']!r} has unknown key_prefix {base['key_prefix']!r:.40}"
-            )
-        siblings.append((base["name"], "key_prefix" in base))
-    if len({name for name, _ in siblings}) != len(siblings):
-        raise CheckpointFormatError(f"{where}: 'files.bases' names a sibling twice")
-    numbers = decode_column(value.get("base", 0), len(save_ids), f"{where}: files: base")
-    if numbers and max(numbers) > len(siblings):
-        raise CheckpointFormatError(f"{where}: 'files.base' numbers a base past the {len(siblings)} of 'bases'")
-    names = []
-    for save_id, rank, number in zip(save_ids, ranks, numbers, strict=True):
-        if number:
-            sibling, sibling_spread = siblings[number - 1]
-            names.append(sibling_file_name(sibling, data_file_name(save_id, rank, sibling_spread)))
-        else:
-            names.append(data_file_name(save_id, rank, spread))
-    return tuple(names)
-
-
-def decode_extents(
-    value: Any, names: tuple[str, ...], files: dict[str, int], version: int, doc_bytes: int, where: str
-) -> dict[str, tuple[Extent, ...]]:
-    """Version 7's ``extents``: the runs of data files that hold each item an incremental save stored in
-    pieces, by the virtual file name (``~<n>``) its records then number after the data files. Every run
-    lies inside its data file (never a virtual one) and holds at least a byte."""
-    if value is None:
-        return {}
-    what = f"{where}: extents"
-    if version < INCREMENTAL_VERSION or not isinstance(value, dict):
-        raise CheckpointFormatError(f"{what}: an object of format version {INCREMENTAL_VERSION} and later")
-    count = value.get("items")
-    if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= doc_bytes:
-        raise CheckpointFormatError(f"{what}: 'items' must count the items stored in pieces, got {count!r:.40}")
-    runs_per_item = decode_column(value.get("count"), count, f"{what}: count")
-    total = sum(runs_per_item)
-    if min(runs_per_item) < 1 or total > doc_bytes:
-        raise CheckpointFormatError(f"{what}: each item is stored in at least one run, all within the document")
-    file, at, length = (decode_column(value.get(k), total, f"{what}: {k}") for k in ("file", "at", "length"))
-    if min(file) < 1 or max(file) > len(names) or min(length) < 1:
-        raise CheckpointFormatError(
-            f"{what}: every run names one of the {len(names)} data files and holds at least one byte"
-        )
-    check_spans(file, at, length, names, [files[name] for name in names], what)
-    out: dict[str, tuple[Extent, ...]] = {}
-    first = 0
-    for k, n in enumerate(runs_per_item):
-        out[f"{VIRTUAL_PREFIX}{k + 1}"] = tuple(
-            Extent(names[file[i] - 1], at[i], length[i]) for i in range(first, first + n)
-        )
-        first += n
-    return out
 
 
 def decode_keys(
