@@ -1,4 +1,4 @@
-"""ckptio's own bytes on disk, with no I/O: names and records (``records``), the rules every decoder
-applies, format version 1/2's schema (``records``) and version 3's (``v3``, ``v3_decode``,
-``stored_items``), checksums and compression (``codec``), chunk tiling (``chunks``), and the one
-module that knows which version to write and how to read each (``versions``)."""
+"""ckptio 1.0's bytes on disk, with no I/O: the metadata document's one way in and out (``document``:
+``tables``, ``encode``, ``decode``, ``view``, ``merge`` of fragments), its vocabulary (``names``), records
+(``records``), columns (``columns``) and rules (``rules``, ``chunks``), and the data blocks' checksums and
+compression (``codec``). 0.x's checkpoints are read by ``ckptio.legacy``."""

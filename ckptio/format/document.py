@@ -16,9 +16,9 @@ from ckptio.format.decode import decode_tables
 from ckptio.format.encode import encode, tables_of
 from ckptio.format.fragments import FragmentInfo
 from ckptio.format.merge import merge_tables
-from ckptio.format.names import FORMAT_NAME
+from ckptio.format.names import FORMAT_NAME, FORMAT_VERSION
 from ckptio.format.records import Header, Manifest, StoredItem
-from ckptio.format.tables import FORMAT_VERSION, FRAGMENT, Tables
+from ckptio.format.tables import FRAGMENT, Tables
 from ckptio.format.view import manifest_of_tables
 from ckptio.gc_pause import paused_gc
 
@@ -40,7 +40,7 @@ def encode_metadata(
 def decode_metadata(raw: bytes, where: str) -> Manifest:
     doc = parse_json(raw, where)
     if _version(doc, where) < FORMAT_VERSION:
-        from ckptio.format.legacy import decode_legacy
+        from ckptio.legacy.reader import decode_legacy  # 0.x's, kept apart
 
         return _schema_checked(decode_legacy, doc, where, len(raw))
     tables = _decode(doc, where, len(raw))

@@ -23,6 +23,7 @@ from ckptio.format.columns import b64, encode_array, encode_column, encode_packe
 from ckptio.format.fragments import FragmentInfo
 from ckptio.format.names import (
     CODECS,
+    FORMAT_VERSION,
     KEY_PREFIX_RULE,
     SIBLING_PREFIX,
     dtype_name,
@@ -32,7 +33,6 @@ from ckptio.format.names import (
 )
 from ckptio.format.records import VIRTUAL_PREFIX, Header, Reference, planner_data_json
 from ckptio.format.tables import (
-    FORMAT_VERSION,
     FRAGMENT,
     INCREMENTAL,
     KEY_PREFIX,

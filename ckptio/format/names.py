@@ -33,19 +33,13 @@ import torch
 from ckptio.errors import CheckpointFormatError
 
 FORMAT_NAME = "ckptio"
-#: The newest format this ckptio reads (``versions`` says how each is read, and which one a save writes).
-FORMAT_VERSION = 7
-#: The first format version whose data files may sit under spread key prefixes.
-SPREAD_KEYS_VERSION = 5
-#: The format version of a rank's fragment of a save without a coordinator (its tensors table may hold
-#: a key's one chunk that is part of the tensor: the ``boxed`` column).
-FRAGMENT_VERSION = 6
-#: The first format version whose items may be stored in a sibling checkpoint's data files (incremental
-#: saves) and whose blocks may carry a content digest (``digests``).
-INCREMENTAL_VERSION = 7
+#: ckptio 1.0's format (``tables``), frozen: the one a save writes and the newest a load reads; 1 to 7
+#: are 0.x's (``ckptio.legacy``). What a save uses beyond the base is declared in the document's
+#: ``features``; a later ckptio adds features, never versions.
+FORMAT_VERSION = 8
 #: Hex digits of a spread key prefix: 256 prefixes (S3 serves ~3,500 PUTs per second per partition).
 KEY_PREFIX_DIGITS = 2
-#: How version 5's ``files`` names the rule of its data files' key prefixes (``key_prefix``).
+#: How ``files`` names the rule of its data files' key prefixes (``key_prefix``).
 KEY_PREFIX_RULE = f"sha256-{KEY_PREFIX_DIGITS}"
 METADATA_NAME = "ckptio.json"
 TORCH_DCP_METADATA_NAME = ".metadata"

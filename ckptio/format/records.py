@@ -1,8 +1,8 @@
 """The typed records of a checkpoint's metadata: a stored item, the header, the decoded document.
 
 Nothing here does I/O, and nothing is ever unpickled: the metadata is JSON, and every field is
-type- and range-checked (``rules``) before any data file is opened. Each format version's module maps
-its schema onto these records.
+type- and range-checked before any data file is opened. The 1.0 decoder (``view``) and the 0.x
+readers (``ckptio.legacy``) build the same records.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ckptio.format.names import (
     dtype_from_name,
     is_sibling_name,
 )
-from ckptio.format.rules import refuse_data_file_name, require_count, require_counts
+from ckptio.format.rules import require_count, require_counts
 
 # ---------------------------------------------------------------------------------------
 # Records
@@ -58,7 +58,7 @@ class StoredItem:
     block_size: int
     blocks: tuple[tuple[int, int], ...]  # (stored length, crc32c) per block
     inline: bytes | None = None  # stored bytes kept inside ckptio.json (file == "")
-    digests: bytes | None = None  # DIGEST_BYTES per block: the content digest of its logical bytes (version 7)
+    digests: bytes | None = None  # DIGEST_BYTES per block: the content digest of its logical bytes (incremental)
 
     @_cached
     def block_offsets(self) -> list[int]:
@@ -220,16 +220,11 @@ class Header:
         }
 
     @classmethod
-    def from_json(
-        cls, doc: dict[str, Any], where: str, checked_files: tuple[dict[str, int], dict[str, int]] | None = None
-    ) -> "Header":
+    def from_json(cls, doc: dict[str, Any], where: str, checked_files: tuple[dict[str, int], dict[str, int]]) -> Header:
         """Validate the header fields of a decoded document; missing optional fields get defaults.
-        ``checked_files``: the data files and their writers, already validated (format version 3)."""
+        ``checked_files``: the data files and their writers, already validated."""
         field = FieldReader(doc, where)
-        if checked_files is not None:
-            files, writer_ranks = checked_files
-        else:
-            files, writer_ranks = _data_files(field, where)
+        files, writer_ranks = checked_files
         config = FieldReader(field.mapping("config"), f"{where}: config")
         mesh = field.mapping("mesh", nullable=True)
         chain = doc.get("chain")
@@ -260,20 +255,6 @@ def created_unix(value: Any, where: str) -> float:
     if not plausible or not 0 <= value < 1e11:
         raise CheckpointFormatError(f"{where}: 'created_unix' must be a plausible Unix time, got {value!r:.40}")
     return float(value)
-
-
-def _data_files(field: "FieldReader", where: str) -> tuple[dict[str, int], dict[str, int]]:
-    """Versions 1 and 2: ``files`` (name -> size) and ``writer_ranks`` (name -> rank), checked."""
-    files = field.mapping("files", required=True)
-    for name, size in files.items():
-        refuse_data_file_name(name, where)
-        require_count(size, f"{where}: size of {name}")
-    writer_ranks = field.mapping("writer_ranks")
-    for name, rank in writer_ranks.items():
-        if name not in files:
-            raise CheckpointFormatError(f"{where}: 'writer_ranks' names {name!r}, which is not in 'files'")
-        require_count(rank, f"{where}: writer_ranks[{name!r}]")
-    return files, writer_ranks
 
 
 def _mesh_from_json(mesh: dict[str, Any], where: str) -> MeshRecord:
@@ -322,9 +303,9 @@ class Manifest:
 
     header: Header
     metadata: Metadata
-    items: Mapping[MetadataIndex, StoredItem]  # version 3: records built on first use (stored_items.py)
+    items: Mapping[MetadataIndex, StoredItem]  # built on first use (view.ItemTable)
     per_rank: dict[str, dict[int, StoredItem]] = dataclasses.field(default_factory=dict)  # kept per-rank objects
-    #: items stored in pieces (version 7): the virtual file name their records give -> its runs
+    #: items stored in pieces (incremental saves): the virtual file name their records give -> its runs
     extents: dict[str, tuple[Extent, ...]] = dataclasses.field(default_factory=dict)
 
     @property

@@ -15,9 +15,6 @@ import numpy as np
 from ckptio.format.fragments import FragmentInfo
 from ckptio.format.records import Extent, Header
 
-#: The document's format version: ckptio 1.0's, frozen. What a save uses beyond the base is declared
-#: in ``features``; a later ckptio adds features, never versions.
-FORMAT_VERSION = 8
 #: The features this ckptio reads: data files under spread key prefixes; a rank's fragment of a save
 #: without a coordinator; an incremental save's block digests, sibling files, extents and chain.
 KEY_PREFIX, FRAGMENT, INCREMENTAL = "key_prefix", "fragment", "incremental"

@@ -34,10 +34,8 @@ from typing import Any
 
 from ckptio.errors import CheckpointError, CheckpointNotFoundError
 from ckptio.format.codec import block_digest
-from ckptio.format.names import INCREMENTAL_VERSION, SIBLING_PREFIX, is_sibling_name, sibling_file_name
+from ckptio.format.names import SIBLING_PREFIX, is_sibling_name, sibling_file_name
 from ckptio.format.records import DIGEST_BYTES, NO_DIGEST, Extent, Manifest, StoredItem
-from ckptio.format.stored_items import StoredItems
-from ckptio.format.view import ItemTable
 from ckptio.loading.reader import read_manifest
 
 log = logging.getLogger(__name__)
@@ -70,7 +68,9 @@ class Base:
         """The base's record of ``item`` (``data_file.ItemBytes``) when it stores the same kind of item (key,
         chunk, dtype, shape, length, block size) with digests in a file, else ``None``."""
         items = self.manifest.items
-        old = items.peek(item.index) if isinstance(items, (ItemTable, StoredItems)) else items.get(item.index)
+        # a record without building the key's others (a 0.x base has the same peek)
+        peek = getattr(items, "peek", items.get)
+        old = peek(item.index)
         if (
             old is None
             or old.digests is None
@@ -185,7 +185,7 @@ def resolve_base(checkpoint_id: str, config, open_store) -> Base | None:
     if manifest is not None and not _digested(manifest):
         problem = (
             f"it was saved without block digests (format version {manifest.header.format_version}; a save records "
-            f"them from version {INCREMENTAL_VERSION} on when WriterConfig.incremental_from is set)"
+            "them when WriterConfig.incremental_from is set)"
         )
     if problem is not None and not named and parent != own_parent:  # a new run's first save: nothing to say
         log.info("ckptio: saving %s in full: the previous checkpoint %s is not beside it", checkpoint_id, url)

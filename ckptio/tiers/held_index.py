@@ -19,15 +19,16 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ckptio.errors import CheckpointError
 from ckptio.format.codec import checksum
+from ckptio.format.columns import b64
 from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, parse_data_file_name
 from ckptio.format.records import Manifest, StoredItem, placed_blocks
-from ckptio.format.v1 import pack_counts
 from ckptio.storage import FsspecStore
 from ckptio.tiers.paths import HELD_SUFFIX
 
@@ -113,7 +114,9 @@ def _count(value: Any) -> bool:
 
 
 def _fingerprint(record: StoredItem) -> tuple[str, str]:
-    return pack_counts([crc for _, crc in record.blocks]), pack_counts([n for n, _ in record.blocks])
+    """A record's block CRC32Cs and stored lengths, each as the base64 of little-endian uint32s."""
+    blocks = np.array(record.blocks, dtype="<u4").reshape(-1, 2)
+    return b64(blocks[:, 1].tobytes()), b64(blocks[:, 0].tobytes())
 
 
 @dataclasses.dataclass

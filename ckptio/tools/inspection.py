@@ -3,12 +3,13 @@ JSON-ready dict and as text."""
 
 from __future__ import annotations
 
+import base64
 import datetime
 import os
 from collections import defaultdict
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from ckptio.errors import CheckpointNotFoundError, StorageError
 from ckptio.format.names import (
@@ -20,7 +21,6 @@ from ckptio.format.names import (
     split_sibling_file_name,
 )
 from ckptio.format.records import Manifest, StoredItem
-from ckptio.format.v1 import legacy_document
 from ckptio.loading.reader import read_manifest
 from ckptio.storage import FsspecStore, open_store
 from ckptio.tiers.paths import local_step_path
@@ -103,9 +103,45 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
         "referenced_by": sorted(filter(None, map(parse_reference_marker_name, store.list_names() or []))),
         "keys": keys,
         "tiers": tiers,
-        # the metadata itself, one JSON object per item (version 3 stores it as packed columns)
-        "metadata": legacy_document(manifest),
+        # the metadata itself, one JSON object per key and per stored item (the document stores columns)
+        "metadata": readable_metadata(manifest),
     }
+
+
+def readable_metadata(manifest: Manifest) -> dict[str, Any]:
+    """DCP's entry of every key (a tensor's chunks) and ckptio's record of every stored item, per-rank
+    copies of objects under their rank (``index``), blocks as ``[stored length, CRC32C]`` pairs."""
+    state: dict[str, Any] = {}
+    for fqn, md in manifest.metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            state[fqn] = {"type": ItemKind.BYTES.value}
+            continue
+        state[fqn] = {
+            "type": ItemKind.TENSOR.value,
+            "dtype": dtype_name(md.properties.dtype),
+            "size": list(md.size),
+            "requires_grad": bool(md.properties.requires_grad),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+        }
+    items = [
+        {
+            "fqn": index.fqn,
+            "chunk_offset": list(index.offset) if index.offset is not None else None,
+            "index": index.index,
+            "file": item.file,
+            "offset": item.offset,
+            "logical_bytes": item.logical_bytes,
+            "kind": item.kind.value,
+            "dtype": item.dtype,
+            "shape": list(item.shape) if item.shape is not None else None,
+            "codec": item.codec.value,
+            "block_size": item.block_size,
+            "blocks": [list(block) for block in item.blocks],
+            **({"inline": base64.b64encode(item.inline).decode()} if item.inline is not None else {}),
+        }
+        for index, item in every_item(manifest)
+    ]
+    return {"state": state, "items": items}
 
 
 def every_item(manifest: Manifest) -> list[tuple[MetadataIndex, StoredItem]]:

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptio
 from ckptio.format.names import METADATA_NAME
-from ckptio.format.v1 import pack_counts, unpack_counts
+from ckptio.legacy.v1 import pack_counts, unpack_counts
 from ckptio.tools.cli import main as cli_main
 from tests.helpers.documents import (
     HUGE,
@@ -252,7 +252,7 @@ LEGACY_FIELDS = {
 def test_version_1_documents_bound_the_same_numbers(field, value, raw_checkpoint):
     """ckptio 0.1's schema (a JSON object per item), which every later ckptio still reads: the same
     bounds, through the same rule functions."""
-    from ckptio.format.v1 import legacy_document
+    from ckptio.legacy.v1 import legacy_document
 
     url, _ = raw_checkpoint
     reader = ckptio.Reader(url)

@@ -104,6 +104,6 @@ def test_header_round_trips_and_keeps_the_version_1_keys():
         "mesh", "config", "files", "writer_ranks", "dcp_version",
     }  # fmt: skip
     assert doc["mesh"] == {"shape": [2, 2], "dims": ["replicate", "shard"]}
-    assert Header.from_json(json.loads(json.dumps(doc)), "x") == header
+    assert Header.from_json(json.loads(json.dumps(doc)), "x", (header.files, header.writer_ranks)) == header
     assert parse_data_file_name("data-0123456789abcdef-r00003.ckio") == ("0123456789abcdef", 3, False)
     assert parse_data_file_name("data-0123456789abcdef-r00003.ckio\n") is None

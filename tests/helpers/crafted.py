@@ -18,11 +18,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptio.format.document import encode_metadata
-from ckptio.format.legacy import encode_legacy
-from ckptio.format.names import Codec, ItemKind, data_file_name
+from ckptio.format.names import FORMAT_VERSION, Codec, ItemKind, data_file_name
 from ckptio.format.records import Header, Manifest, SavedConfig, StoredItem, block_logical_lengths
-from ckptio.format.tables import FORMAT_VERSION
-from ckptio.format.v1 import legacy_document
+from ckptio.legacy.reader import encode_legacy
+from ckptio.legacy.v1 import legacy_document
 
 FILE = data_file_name("0123456789abcdef", 0)
 BLOCK = 128

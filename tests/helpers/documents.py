@@ -70,7 +70,7 @@ HUGE = [2**63, 2**64, 2**63 - 1]
 
 def rewrite_in_version(url: str, version: int) -> dict:
     """The checkpoint's metadata written again in ckptio 0.x's format ``version`` (3 or 4), and that document."""
-    from ckptio.format.legacy import encode_legacy
+    from ckptio.legacy.reader import encode_legacy
 
     reader = ckptio.Reader(url)
     reader.read_metadata()

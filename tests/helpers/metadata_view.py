@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptio.format.v1 import legacy_document
+from ckptio.legacy.v1 import legacy_document
 from ckptio.tools.inspection import open_checkpoint
 
 

@@ -13,7 +13,7 @@ import zstandard
 
 import ckptio
 from ckptio.format.codec import checksum
-from ckptio.format.v1 import pack_counts, unpack_counts
+from ckptio.legacy.v1 import pack_counts, unpack_counts
 from tests.helpers.documents import load_error, read_doc, write_doc
 
 

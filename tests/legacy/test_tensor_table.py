@@ -1,4 +1,4 @@
-"""Format version 4's ``tensors`` table (``ckptio.format.v3``, ``v3_decode``): any set of tensor keys,
+"""Format version 4's ``tensors`` table (``ckptio.legacy.v3``, ``v3_decode``): any set of tensor keys,
 of one chunk or a tiling of many, decodes to exactly the records it was written from (as version 3's
 per-key records do), and crafted columns are refused by name."""
 
@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from ckptio.errors import CheckpointFormatError
 from ckptio.format.document import decode_metadata
 from ckptio.format.names import dtype_name
-from ckptio.format.v3 import TABLE_MAX_CHUNKS, encode_column, encode_packed
+from ckptio.legacy.v3 import TABLE_MAX_CHUNKS, encode_column, encode_packed
 from tests.helpers.crafted import FILE, Records, stored_item, tensor_entry
 
 EXAMPLES = int(os.environ.get("CKPTIO_PROPERTY_EXAMPLES", "100"))

@@ -1,4 +1,4 @@
-"""Format version 3 (``compact.py``, ``compact_decode.py``, ``stored_items.py``): per-key columns, the
+"""Format version 3 (``ckptio.legacy.v3``, ``v3_decode``, ``stored_items``): per-key columns, the
 same checks as version 1's records, item records built on demand, and crafted documents refused with
 named errors before large allocations."""
 
@@ -17,7 +17,7 @@ from ckptio.errors import CheckpointFormatError
 from ckptio.format.columns import encode_column, encode_packed
 from ckptio.format.document import decode_metadata
 from ckptio.format.names import data_file_name
-from ckptio.format.v1 import legacy_document
+from ckptio.legacy.v1 import legacy_document
 
 FILE = data_file_name("0123456789abcdef", 0)
 
@@ -368,7 +368,7 @@ def test_a_key_no_rank_reported_writing_fails_the_commit_naming_it():
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
     from ckptio.errors import CheckpointError
-    from ckptio.format.v3 import encode_document
+    from ckptio.legacy.v3 import encode_document
 
     metadata = Metadata(state_dict_metadata={"step": BytesStorageMetadata(), "loader": BytesStorageMetadata()})
     with pytest.raises(CheckpointError, match="no rank reported writing key 'loader'"):

@@ -36,6 +36,7 @@ from ckptio.format.records import (
     manifest_of,
     planner_data_json,
 )
+from ckptio.legacy import rules as legacy_rules
 
 _CODEC_NUMBERS = {codec: number for number, codec in enumerate(CODECS)}
 
@@ -97,7 +98,8 @@ def item_json(item: StoredItem) -> dict[str, Any]:
 
 def decode_version_1(doc: dict[str, Any], where: str) -> Manifest:
     """A version 1 or 2 document, checked."""
-    header = Header.from_json(doc, where)
+    field = FieldReader(doc, where)
+    header = Header.from_json(doc, where, checked_files=_data_files(field, where))
     files = _DataFiles.of(header)
     state = {
         fqn: _decode_state_entry(entry, fqn, where)
@@ -217,16 +219,16 @@ def _decode_item(raw: dict[str, Any], fqn: str, header: Header, files: _DataFile
     block_size = rules.require_count(raw["block_size"], "block_size", key)
     dtype = raw["dtype"] if kind == ItemKind.TENSOR else None
     itemsize = dtype_from_name(dtype).itemsize if kind == ItemKind.TENSOR else 0
-    rules.check_codecs([_CODEC_NUMBERS[codec]], itemsize, header.format_version, key)
-    rules.check_block_sizes([block_size], key)
+    legacy_rules.check_codecs([_CODEC_NUMBERS[codec]], itemsize, header.format_version, key)
+    legacy_rules.check_block_sizes([block_size], key)
     file_number = files.numbers[file] if file else 0
-    rules.check_file_numbers([file_number], [offset], len(files.names), key)
+    legacy_rules.check_file_numbers([file_number], [offset], len(files.names), key)
     blocks = _decode_blocks(raw, logical, block_size, key)
-    stored = rules.check_block_lengths([n for n, _ in blocks], logical, block_size, codec == Codec.RAW, key)
-    rules.check_spans([file_number], [offset], [stored], files.names, files.sizes, key)
+    stored = legacy_rules.check_block_lengths([n for n, _ in blocks], logical, block_size, codec == Codec.RAW, key)
+    legacy_rules.check_spans([file_number], [offset], [stored], files.names, files.sizes, key)
     inline = rules.decode_inline(raw.get("inline"), key)
     if file_number == 0:
-        rules.check_inline_bytes(inline, stored, key)
+        legacy_rules.check_inline_bytes(inline, stored, key)
     elif inline is not None:
         raise CheckpointFormatError(f"{key} is in {file} and inline at once")
     shape = tuple(rules.require_counts(raw["shape"], key)) if kind == ItemKind.TENSOR else None
@@ -268,3 +270,17 @@ def unpack_counts(text: Any, where: str) -> list[int]:
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tolist()
+
+
+def _data_files(field: FieldReader, where: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Versions 1 and 2: ``files`` (name -> size) and ``writer_ranks`` (name -> rank), checked."""
+    files = field.mapping("files", required=True)
+    for name, size in files.items():
+        rules.refuse_data_file_name(name, where)
+        rules.require_count(size, f"{where}: size of {name}")
+    writer_ranks = field.mapping("writer_ranks")
+    for name, rank in writer_ranks.items():
+        if name not in files:
+            raise CheckpointFormatError(f"{where}: 'writer_ranks' names {name!r}, which is not in 'files'")
+        rules.require_count(rank, f"{where}: writer_ranks[{name!r}]")
+    return files, writer_ranks

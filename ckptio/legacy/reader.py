@@ -17,17 +17,15 @@ from ckptio.errors import CheckpointFormatError
 from ckptio.format.decode import decode_extents, decode_files
 from ckptio.format.fragments import FRAGMENT_FIELD, FragmentInfo
 from ckptio.format.names import (
-    FRAGMENT_VERSION,
-    INCREMENTAL_VERSION,
     SIBLING_PREFIX,
-    SPREAD_KEYS_VERSION,
 )
 from ckptio.format.records import Header, Manifest, StoredItem, manifest_of, virtual_file_sizes
 from ckptio.format.rules import check_planner_paths
 from ckptio.format.tables import INCREMENTAL, KEY_PREFIX
-from ckptio.format.v1 import decode_version_1
-from ckptio.format.v3 import encode_document
-from ckptio.format.v3_decode import decode_keys
+from ckptio.legacy import FRAGMENT_VERSION, INCREMENTAL_VERSION, SPREAD_KEYS_VERSION
+from ckptio.legacy.v1 import decode_version_1
+from ckptio.legacy.v3 import encode_document
+from ckptio.legacy.v3_decode import decode_keys
 
 
 def encode_legacy(

@@ -22,27 +22,22 @@ from ckptio.config import INT64_LIMIT, is_block_size
 from ckptio.errors import CheckpointFormatError
 from ckptio.format.decode import decode_path
 from ckptio.format.names import (
-    FORMAT_VERSION,
-    FRAGMENT_VERSION,
-    INCREMENTAL_VERSION,
     SAVE_ID,
     dtype_from_name,
     dtype_name,
 )
-from ckptio.format.rules import (
+from ckptio.format.rules import check_chunks_tile, check_shape, decode_inline, require_counts
+from ckptio.legacy import FRAGMENT_VERSION, INCREMENTAL_VERSION, NEWEST
+from ckptio.legacy.rules import (
     check_block_lengths,
     check_block_sizes,
-    check_chunks_tile,
     check_codecs,
     check_file_numbers,
     check_inline_bytes,
-    check_shape,
     check_spans,
-    decode_inline,
-    require_counts,
 )
-from ckptio.format.stored_items import DIGEST_ENTRIES, StoredItems, StoredKey
-from ckptio.format.v3 import PackedBlocks, crc_column, decode_column
+from ckptio.legacy.stored_items import DIGEST_ENTRIES, StoredItems, StoredKey
+from ckptio.legacy.v3 import PackedBlocks, crc_column, decode_column
 
 #: A rank number in ``ranks`` (as version 1's nine-digit limit).
 _MAX_RANK = 10**9
@@ -64,7 +59,7 @@ class _Context:
         doc_bytes: int,
         where: str,
         cover: bool,
-        version: int = FORMAT_VERSION,
+        version: int = NEWEST,
     ):
         self.names = names
         self.sizes = [files[name] for name in names]
@@ -81,7 +76,7 @@ def decode_keys(
     default_block = doc.get("block_size")
     if default_block is not None and not is_block_size(default_block):
         raise CheckpointFormatError(f"{where}: 'block_size' {default_block!r:.40} is not a valid block size")
-    context = _Context(names, files, default_block, doc_bytes, where, cover, doc.get("format_version", FORMAT_VERSION))
+    context = _Context(names, files, default_block, doc_bytes, where, cover, doc.get("format_version", NEWEST))
     state: dict[str, Any] = {}
     keys: dict[str, StoredKey] = {}
     per_rank: dict[str, dict[int, Any]] = {}
@@ -309,7 +304,7 @@ def _storage_columns_of(
     key.block_size = decode_column(default_block, count, f"{where}: block_size")
     if itemsizes is None:
         itemsizes = dtype_from_name(key.dtype).itemsize if key.tensor else 0
-    check_codecs(key.codec, itemsizes, FORMAT_VERSION, where)
+    check_codecs(key.codec, itemsizes, NEWEST, where)
     check_block_sizes(key.block_size, where)
     check_file_numbers(key.file, key.at, len(context.names), where)
     blocks = key.block_size

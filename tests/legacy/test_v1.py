@@ -1,4 +1,4 @@
-"""Format versions 1 and 2 (``ckptio.format.v1``): documents decoded and checked, the readable view."""
+"""Format versions 1 and 2 (``ckptio.legacy.v1``): documents decoded and checked, the readable view."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import torch
 import ckptio
 from ckptio import CheckpointFormatError
 from ckptio.format.document import decode_metadata
-from ckptio.format.names import data_file_name
-from ckptio.format.tables import FORMAT_VERSION
-from ckptio.format.v1 import pack_counts
+from ckptio.format.names import FORMAT_VERSION, data_file_name
+from ckptio.legacy.v1 import pack_counts
 
 
 def minimal_doc(**changes) -> dict:
@@ -96,7 +95,7 @@ def test_decode_rejects_garbage_future_versions_and_inconsistent_sizes():
 def test_saves_write_version_8_and_the_readable_view_keeps_each_codecs_oldest_version(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from ckptio.format.v1 import legacy_document
+    from ckptio.legacy.v1 import legacy_document
 
     cases = {"raw": (None, torch.float32), "zstd-bytes": ("zstd", torch.uint8), "planes": ("zstd", torch.bfloat16)}
     for name, (compression, dtype) in cases.items():
