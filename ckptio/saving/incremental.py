@@ -5,8 +5,8 @@ Rules, the same on every rank (each decides alone from the same base, no collect
 
 - The base is ``incremental_from``: a checkpoint URL, or ``"previous"``: the last checkpoint this
   process saved with ckptio. It must be a sibling (a folder beside the new checkpoint's: the
-  ``run/step-N`` layout), committed, and saved with block digests (format version 7, any save with
-  ``incremental_from`` set records them). A named base that is not is an error; ``"previous"`` that is
+  ``run/step-N`` layout), committed, and saved with block digests (any save with ``incremental_from``
+  set records them). A named base that is not is an error; ``"previous"`` that is
   not starts the chain over with a full save (logged).
 - The chain is bounded: a save whose base is ``incremental_max_depth`` incremental saves from a full one,
   or whose base referenced less than ``incremental_min_fraction`` of its bytes, is a full save (so no

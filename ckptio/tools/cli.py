@@ -127,6 +127,22 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    from ckptio.storage import open_store
+    from ckptio.tools.upgrade import upgrade
+
+    done = upgrade(open_store(args.url, _storage_options(args)), write=not args.check)
+    if done.document is None:
+        print(f"{args.url} is already in ckptio 1.0's format (version {done.old_version}): nothing to do")
+    else:
+        verb = "would get" if args.check else "now has"
+        print(
+            f"{args.url}: format version {done.old_version} ({done.old_bytes:,} bytes) {verb} ckptio 1.0's metadata "
+            f"({len(done.document):,} bytes), proven to describe the same items; its data files are untouched"
+        )
+    return 0
+
+
 def cmd_delete(args: argparse.Namespace) -> int:
     from ckptio.storage import open_store
     from ckptio.tools.cleanup import checkpoint_format, delete_checkpoint
@@ -284,6 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     p.set_defaults(func=cmd_merge)
+    p = with_url(
+        sub.add_parser(
+            "upgrade",
+            help="give a checkpoint of ckptio 0.x 1.0's metadata (data files untouched), once the new document is "
+            "proven to describe the same items; ckptio 0.x can no longer read it afterwards",
+        )
+    )
+    p.add_argument("--check", action="store_true", help="prove the new metadata only; write nothing")
+    p.set_defaults(func=cmd_upgrade)
     p = with_url(
         sub.add_parser(
             "convert",

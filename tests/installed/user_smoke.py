@@ -119,6 +119,7 @@ def every_cli_verb(root: str) -> None:
     cli("verify", f"{root}/no-coordinator")
     cli("gc", f"{root}/ranks")
     assert cli("latest", "--local-tier", f"{root}/node-tier", f"{root}/run").strip() == f"{root}/run/step-2"
+    assert "nothing to do" in cli("upgrade", f"{root}/api")  # already 1.0
     cli("convert", f"{root}/api", f"{root}/api.pt")
     loaded = torch.load(f"{root}/api.pt", weights_only=False)  # written by this script just now
     assert torch.equal(loaded["w"], state()["w"]), sorted(loaded)
