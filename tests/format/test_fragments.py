@@ -93,12 +93,14 @@ def test_a_fragment_without_its_record_is_not_a_fragment(tmp_path):
     assert "it is not a ckptio fragment" in str(_load_error(url))
 
 
-def test_a_replica_its_writer_did_not_store_is_refused(tmp_path):
+@pytest.mark.parametrize("key, offsets", [("w", [4]), ("nope", [0]), ("w", [0, 0, 0, 0, 0])])
+def test_a_replica_its_writer_did_not_store_is_refused(tmp_path, key, offsets):
     url = _saved(tmp_path)
-    _as_two_ranks(url, lambda rank, doc: doc["fragment"]["replicas"].update(keys=["w"], offsets=[[4]], writers=[0]))
+    replica = {"keys": [key], "offsets": [offsets], "writers": [0]}
+    _as_two_ranks(url, lambda rank, doc: doc["fragment"]["replicas"].update(replica))
     error = _load_error(url)
     assert isinstance(error, ckptio.IncompleteCheckpointError)
-    assert "holds key 'w' at [4] and left it to rank 0, whose fragment does not store it" in str(error)
+    assert f"holds key {key!r} at {offsets} and left it to rank 0, whose fragment does not store it" in str(error)
 
 
 def test_equal_copies_merge_and_differing_objects_are_kept_per_rank(tmp_path):
