@@ -28,7 +28,7 @@ from ckptio.format.fragments import (
     refuse_sizes,
 )
 from ckptio.format.names import SIBLING_PREFIX
-from ckptio.format.records import VIRTUAL_PREFIX, Extent
+from ckptio.format.records import VIRTUAL_PREFIX, ChainRecord, Extent
 from ckptio.format.tables import FRAGMENT, INCREMENTAL, PER_RANK, TENSOR, Tables, block_lengths, boxed_keys
 
 
@@ -80,24 +80,18 @@ def merge_tables(fragments: list[tuple[str, str, Tables]], where: str) -> Tables
     boxes: list[tuple[np.ndarray, np.ndarray]] = []
     crcs, digests, block_starts = [], [], []
     inline: dict[int, bytes] = {}
-    files: dict[str, int] = {}
-    writers: dict[str, int] = {}
+    files, writers = _data_files(fragments)
+    number = {name: n for n, name in enumerate(files, 1)}
     extents: dict[str, tuple[Extent, ...]] = {}
-    data_files = sum(len(t.files) - len(t.extents) for _, _, t in fragments)
     items = blocks = 0
     for _, read_from, t in fragments:
         if (t.kind == PER_RANK).any():
             raise CheckpointFormatError(f"{read_from} keeps objects per rank, which only a merge does")
         rank = t.fragment.rank  # type: ignore[union-attr]
         own = len(t.files) - len(t.extents)
-        for name, size in t.header.files.items():
-            if name in files:
-                refuse_file_twice(name, writers[name], read_from)
-            files[name] = size
-            writers[name] = t.header.writer_ranks.get(name, rank)
-        numbers = np.arange(len(t.files) + 1)
-        numbers[1 : own + 1] += len(files) - len(t.header.files)
-        numbers[own + 1 :] += data_files - own + len(extents)
+        numbers = np.zeros(len(t.files) + 1, dtype=np.int64)  # the fragment's file numbers -> the merged ones
+        numbers[1 : own + 1] = [number[name] for name in t.files[:own]]
+        numbers[own + 1 :] = np.arange(len(t.extents)) + len(files) + len(extents) + 1  # after every data file
         for k, runs in enumerate(t.extents.values(), len(extents) + 1):
             extents[f"{VIRTUAL_PREFIX}{k}"] = runs
         parts["key"].append(keys.numbers(t, read_from)[t.item_keys])
@@ -131,12 +125,14 @@ def merge_tables(fragments: list[tuple[str, str, Tables]], where: str) -> Tables
     block_index = _block_index(starts, order)
     all_digests = None if any(d is None for d in digests) else np.concatenate(digests).reshape(-1, 4)
     features = set().union(*(t.features for _, _, t in fragments)) - {FRAGMENT}
-    if all_digests is None and first.header.chain is None and not extents and not any(map(is_sibling_file, files)):
+    chain = _joined_chain(fragments, files, extents, column, order, starts, lengths)
+    if all_digests is None and chain is None and not extents and not any(map(is_sibling_file, files)):
         features.discard(INCREMENTAL)
     header = dataclasses.replace(
         first.header,
         files=files,
         writer_ranks=writers,
+        chain=chain,
         world_size=len(fragments),
         created_unix=max(t.header.created_unix for _, _, t in fragments),
         mesh=next((t.header.mesh for _, _, t in fragments if t.header.mesh), None),
@@ -145,8 +141,7 @@ def merge_tables(fragments: list[tuple[str, str, Tables]], where: str) -> Tables
     tables = Tables(
         header=header,
         features=frozenset(features),
-        files=tuple(name for _, _, t in fragments for name in t.files[: len(t.files) - len(t.extents)])
-        + tuple(extents),
+        files=tuple(files) + tuple(extents),
         block_size=first.block_size,
         planner_data=planner_data,
         names=keys.names,
@@ -179,6 +174,57 @@ def merge_tables(fragments: list[tuple[str, str, Tables]], where: str) -> Tables
 
 def is_sibling_file(name: str) -> bool:
     return name.startswith(SIBLING_PREFIX)
+
+
+def _data_files(fragments: list[tuple[str, str, Tables]]) -> tuple[dict[str, int], dict[str, int]]:
+    """Every data file the fragments name, once, in order of first naming, with its size; and the writer
+    of each of the save's own (a sibling's, which an incremental save references, has its name's). A
+    file of the save is named by its writer's fragment alone; a sibling's file by any that reference it,
+    at the size its checkpoint records."""
+    files: dict[str, int] = {}
+    writers: dict[str, int] = {}
+    named_by: dict[str, int] = {}
+    for _, read_from, t in fragments:
+        rank = t.fragment.rank  # type: ignore[union-attr]
+        for name, size in t.header.files.items():
+            sibling = is_sibling_file(name)
+            if name in files and not (sibling and files[name] == size):
+                refuse_file_twice(name, named_by[name], read_from)
+            files[name] = size
+            named_by.setdefault(name, rank)
+            if not sibling:
+                writers[name] = t.header.writer_ranks.get(name, rank)
+    return files, writers
+
+
+def _joined_chain(
+    fragments: list[tuple[str, str, Tables]], files: dict[str, int], extents: dict[str, tuple[Extent, ...]],
+    column: dict[str, np.ndarray], kept: np.ndarray, starts: np.ndarray, lengths: np.ndarray | None,
+) -> ChainRecord | None:  # fmt: skip
+    """An incremental save's chain record from its ranks' parts: the base they referenced (each rank
+    resolved it alone: "unknown" where they differ, as a coordinator records it), the deepest depth, and
+    of the kept items' stored bytes (each copy once) those in the base's files."""
+    chains = [t.header.chain for _, _, t in fragments if t.header.chain is not None]
+    if not chains:
+        return None
+    bases = {chain.base for chain in chains}
+    if lengths is None:  # raw: a block's stored bytes are its logical ones
+        stored_of = column["length"][kept]
+    else:
+        ends = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+        stored_of = ends[starts[kept + 1]] - ends[starts[kept]]
+    names = [*files, *extents]
+    in_sibling = np.array([False] + [is_sibling_file(name) for name in names])[column["file"][kept]]
+    referenced = int(stored_of[in_sibling].sum())
+    for number in set(column["file"][kept].tolist()) - {0}:
+        if number > len(files):  # an item in pieces: its runs in the base's files
+            referenced += sum(run.length for run in extents[names[number - 1]] if is_sibling_file(run.file))
+    return ChainRecord(
+        bases.pop() if len(bases) == 1 else "unknown",
+        max(chain.depth for chain in chains),
+        referenced,
+        int(stored_of.sum()),
+    )
 
 
 def _padded(boxes: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:

@@ -161,16 +161,23 @@ def own_file_names(names: Any) -> list[str]:
     return [name for name in names if not name.startswith(SIBLING_PREFIX)]
 
 
-def reference_marker_name(referrer: str) -> str:
-    """The marker an incremental checkpoint named ``referrer`` leaves in each sibling it references."""
-    return f"{REFERENCE_MARKER_PREFIX}{referrer}.json"
+def reference_marker_name(referrer: str, rank: int | None = None) -> str:
+    """The marker an incremental checkpoint named ``referrer`` leaves in each sibling it references; with
+    ``rank``, one rank's of a save without a coordinator (each lists the files its own fragment names)."""
+    return f"{REFERENCE_MARKER_PREFIX}{referrer}{'' if rank is None else f'{_MARKER_RANK}{rank:05d}'}.json"
+
+
+#: Between a referrer's name and a rank in a marker's name: no sibling name holds ``~``.
+_MARKER_RANK = "~rank-"
 
 
 def parse_reference_marker_name(name: str) -> str | None:
-    """The referrer's folder name of a reference marker's name, else ``None``."""
+    """The referrer's folder name of a reference marker's name (any rank's), else ``None``."""
     if not name.startswith(REFERENCE_MARKER_PREFIX) or not name.endswith(".json"):
         return None
-    referrer = name[len(REFERENCE_MARKER_PREFIX) : -len(".json")]
+    referrer, _, rank = name[len(REFERENCE_MARKER_PREFIX) : -len(".json")].partition(_MARKER_RANK)
+    if rank and not (rank.isdecimal() and rank.isascii() and len(rank) >= 5):
+        return None
     return referrer if is_sibling_name(referrer) else None
 
 

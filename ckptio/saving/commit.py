@@ -16,7 +16,7 @@ from ckptio.errors import (
     StorageError,
 )
 from ckptio.format.document import decode_fragment, decode_metadata
-from ckptio.format.names import METADATA_NAME, own_file_names
+from ckptio.format.names import METADATA_NAME, own_file_names, parse_fragment_name
 from ckptio.loading.fragment_set import complete_set, fragments_in, merged_metadata
 from ckptio.saving.references import by_sibling, files_in_use, release
 from ckptio.storage import FsspecStore
@@ -96,7 +96,7 @@ def publish_fragment(store: FsspecStore, name: str, document: bytes, files: dict
     """Commit one rank's fragment as ``publish`` commits ``ckptio.json``: created only if absent, or
     with ``overwrite`` replacing the one an earlier save left (whose data files are then deleted)."""
     superseded = _committed_files(store, name, _fragment_manifest) if overwrite else None
-    publish(store, document, files, superseded or [], overwrite, name)
+    publish(store, document, files, superseded or [], overwrite, name, parse_fragment_name(name).rank)  # type: ignore[union-attr]
 
 
 def _fragment_manifest(raw: bytes, where: str) -> Any:
@@ -110,8 +110,9 @@ def publish(
     superseded: list[str],
     overwrite: bool,
     name: str = METADATA_NAME,
+    rank: int | None = None,
 ) -> None:
-    """Commit: publish the metadata (``name``: ``ckptio.json``, or a rank's fragment), then delete the
+    """Commit: publish the metadata (``name``: ``ckptio.json``, or ``rank``'s fragment), then delete the
     superseded data files it no longer names.
 
     Without ``overwrite`` the metadata is created only if absent, atomically where the backend
@@ -126,20 +127,25 @@ def publish(
         except FileExistsError:
             store.delete_best_effort(sorted(own_file_names(files)))  # never a sibling's, which it referenced
             raise _taken(store.describe(name), name == METADATA_NAME) from None
-    _drop_replaced(store, superseded, files)
+    _drop_replaced(store, superseded, files, "every" if rank is None else rank)
 
 
-def _drop_replaced(store: FsspecStore, superseded: list[str], files: dict[str, int]) -> None:
-    """After a checkpoint's metadata was replaced (by a document naming ``files``): delete the data files
+def _drop_replaced(
+    store: FsspecStore, superseded: list[str], files: dict[str, int], markers: int | None | str = None
+) -> None:
+    """After a checkpoint's metadata was replaced by a document naming ``files``: delete the data files
     of the old one (``superseded``) the new one does not name and no incremental checkpoint references,
-    and release the siblings only the old one referenced."""
+    and release the siblings only the old one referenced, of their markers by this checkpoint those
+    ``references.release`` takes: ``"every"`` (a ``ckptio.json`` replaced by another), the coordinator's
+    (``None``: before a save without one, whose ranks may have left theirs already), or a rank's (its
+    fragment replaced)."""
     stale = own_file_names(file for file in superseded if file not in files)
     if stale:
         store.delete_best_effort(_unreferenced(store, stale))
     dropped = by_sibling(superseded).keys() - by_sibling(files).keys()
     if dropped:  # the replaced checkpoint referenced siblings this one does not: they need not keep those files
         try:
-            release(store, sorted(dropped))
+            release(store, sorted(dropped), markers)
         except StorageError as exc:  # committed already: what is left is kept, never wrongly deleted
             log.warning("ckptio: cannot release %s of the checkpoint it replaced; gc removes it: %s", dropped, exc)
 

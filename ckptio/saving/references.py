@@ -45,14 +45,15 @@ def by_sibling(files: Any) -> dict[str, list[str]]:
     return found
 
 
-def mark_references(store: FsspecStore, files: dict[str, int], save_id: str | None) -> None:
-    """Before an incremental save at ``store`` commits: a marker in every sibling it references, then
-    every referenced file checked present at its recorded size (else the save fails, naming it)."""
+def mark_references(store: FsspecStore, files: dict[str, int], save_id: str | None, rank: int | None = None) -> None:
+    """Before an incremental save at ``store`` commits: a marker in every sibling it references (``rank``'s
+    own, for a rank's fragment of a save without a coordinator), then every referenced file checked
+    present at its recorded size (else the save fails, naming it)."""
     referrer = folder_name(store)
     for sibling, names in sorted(by_sibling(files).items()):
         base = store.sibling(sibling)
         marker = {"referrer": referrer, "save_id": save_id, "files": sorted(names)}
-        base.put_atomic(reference_marker_name(referrer), json.dumps(marker).encode())
+        base.put_atomic(reference_marker_name(referrer, rank), json.dumps(marker).encode())
         present = base.list_sizes() or {}
         for name in names:
             recorded = files[sibling_file_name(sibling, name)]
@@ -86,14 +87,22 @@ def files_in_use(
     return used, stale
 
 
-def release(store: FsspecStore, bases: list[str]) -> None:
-    """After the checkpoint at ``store`` is deleted: its markers in the siblings it referenced go, and a
-    sibling that was deleted but kept for it (no ``ckptio.json``, no live marker left) goes whole."""
+def release(store: FsspecStore, bases: list[str], rank: int | None | str = "every") -> None:
+    """After the checkpoint at ``store`` is deleted (its markers of ``"every"`` rank), or replaced (the
+    coordinator's marker, ``None``; a rank's, when its fragment was): those markers in the siblings it
+    referenced go, and a sibling that was deleted but kept for it (no ``ckptio.json``, no live marker
+    left) goes whole."""
     referrer = folder_name(store)
     for sibling in bases:
         base = store.sibling(sibling)
-        base.remove(reference_marker_name(referrer))
         names = base.list_names(strict=True) or []
+        if rank == "every":
+            markers = [name for name in names if parse_reference_marker_name(name) == referrer]
+        else:
+            markers = [name for name in [reference_marker_name(referrer, rank)] if name in names]  # type: ignore[arg-type]
+        for name in markers:
+            base.remove(name)
+        names = [name for name in names if name not in markers]
         if _committed(names):
             continue
         used, _ = files_in_use(base, names)

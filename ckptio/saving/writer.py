@@ -318,11 +318,6 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
 
     def _fragment_of_save(self) -> FragmentSave:
         """This rank's place in a save without a coordinator, or a clear refusal."""
-        if self.config.incremental_from is not None:
-            raise CheckpointError(
-                "ckptio does not combine incremental saves (WriterConfig.incremental_from) with dcp.save(..., "
-                "use_collectives=False) yet: save with collectives, or in full"
-            )
         if self.config.local_tier:
             raise CheckpointError(
                 "ckptio does not combine a local tier (WriterConfig.local_tier) with dcp.save(..., "
@@ -348,12 +343,14 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         self._fragment.replicas = own.replicas
         self._fragment.mesh = MeshRecord.of(state)
         stored = {}
-        if own.written:
+        if own.written:  # against this rank's own resolve of the base (the same checkpoint on every rank)
+            self._base = self._incremental_base()
             store = self._open_store()
             store.prepare_directory()
             objects = pickled_objects(own.written, planner)
             items = item_bytes(own.written, planner, objects)
-            stored = encode_items(store, file, items, self.config, self.config.inline_limit)
+            stored = encode_items(store, file, items, self.config, self.config.inline_limit, self._base)
+        note_saved(self.checkpoint_id)
         future: Future[list[WriteResult]] = Future()
         future.set_result([WriteResult(index, record.stored_bytes, record) for index, record in stored.items()])
         return future
@@ -363,14 +360,18 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         rank's is there."""
         save = self._fragment
         items, files, _ = _written([results], [])
-        writers = dict.fromkeys(files, self.rank)
+        writers = {name: self.rank for name in files if not name.startswith(SIBLING_PREFIX)}  # a sibling's: its name's
         header = _header(self.config, metadata, files, writers, save.mesh, save.save_id, world_size=save.ranks)
+        if by_sibling(files):  # this rank's part of the chain; the merge joins the ranks' parts
+            header = dataclasses.replace(header, chain=_chain(self._base, self.config, items.values()))
         metadata.planner_data = canonical_planner_data(metadata.planner_data)
         info = FragmentInfo(save.save_id, self.rank, save.ranks, tuple(sorted(save.replicas, key=_replica_order)))
         document = encode_metadata(fragment_metadata(metadata, items), items, header, fragment=info)
         name = fragment_name(self.rank, save.ranks)
         store = self._open_store()
         refuse_unloadable(document, store.describe(name), decode_fragment)
+        if header.chain is not None:
+            mark_references(store, files, save.save_id, self.rank)
         publish_fragment(store, name, document, files, self.config.overwrite)
         if self.rank == 0:
             merge_when_complete(store.url, self._open_store, save.save_id, save.ranks)

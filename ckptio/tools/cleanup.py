@@ -137,12 +137,17 @@ def delete_checkpoint(store: FsspecStore) -> list[str]:
 
 
 def _referenced_siblings(store: FsspecStore) -> list[str]:
-    """The sibling checkpoints whose data the checkpoint at ``store`` references (none if unreadable)."""
+    """The sibling checkpoints whose data the checkpoint at ``store`` references: by its ``ckptio.json``,
+    else by each rank's fragment (a save without a coordinator that was never merged); none of what
+    cannot be read."""
+    siblings: set[str] = set()
     try:
-        raw = store.read(METADATA_NAME)
-    except FileNotFoundError:
-        return []
-    try:
-        return sorted(by_sibling(decode_metadata(raw, store.describe(METADATA_NAME)).files))
-    except CheckpointError:
-        return []
+        return sorted(by_sibling(decode_metadata(store.read(METADATA_NAME), store.describe(METADATA_NAME)).files))
+    except (FileNotFoundError, CheckpointError):
+        pass
+    for name in sorted(fragments_in(store.list_names() or [])):
+        try:
+            siblings.update(by_sibling(decode_fragment(store.read(name), store.describe(name))[0].files))
+        except (FileNotFoundError, CheckpointError):
+            continue
+    return sorted(siblings)

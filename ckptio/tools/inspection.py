@@ -100,7 +100,7 @@ def describe(url: str, storage_options: dict[str, Any] | None = None, local_tier
         "referenced_bytes": dict(sorted(referenced.items())),
         "chain": header.chain.to_json() if header.chain else None,
         # the incremental checkpoints beside it that reference its files (their markers here)
-        "referenced_by": sorted(filter(None, map(parse_reference_marker_name, store.list_names() or []))),
+        "referenced_by": sorted(set(filter(None, map(parse_reference_marker_name, store.list_names() or [])))),
         "keys": keys,
         "tiers": tiers,
         # the metadata itself, one JSON object per key and per stored item (the document stores columns)

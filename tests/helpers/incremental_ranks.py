@@ -64,6 +64,7 @@ def save_chain(run: str, case: dict[str, Any], steps: list[int]) -> list[list[st
         incremental_max_depth=case.get("max_depth", 8),
         mode=case.get("mode", "all_ranks"),
         read_gap_bytes=0,  # requests cost nothing: every unchanged run of a small table is referenced
+        inline_limit=case.get("inline_limit", 64 << 10),
     )
     options = case.get("storage_options")
     listed = []
@@ -71,10 +72,14 @@ def save_chain(run: str, case: dict[str, Any], steps: list[int]) -> list[list[st
         url = f"{run}/step-{step}"
         values = state(case["save_mesh"], case["save_placements"], step)
         writer = ckptio.Writer(url, config, storage_options=options)
+        alone = {} if case.get("use_collectives", True) else {"use_collectives": False}  # no coordinator
         if i == 1:
-            dcp.async_save(values, storage_writer=writer).result()
+            dcp.async_save(values, storage_writer=writer, **alone).result()
         else:
-            dcp.save(values, storage_writer=writer)
+            dcp.save(values, storage_writer=writer, **alone)
+        if alone:
+            ckptio.wait_for_uploads()  # rank 0's merge of the fragments: the listing shows its ckptio.json
+            dist.barrier()
         listed.append(sorted(ckptio.storage.open_store(url, options).list_sizes() or {}))
     return listed
 

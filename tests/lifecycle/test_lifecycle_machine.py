@@ -20,6 +20,7 @@ examples in ``test_outside_findings.py`` and ``tests/tiers``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -31,6 +32,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import ckptio
+from ckptio.format.names import METADATA_NAME
+from ckptio.storage import open_store
 from ckptio.tiers.paths import step_order
 from ckptio.tools.cli import main as cli_main
 from tests.helpers.fragment_ranks import only_fragments
@@ -111,14 +114,19 @@ class Lifecycle(RuleBasedStateMachine):
         if value is not None:
             self.durable[step] = (value, "json")
 
-    @rule(step=STEPS, overwrite=st.booleans(), dies_after_save=st.booleans())
-    def save_without_coordinator(self, step, overwrite, dies_after_save):
-        config = ckptio.WriterConfig(overwrite=overwrite, max_block_size=BLOCK)
+    @rule(step=STEPS, overwrite=st.booleans(), dies_after_save=st.booleans(), incremental=st.booleans())
+    def save_without_coordinator(self, step, overwrite, dies_after_save, incremental):
+        config = ckptio.WriterConfig(
+            overwrite=overwrite, max_block_size=BLOCK, incremental_from="previous" if incremental else None
+        )
         refused = step in self.durable and not overwrite
         value = self._save(step, config, refused, use_collectives=False)
         if value is None:
             return
         ckptio.wait_for_uploads()  # rank 0 merged the fragments into ckptio.json
+        if incremental:
+            chain = json.loads(open_store(self._url(step)).read(METADATA_NAME)).get("chain")
+            event(f"save without a coordinator: incremental, {'references a base' if chain else 'in full'}")
         if dies_after_save:  # ... or the job died first: the loads merge them
             only_fragments(self._url(step))
         self.durable[step] = (value, "fragments" if dies_after_save else "json")

@@ -27,6 +27,7 @@ from ckptio.tools.cli import main as cli_main
 from tests.conftest import s3_objects
 from tests.helpers import incremental_ranks
 from tests.helpers.documents import load_error
+from tests.helpers.fragment_ranks import only_fragments
 from tests.helpers.harness import spawn
 
 HSDP = {"model.base": [("R",), ("S", 0)], "model.lora_a": [("S", 1), ("R",)], "emb": [("R",), ("S", 0)]}
@@ -66,8 +67,10 @@ def test_a_chain_saved_on_2x2_loads_every_link_on_2x2_1x4_and_one_process(tmp_pa
         assert got == [{1: [], 2: [], 3: []}] * world, name
 
 
-def test_a_chain_on_s3_loads_resharded_and_keeps_referenced_objects_when_its_base_is_deleted(s3):
-    """zstd here (the 2x2 chain above is raw): changed blocks of an item in pieces are encoded as its base's."""
+@pytest.mark.parametrize("use_collectives", [True, False])
+def test_a_chain_on_s3_loads_resharded_and_keeps_referenced_objects_when_its_base_is_deleted(s3, use_collectives):
+    """zstd here (the 2x2 chain above is raw): changed blocks of an item in pieces are encoded as its base's.
+    Without a coordinator too: each rank's fragment references the base, each rank leaves its marker."""
     compression = "zstd"
     base_url, options = s3
     run = f"{base_url}/run"
@@ -76,6 +79,8 @@ def test_a_chain_on_s3_loads_resharded_and_keeps_referenced_objects_when_its_bas
         "save_placements": {"model.base": [("S", 0)], "model.lora_a": [("R",)], "emb": [("S", 0)]},
         "compression": compression,
         "storage_options": options,
+        "use_collectives": use_collectives,
+        "inline_limit": 64 << 10 if use_collectives else 0,  # a fragment keeps small items inline otherwise
     }
     spawn(2, incremental_ranks.save_chain, run, case, [1, 2])
     assert _own_and_referenced(f"{run}/step-2", options)[0] == ["step-1"]
@@ -243,11 +248,35 @@ def test_everything_changed_writes_no_references(tmp_path):
     assert json.loads((run / "step-2" / METADATA_NAME).read_text())["features"] == ["incremental"]  # digests kept
 
 
-def test_an_incremental_save_without_collectives_is_refused_by_name(tmp_path):
-    config = ckptio.WriterConfig(incremental_from="previous")
-    with pytest.raises(CheckpointError, match="does not combine incremental saves"):
-        dcp.save(_state(), storage_writer=ckptio.Writer(str(tmp_path / "step-1"), config), use_collectives=False)
-    assert not (tmp_path / "step-1").exists()
+def test_a_chain_saved_without_a_coordinator_references_its_base_and_loads_everywhere(tmp_path):
+    """Each rank resolves the base alone, references it in its own fragment and leaves its own marker;
+    the merge joins the ranks' parts into one chain. Loads exact after the merge, from the fragments alone
+    (a job that died before its merge), resharded, and after the base was deleted; the base's files go
+    with the last checkpoint that references them."""
+    run = str(tmp_path / "run")
+    case = {**CASE, "save_mesh": [2], "use_collectives": False, "inline_limit": 0}  # small items in files
+    case["save_placements"] = {"model.base": [("S", 0)], "model.lora_a": [("R",)], "emb": [("S", 0)]}
+    listed = spawn(2, incremental_ranks.save_chain, run, case, [1, 2, 3])[0]
+    assert METADATA_NAME in listed[0] and any(n.startswith("ckptio.rank-") for n in listed[0])  # merged once
+    for step, expected in ((2, ["step-1"]), (3, ["step-1", "step-2"])):
+        bases, chain = _own_and_referenced(f"{run}/step-{step}")
+        assert sorted(bases) == expected and chain["base"] == f"step-{step - 1}" and chain["depth"] == step - 1
+        assert 0 < chain["referenced_bytes"] < chain["stored_bytes"], chain
+    markers = sorted(n for n in os.listdir(f"{run}/step-1") if n.startswith("ckptio.referenced-by-"))
+    assert markers == [reference_marker_name(f"step-{s}", r) for s in (2, 3) for r in (0, 1)], markers
+    loads = {"2 ranks": (2, [2], case["save_placements"]), "one process": (1, [1], ONE)}
+    for name, (world, mesh, placements) in loads.items():
+        loading = {**case, "load_mesh": mesh, "load_placements": placements}
+        got = spawn(world, incremental_ranks.load_steps, run, loading, [1, 2, 3])
+        assert got == [{1: [], 2: [], 3: []}] * world, name
+    only_fragments(f"{run}/step-3")
+    delete_checkpoint(open_store(f"{run}/step-1"))
+    loading = {**case, "load_mesh": [1], "load_placements": ONE}
+    assert spawn(1, incremental_ranks.load_steps, run, loading, [2, 3]) == [{2: [], 3: []}]
+    assert not os.path.exists(f"{run}/step-1/{METADATA_NAME}") and os.listdir(f"{run}/step-1")
+    delete_checkpoint(open_store(f"{run}/step-2"))
+    delete_checkpoint(open_store(f"{run}/step-3"))
+    assert not os.path.exists(f"{run}/step-1") or not os.listdir(f"{run}/step-1")
 
 
 @pytest.mark.parametrize("gap", [0, 1 << 20])
@@ -398,3 +427,34 @@ def test_a_block_that_changed_in_a_row_of_changes_is_referenced_again_once_saved
         out = {"frozen": torch.zeros(256, 1024), "moving": torch.zeros(64, 1024)}
         dcp.load(out, storage_reader=ckptio.Reader(str(run / f"step-{step}")))
         assert torch.equal(out["frozen"], frozen) and torch.equal(out["moving"], values)
+
+
+def test_markers_of_a_save_without_a_coordinator_go_when_it_is_overwritten_or_deleted(tmp_path):
+    """A rank's marker is replaced with its fragment; a ``ckptio.json`` saved over the set releases every
+    rank's; the base then goes whole when deleted, nothing of it kept for a checkpoint that no longer
+    references it."""
+    run = tmp_path / "run"
+    config = {"incremental_from": "previous", "max_block_size": 4096}
+    _save(str(run / "step-1"), _state(), **config)
+
+    def alone(**more) -> None:
+        writer = ckptio.Writer(str(run / "step-2"), ckptio.WriterConfig(**{**config, **more}))
+        dcp.save(_state(1.0), storage_writer=writer, use_collectives=False)
+        ckptio.wait_for_uploads()
+
+    def markers() -> list[str]:
+        return sorted(p.name for p in (run / "step-1").iterdir() if p.name.startswith("ckptio.referenced-by-"))
+
+    alone()
+    assert markers() == [reference_marker_name("step-2", 0)]
+    assert torch.equal(_load(str(run / "step-2"))["frozen"], _state()["frozen"])
+    alone(overwrite=True, incremental_from=str(run / "step-1"))  # again: the rank's marker replaced, not doubled
+    assert markers() == [reference_marker_name("step-2", 0)]
+    alone(overwrite=True)  # "previous" is step-2 itself now: in full, so the rank's marker goes
+    assert markers() == []
+    alone(overwrite=True, incremental_from=str(run / "step-1"))
+    _save(str(run / "step-2"), _state(1.0), max_block_size=4096, overwrite=True)  # in full, with a coordinator
+    assert markers() == []
+    delete_checkpoint(open_store(str(run / "step-1")))
+    assert not (run / "step-1").exists() or not list((run / "step-1").iterdir())
+    assert torch.equal(_load(str(run / "step-2"))["adapter"], _state(1.0)["adapter"])
