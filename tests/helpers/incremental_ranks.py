@@ -56,23 +56,25 @@ def state(mesh_shape: list[int], placements: dict[str, list[tuple]], step: int, 
 
 def save_chain(run: str, case: dict[str, Any], steps: list[int]) -> list[list[str]]:
     """Save ``steps`` in turn as ``run/step-N`` (the second through ``dcp.async_save``); the names of the
-    files each step's folder holds right after it was saved."""
-    config = ckptio.WriterConfig(
-        compression=case.get("compression"),
-        max_block_size=case.get("max_block_size", 1024),
-        incremental_from="previous",
-        incremental_max_depth=case.get("max_depth", 8),
-        mode=case.get("mode", "all_ranks"),
-        read_gap_bytes=0,  # requests cost nothing: every unchanged run of a small table is referenced
-        inline_limit=case.get("inline_limit", 64 << 10),
-    )
+    files each step's folder holds right after it was saved. ``case["steps"][N]`` overrides the case's
+    settings for step N (``mode``, ``use_collectives``, ...)."""
     options = case.get("storage_options")
     listed = []
     for i, step in enumerate(steps):
+        this = {**case, **case.get("steps", {}).get(step, {})}
+        config = ckptio.WriterConfig(
+            compression=this.get("compression"),
+            max_block_size=this.get("max_block_size", 1024),
+            incremental_from="previous",
+            incremental_max_depth=this.get("max_depth", 8),
+            mode=this.get("mode", "all_ranks"),
+            read_gap_bytes=0,  # requests cost nothing: every unchanged run of a small table is referenced
+            inline_limit=this.get("inline_limit", 64 << 10),
+        )
         url = f"{run}/step-{step}"
         values = state(case["save_mesh"], case["save_placements"], step)
         writer = ckptio.Writer(url, config, storage_options=options)
-        alone = {} if case.get("use_collectives", True) else {"use_collectives": False}  # no coordinator
+        alone = {} if this.get("use_collectives", True) else {"use_collectives": False}  # no coordinator
         if i == 1:
             dcp.async_save(values, storage_writer=writer, **alone).result()
         else:

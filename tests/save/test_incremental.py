@@ -17,8 +17,10 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
-from ckptio.errors import CheckpointError, CorruptCheckpointError
-from ckptio.format.names import METADATA_NAME, reference_marker_name
+from ckptio.errors import CheckpointError, CorruptCheckpointError, MixedFragmentsError
+from ckptio.format.columns import decode_array, encode_packed_array
+from ckptio.format.decode import decode_files
+from ckptio.format.names import METADATA_NAME, fragment_name, reference_marker_name
 from ckptio.format.records import Extent
 from ckptio.saving.incremental import READ_OVERHEAD, referenced_blocks
 from ckptio.storage import open_store
@@ -427,6 +429,45 @@ def test_a_block_that_changed_in_a_row_of_changes_is_referenced_again_once_saved
         out = {"frozen": torch.zeros(256, 1024), "moving": torch.zeros(64, 1024)}
         dcp.load(out, storage_reader=ckptio.Reader(str(run / f"step-{step}")))
         assert torch.equal(out["frozen"], frozen) and torch.equal(out["moving"], values)
+
+
+def test_fragments_referencing_one_base_file_merge_it_once_and_a_forged_size_or_base_is_caught(tmp_path):
+    """A base written by rank 0 alone (replica_group, everything replicated), then a save without a
+    coordinator whose two ranks each write part of the replicated items: both fragments reference the
+    base's one file, which the merged document names once. A fragment that records another size for it
+    is refused; one whose chain names another base merges into the chain of an "unknown" base."""
+    run = str(tmp_path / "run")
+    replicated = {"model.base": [("R",)], "model.lora_a": [("R",)], "emb": [("R",)]}
+    case = {"save_mesh": [2], "save_placements": replicated, "inline_limit": 0, "use_collectives": False}
+    case["steps"] = {1: {"mode": "replica_group", "use_collectives": True}}
+    spawn(2, incremental_ranks.save_chain, run, case, [1, 2])
+    step_2 = f"{run}/step-2"
+    fragments = [json.loads(open_store(step_2).read(fragment_name(r, 2))) for r in (0, 1)]
+    shared = set.intersection(*(set(_file_names(doc)) for doc in fragments))
+    assert len(shared) == 1 and next(iter(shared)).startswith("../step-1/"), shared
+    assert _file_names(json.loads(open_store(step_2).read(METADATA_NAME))).count(next(iter(shared))) == 1
+    loading = {**case, "load_mesh": [1], "load_placements": ONE}
+    assert spawn(1, incremental_ranks.load_steps, run, loading, [2]) == [{2: []}]
+    only_fragments(step_2)
+    original = open_store(step_2).read(fragment_name(1, 2))
+    forged = json.loads(original)
+    forged["chain"]["base"] = "step-0"
+    open_store(step_2).put_atomic(fragment_name(1, 2), json.dumps(forged).encode())
+    reader = ckptio.Reader(step_2)
+    reader.read_metadata()
+    assert reader.manifest.header.chain.base == "unknown"
+    assert spawn(1, incremental_ranks.load_steps, run, loading, [2]) == [{2: []}]
+    sizes = decode_array(forged["files"]["sizes"], len(_file_names(forged)), "sizes")
+    sizes[_file_names(forged).index(next(iter(shared)))] += 1
+    forged["files"]["sizes"] = encode_packed_array(sizes)
+    open_store(step_2).put_atomic(fragment_name(1, 2), json.dumps(forged).encode())
+    with pytest.raises(MixedFragmentsError, match="both name data file ../step-1/"):
+        ckptio.Reader(step_2).read_metadata()
+
+
+def _file_names(doc: dict) -> list[str]:
+    """A document's data file names, as the decoder spells them."""
+    return list(decode_files(doc["files"], frozenset({"incremental", "key_prefix"}), "test")[0])
 
 
 def test_markers_of_a_save_without_a_coordinator_go_when_it_is_overwritten_or_deleted(tmp_path):
