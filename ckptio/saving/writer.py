@@ -374,7 +374,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             mark_references(store, files, save.save_id, self.rank)
         publish_fragment(store, name, document, files, self.config.overwrite)
         if self.rank == 0:
-            merge_when_complete(store.url, self._open_store, save.save_id, save.ranks)
+            merge_when_complete(store.url, self.storage_options, self.storage_config, save.save_id, save.ranks)
         metadata.storage_meta = self.storage_meta()
 
     # --- tiered saves (``WriterConfig.local_tier``, ``ckptio/tiers``) ------------------------------

@@ -253,3 +253,34 @@ def test_overwriting_a_merged_save_keeps_the_set_loadable_until_the_new_fragment
     ckptio.save({"w": torch.arange(70000.0)}, other)
     clear_for_fragments(open_store(other), overwrite=True)
     assert _files(other) == []
+
+
+def test_a_large_set_is_merged_in_a_process_of_its_own_and_a_merge_called_off_commits_nothing(
+    tmp_path, monkeypatch, caplog
+):
+    """Past ``IN_PROCESS_FRAGMENTS`` (here every set) the merge runs in a child process, so that it holds
+    no lock of the training's; ``memory://``, which no other process sees, is merged in the thread; a merge
+    called off (``settle``: another save or a delete there) ends its process and commits nothing."""
+    import logging
+
+    from ckptio.config import StorageConfig
+    from ckptio.format.document import decode_fragment
+    from ckptio.saving import merge_once
+
+    monkeypatch.setattr(merge_once, "IN_PROCESS_FRAGMENTS", 0)
+    state = {"w": torch.arange(64 * 1024.0), "meta": {"x": 1}}
+    caplog.set_level(logging.DEBUG, logger="ckptio.saving.merge_once")
+    for url in (str(tmp_path / "ck"), f"memory://{tmp_path.name}/ck"):
+        ckptio.save(state, url, ckptio.WriterConfig(use_collectives=False))
+        ckptio.wait_for_uploads()
+        assert open_store(url).exists(METADATA_NAME), url
+        loaded = {"w": torch.zeros(64 * 1024), "meta": {"x": 0}}
+        ckptio.load(loaded, url)
+        assert torch.equal(loaded["w"], state["w"]) and loaded["meta"] == {"x": 1}
+    in_process = [r.getMessage() for r in caplog.records if "in process" in r.getMessage()]
+    assert len(in_process) == 1 and str(tmp_path / "ck") in in_process[0], in_process
+    url = only_fragments(str(tmp_path / "ck"))
+    save_id = decode_fragment(open_store(url).read(fragment_name(0, 1)), url)[1].save_id
+    merge_once.merge_when_complete(url, {}, StorageConfig(), save_id, 1)
+    merge_once.settle(url)  # its process is ended before it could import torch, let alone commit
+    assert not merge_once._running and not open_store(url).exists(METADATA_NAME)

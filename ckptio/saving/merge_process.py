@@ -1,0 +1,36 @@
+"""The merge of a large fragment set, in a process of its own (``merge_once``): ``python -m
+ckptio.saving.merge_process`` reads what to merge from its standard input (pickled by the saving
+process, which trusts it: it is its own), merges and commits as ``ckptio merge`` does, and exits 0 when
+it committed, 3 when there was nothing to commit, 1 when the merge failed (logged on its stderr).
+Nothing imports this module: it runs only as the merge process's ``__main__``."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+
+#: Exit status when ``ckptio.json`` was there already, or the set is not the save's.
+NOT_COMMITTED = 3
+
+
+def main() -> int:
+    from ckptio.errors import CheckpointError
+    from ckptio.saving.commit import commit_merged
+    from ckptio.storage import open_store
+
+    logging.basicConfig(level=logging.WARNING, format="ckptio merge process: %(message)s")
+    url, storage_options, storage_config, save_id = pickle.loads(sys.stdin.buffer.read())  # noqa: S301 - our own
+    try:
+        committed = commit_merged(open_store(url, storage_options, storage_config), save_id)
+    except CheckpointError as exc:  # a mixed or damaged set: every load refuses it by name as well
+        logging.warning("the fragments at %s were not merged: %s", url, exc)
+        return 1
+    except Exception as exc:  # a storage fault: loads merge the fragments themselves
+        logging.warning("the fragments at %s were not merged (loads merge them): %r", url, exc)
+        return 1
+    return 0 if committed is not None else NOT_COMMITTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
