@@ -26,6 +26,7 @@ from ckptio.saving.incremental import READ_OVERHEAD, referenced_blocks
 from ckptio.storage import open_store
 from ckptio.tools.cleanup import collect_garbage, delete_checkpoint, find_garbage
 from ckptio.tools.cli import main as cli_main
+from ckptio.tools.inspection import describe
 from tests.conftest import s3_objects
 from tests.helpers import incremental_ranks
 from tests.helpers.documents import load_error
@@ -266,6 +267,7 @@ def test_a_chain_saved_without_a_coordinator_references_its_base_and_loads_every
         assert 0 < chain["referenced_bytes"] < chain["stored_bytes"], chain
     markers = sorted(n for n in os.listdir(f"{run}/step-1") if n.startswith("ckptio.referenced-by-"))
     assert markers == [reference_marker_name(f"step-{s}", r) for s in (2, 3) for r in (0, 1)], markers
+    assert describe(f"{run}/step-1")["referenced_by"] == ["step-2", "step-3"]  # each referrer once
     loads = {"2 ranks": (2, [2], case["save_placements"]), "one process": (1, [1], ONE)}
     for name, (world, mesh, placements) in loads.items():
         loading = {**case, "load_mesh": mesh, "load_placements": placements}
