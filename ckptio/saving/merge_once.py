@@ -39,6 +39,7 @@ _FIRST_POLL_S, _LAST_POLL_S = 0.05, 2.0
 #: a fragment (64: ~40 ms, the length of a garbage collection), a process costs ~2.5 s of another core and
 #: ~300 MB to start (it imports torch).
 IN_PROCESS_FRAGMENTS = 64
+_NOT_COMMITTED, _MERGE_FAILED = 3, 4  # merge_process's exit statuses (nothing imports that module)
 
 _running: dict[threading.Thread, tuple[str, threading.Event]] = {}  # -> the checkpoint's URL, its cancel
 _lock = threading.Lock()
@@ -88,7 +89,7 @@ def _merge(where: tuple, save_id: str, ranks: int, deadline: float, cancel: thre
                 large = ranks > IN_PROCESS_FRAGMENTS and _shared(store) and bool(sys.executable)
                 payload = _payload(where, save_id) if large else None
                 committed = None if payload is None else _merge_in_process(payload, store.url, deadline, cancel)
-                if committed is None:  # a small set, or no process could be started
+                if committed is None:  # a small set, or no merge process could run
                     committed = commit_merged(store, save_id, go_on=lambda: not cancel.is_set()) is not None
                 log.debug("ckptio: %s merged its fragments: %s", store.url, "committed" if committed else "not")
                 return
@@ -125,7 +126,7 @@ def _payload(where: tuple, save_id: str) -> bytes | None:
 
 def _merge_in_process(payload: bytes, url: str, deadline: float, cancel: threading.Event) -> bool | None:
     """The merge in a process of its own, which this thread waits for (and ends when called off): whether
-    it committed, or ``None`` when no process could be started."""
+    it committed, or ``None`` when no process could be started or run."""
     try:
         child = subprocess.Popen(
             [sys.executable, "-m", "ckptio.saving.merge_process"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL
@@ -142,6 +143,9 @@ def _merge_in_process(payload: bytes, url: str, deadline: float, cancel: threadi
             child.terminate()
             child.wait()
             return False
+    if child.returncode not in (0, _NOT_COMMITTED, _MERGE_FAILED):  # no merge ran (an interpreter without ckptio?)
+        log.warning("ckptio: the merge process for %s exited with status %d; merging here", url, child.returncode)
+        return None
     return child.returncode == 0
 
 

@@ -1,7 +1,8 @@
 """The merge of a large fragment set, in a process of its own (``merge_once``): ``python -m
 ckptio.saving.merge_process`` reads what to merge from its standard input (pickled by the saving
 process, which trusts it: it is its own), merges and commits as ``ckptio merge`` does, and exits 0 when
-it committed, 3 when there was nothing to commit, 1 when the merge failed (logged on its stderr).
+it committed, 3 when there was nothing to commit, 4 when the merge failed (logged on its stderr); any
+other status means the process itself did not work (the saving process then merges in a thread).
 Nothing imports this module: it runs only as the merge process's ``__main__``."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 
 #: Exit status when ``ckptio.json`` was there already, or the set is not the save's.
 NOT_COMMITTED = 3
+#: Exit status when the set could not be merged (damaged, mixed, a storage fault): loads merge it or refuse it.
+MERGE_FAILED = 4
 
 
 def main() -> int:
@@ -25,10 +28,10 @@ def main() -> int:
         committed = commit_merged(open_store(url, storage_options, storage_config), save_id)
     except CheckpointError as exc:  # a mixed or damaged set: every load refuses it by name as well
         logging.warning("the fragments at %s were not merged: %s", url, exc)
-        return 1
+        return MERGE_FAILED
     except Exception as exc:  # a storage fault: loads merge the fragments themselves
         logging.warning("the fragments at %s were not merged (loads merge them): %r", url, exc)
-        return 1
+        return MERGE_FAILED
     return 0 if committed is not None else NOT_COMMITTED
 
 

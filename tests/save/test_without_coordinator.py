@@ -259,9 +259,11 @@ def test_a_large_set_is_merged_in_a_process_of_its_own_and_a_merge_called_off_co
     tmp_path, monkeypatch, caplog
 ):
     """Past ``IN_PROCESS_FRAGMENTS`` (here every set) the merge runs in a child process, so that it holds
-    no lock of the training's; ``memory://``, which no other process sees, is merged in the thread; a merge
-    called off (``settle``: another save or a delete there) ends its process and commits nothing."""
+    no lock of the training's; ``memory://``, which no other process sees, is merged in the thread, and so
+    is a set whose process could not run; a merge called off (``settle``: another save or a delete there)
+    ends its process and commits nothing."""
     import logging
+    import sys
 
     from ckptio.config import StorageConfig
     from ckptio.format.document import decode_fragment
@@ -281,6 +283,16 @@ def test_a_large_set_is_merged_in_a_process_of_its_own_and_a_merge_called_off_co
     assert len(in_process) == 1 and str(tmp_path / "ck") in in_process[0], in_process
     url = only_fragments(str(tmp_path / "ck"))
     save_id = decode_fragment(open_store(url).read(fragment_name(0, 1)), url)[1].save_id
+    broken = tmp_path / "python"  # an interpreter where no merge runs (a frozen executable, say)
+    broken.write_text("#!/bin/sh\nexit 1\n")
+    broken.chmod(0o755)
+    with monkeypatch.context() as patched:
+        patched.setattr(sys, "executable", str(broken))
+        merge_once.merge_when_complete(url, {}, StorageConfig(), save_id, 1)
+        merge_once.wait_for_merges()
+    assert open_store(url).exists(METADATA_NAME)  # merged in the thread instead
+    assert any("exited with status 1; merging here" in r.getMessage() for r in caplog.records)
+    open_store(url).remove(METADATA_NAME)
     merge_once.merge_when_complete(url, {}, StorageConfig(), save_id, 1)
     merge_once.settle(url)  # its process is ended before it could import torch, let alone commit
     assert not merge_once._running and not open_store(url).exists(METADATA_NAME)
