@@ -39,14 +39,27 @@ CHECKPOINTABLE_FIELDS = ("global_shape", "global_offsets", "local_offsets", "loc
 
 #: Where ``dcp.load`` calls ``StorageReader.read_metadata`` from, with its ``_DistWrapper`` in ``distW``.
 _LOAD_FRAME = ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict")
+#: Where ``dcp.save`` (and ``dcp.async_save``'s background save) sets its ``StorageWriter`` up, likewise.
+_SAVE_FRAME = ("torch.distributed.checkpoint.state_dict_saver", "_save_state_dict")
 
 
 def enclosing_load_wrapper(frame: Any) -> Any:
     """The ``_DistWrapper`` (its ``use_dist`` and ``group``) of the ``dcp.load`` whose frame encloses
     ``frame``: torch gives ``read_metadata`` no process group. ``None`` outside ``dcp.load``, or where a
     torch release renamed the function or the variable (every rank then reads for itself)."""
+    return _enclosing_wrapper(frame, _LOAD_FRAME)
+
+
+def enclosing_save_wrapper(frame: Any) -> Any:
+    """The ``_DistWrapper`` of the ``dcp.save`` whose frame encloses ``frame``: torch gives
+    ``set_up_storage_writer`` its rank in the save's process group, not the group. ``None`` outside it, or
+    where a torch release renamed the function or the variable."""
+    return _enclosing_wrapper(frame, _SAVE_FRAME)
+
+
+def _enclosing_wrapper(frame: Any, where: tuple[str, str]) -> Any:
     while frame is not None:
-        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _LOAD_FRAME:
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == where:
             return frame.f_locals.get("distW")
         frame = frame.f_back
     return None
@@ -87,6 +100,7 @@ __all__ = [
     "dedup_save_plans",
     "default_store",
     "enclosing_load_wrapper",
+    "enclosing_save_wrapper",
     "flatten_state_dict",
     "process_executor_running",
 ]

@@ -107,6 +107,28 @@ def test_dcp_load_still_calls_read_metadata_with_its_dist_wrapper_in_reach(tmp_p
     assert found and found[0] is not None and hasattr(found[0], "use_dist") and hasattr(found[0], "group")
 
 
+def test_dcp_save_still_sets_the_writer_up_with_its_dist_wrapper_in_reach(tmp_path):
+    """The frame walk a save without collectives over a process group relies on: ``_save_state_dict``'s
+    ``distW`` (its ``group``), found from inside ``set_up_storage_writer``, in dcp.save and async_save."""
+    import sys
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import ckptio
+
+    found = []
+
+    class Watching(ckptio.Writer):
+        def set_up_storage_writer(self, *args, **kwargs):
+            found.append(seam.enclosing_save_wrapper(sys._getframe()))
+            return super().set_up_storage_writer(*args, **kwargs)
+
+    dcp.save({"w": torch.ones(2)}, storage_writer=Watching(str(tmp_path / "a")))
+    dcp.async_save({"w": torch.ones(2)}, storage_writer=Watching(str(tmp_path / "b"))).result()
+    assert len(found) == 2 and all(w is not None and hasattr(w, "group") for w in found), found
+
+
 def test_the_plan_cache_ckptio_reads_is_where_torch_keeps_it(tmp_path):
     """``cached_save_plan_items``: DefaultSavePlanner(enable_plan_caching=True) keeps each rank's plan in
     ``_cached_save_plan[_cached_plans_key]``; a second save with the cache loads exact."""

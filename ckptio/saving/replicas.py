@@ -31,13 +31,26 @@ class OwnWrites:
     replicas: list[Replica]  # chunks it holds and another rank writes
 
 
-def own_writes(held: dict[MetadataIndex, WriteItem], state: dict[str, Any], rank: int, mode: str) -> OwnWrites:
+def own_writes(
+    held: dict[MetadataIndex, WriteItem],
+    state: dict[str, Any],
+    rank: int,
+    mode: str,
+    members: tuple[int, ...] | None = None,
+) -> OwnWrites:
     """Split what this rank holds (``held``: stored key -> item; ``state``: the planner's flat state dict)
-    into what it writes and the chunks it leaves to another holder."""
+    into what it writes and the chunks it leaves to another holder. ``rank``: this rank's in the save's
+    process group; ``members``: that group's global ranks by group rank (``None``: the default group). A
+    replica held outside the group is no writer: the group's holders decide among themselves."""
+    position = None if members is None else {member: r for r, member in enumerate(members)}
+    me = rank if members is None else members[rank]
 
     def holders_of(item: WriteItem) -> tuple[int, ...]:
         value = state.get(item.index.fqn)
-        return replica_ranks(value, rank) if isinstance(value, DTensor) else (rank,)
+        if not isinstance(value, DTensor):
+            return (rank,)
+        holders = replica_ranks(value, me)
+        return holders if position is None else tuple(sorted(position[h] for h in holders if h in position))
 
     return split_by_holders(held, holders_of, rank, mode)
 

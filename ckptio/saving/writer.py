@@ -12,6 +12,7 @@ import itertools
 import logging
 import operator
 import os
+import sys
 import time
 import uuid
 import weakref
@@ -62,7 +63,7 @@ from ckptio.storage.location import CheckpointLocation
 from ckptio.tiers import writing as tiers
 from ckptio.tiers.drain import Durable, drain_queue
 from ckptio.tiers.paths import local_step_store
-from ckptio.torch_seam import cached_save_plan_items
+from ckptio.torch_seam import cached_save_plan_items, enclosing_save_wrapper
 from ckptio.version import __version__
 
 log = logging.getLogger(__name__)
@@ -324,14 +325,18 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
                 "use_collectives=False): a tiered save commits through its coordinator. Save with collectives, "
                 "or without the local tier"
             )
-        distributed = torch.distributed.is_initialized()
-        if distributed and self.rank != torch.distributed.get_rank():
+        if not torch.distributed.is_initialized():
+            return FragmentSave(fragment_save_id(self.checkpoint_id), 1)
+        wrapper = enclosing_save_wrapper(sys._getframe(1))  # torch hands the writer its rank, not its group
+        if wrapper is None and self.rank != torch.distributed.get_rank():
             raise CheckpointError(
-                f"ckptio saves without collectives over the default process group only (this rank is {self.rank} "
-                f"of the save's group and {torch.distributed.get_rank()} of the default one): pass no process_group"
+                f"ckptio cannot tell the process group of this save without collectives (this rank is {self.rank} "
+                f"of the save's group and {torch.distributed.get_rank()} of the default one, and torch's dcp.save "
+                "frame was not found): save over the default process group"
             )
-        ranks = torch.distributed.get_world_size() if distributed else 1
-        return FragmentSave(fragment_save_id(self.checkpoint_id), ranks)
+        group = getattr(wrapper, "group", None)
+        members = None if group is None else tuple(torch.distributed.get_process_group_ranks(group))
+        return FragmentSave(fragment_save_id(self.checkpoint_id), torch.distributed.get_world_size(group), members)
 
     def _write_own_part(
         self, file: str, held: dict[MetadataIndex, WriteItem], planner: SavePlanner
@@ -339,7 +344,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         """Write what this rank decides alone to write (``replicas.py``): its chunks no other rank
         writes, and its own copy of every object and plain tensor."""
         state = getattr(planner, "state_dict", None) or {}
-        own = own_writes(held, state, self.rank, self.config.mode)
+        own = own_writes(held, state, self.rank, self.config.mode, self._fragment.members)
         self._fragment.replicas = own.replicas
         self._fragment.mesh = MeshRecord.of(state)
         stored = {}
@@ -552,6 +557,7 @@ class FragmentSave:
 
     save_id: str
     ranks: int
+    members: tuple[int, ...] | None = None  # the save's group: global ranks by group rank (None: every rank)
     replicas: list[Replica] = dataclasses.field(default_factory=list)
     mesh: MeshRecord | None = None
 

@@ -108,6 +108,30 @@ def save(url: str, case: dict[str, Any], values: dict[str, Any] | None = None, p
     return counts
 
 
+def save_in_groups(root: str, asynchronous: bool = False) -> list[str]:
+    """4 ranks as a 2x2 mesh ("group", "inner"): each inner group of 2 saves its own state to
+    ``root/group-<g>`` without collectives over its own process group (``model.w`` sharded over the inner
+    mesh, ``model.e`` replicated over all four ranks, a step, each rank's loader); the names there."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("group", "inner"))
+    g = rank // 2
+    values = {
+        "model.w": distribute_tensor(full(g)["model.w"], mesh["inner"], [Shard(0)], src_data_rank=None),
+        "model.e": distribute_tensor(full(0)["model.e"], mesh, [Replicate(), Replicate()], src_data_rank=None),
+        "step": torch.tensor(float(g)),
+        f"loader.rank{rank}": {"position": 100 + rank},
+    }
+    url = f"{root}/group-{g}"
+    group = mesh.get_group("inner")
+    if asynchronous:
+        dcp.async_save(values, storage_writer=ckptio.Writer(url), process_group=group, use_collectives=False).result()
+    else:
+        dcp.save(values, storage_writer=ckptio.Writer(url), process_group=group, use_collectives=False)
+    ckptio.wait_for_uploads()  # the group's rank 0 merges its fragments
+    dist.barrier()
+    return sorted(os.listdir(url))
+
+
 def load_and_compare(url: str, case: dict[str, Any], through: str = "dcp") -> list[str]:
     """Load into a zeroed state of the load layout; the keys that came back wrong on this rank."""
     per_rank = case.get("per_rank", True)

@@ -296,3 +296,28 @@ def test_a_large_set_is_merged_in_a_process_of_its_own_and_a_merge_called_off_co
     merge_once.merge_when_complete(url, {}, StorageConfig(), save_id, 1)
     merge_once.settle(url)  # its process is ended before it could import torch, let alone commit
     assert not merge_once._running and not open_store(url).exists(METADATA_NAME)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_each_process_group_saves_without_collectives_to_its_own_checkpoint(tmp_path, asynchronous):
+    """Two groups of a 2x2 mesh save apart, each over its own group: a fragment per group rank, merged by
+    the group's rank 0; a chunk replicated beyond the group (all four ranks) is written by one of the
+    group's ranks; each checkpoint loads exact in one process."""
+    root = str(tmp_path)
+    listed = spawn(4, fragment_ranks.save_in_groups, root, asynchronous)
+    for g, names in enumerate([listed[0], listed[2]]):
+        assert [n for n in names if n.startswith("ckptio.")] == [
+            METADATA_NAME,
+            fragment_name(0, 2),
+            fragment_name(1, 2),
+        ], names
+        loaded = {
+            "model.w": torch.zeros(fragment_ranks.SHAPES["model.w"][0]),
+            "model.e": torch.zeros(fragment_ranks.SHAPES["model.e"][0], dtype=torch.bfloat16),
+            "step": torch.tensor(-1.0),
+            **{f"loader.rank{r}": {"position": -1} for r in (2 * g, 2 * g + 1)},
+        }
+        ckptio.load(loaded, f"{root}/group-{g}")
+        assert torch.equal(loaded["model.w"], fragment_ranks.full(g)["model.w"])
+        assert torch.equal(loaded["model.e"], fragment_ranks.full(0)["model.e"]) and loaded["step"] == g
+        assert [loaded[f"loader.rank{r}"]["position"] for r in (2 * g, 2 * g + 1)] == [100 + 2 * g, 101 + 2 * g]
