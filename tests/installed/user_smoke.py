@@ -74,6 +74,17 @@ def one_process(root: str) -> None:
     ckptio.load(loaded, f"{root}/async")
     assert_equal(loaded, saved, "dcp.async_save")
 
+    from ckptio.saving import merge_once
+
+    merge_once.IN_PROCESS_FRAGMENTS = 0  # the merge process of a large set, run from the installed wheel
+    dcp.save(saved, storage_writer=ckptio.Writer(f"{root}/merged-apart"), use_collectives=False)
+    ckptio.wait_for_uploads()
+    merge_once.IN_PROCESS_FRAGMENTS = 64
+    assert os.path.exists(f"{root}/merged-apart/ckptio.json"), os.listdir(f"{root}/merged-apart")
+    loaded = zeroed(saved)
+    ckptio.load(loaded, f"{root}/merged-apart")
+    assert_equal(loaded, saved, "a save without a coordinator merged in a process of its own")
+
     tier = f"{root}/node-tier"
     for step, value in ((1, 1.0), (2, 2.0)):
         ckptio.save({"w": torch.full((8,), value)}, f"{root}/run/step-{step}", ckptio.WriterConfig(local_tier=tier))
@@ -145,7 +156,7 @@ def main() -> None:
             start = time.perf_counter()
             run()
             print(f"{name}: {time.perf_counter() - start:.1f} s")
-    print("installed ckptio: one process, 2 gloo ranks, async, tiered + latest, every CLI verb: all exact")
+    print("installed ckptio: one process, 2 gloo ranks, async, merged apart, tiered + latest, every verb: all exact")
 
 
 if __name__ == "__main__":
