@@ -2,7 +2,7 @@
 ckptio.saving.merge_process`` reads what to merge from its standard input (pickled by the saving
 process, which trusts it: it is its own), merges and commits as ``ckptio merge`` does, and exits 0 when
 it committed, 3 when there was nothing to commit, 4 when the merge failed (logged on its stderr); any
-other status means the process itself did not work (the saving process then merges in a thread).
+other status (5: it cannot read its orders or open the location) means the saving process merges in a thread instead.
 Nothing imports this module: it runs only as the merge process's ``__main__``."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import sys
 NOT_COMMITTED = 3
 #: Exit status when the set could not be merged (damaged, mixed, a storage fault): loads merge it or refuse it.
 MERGE_FAILED = 4
+#: Exit status when this process cannot open the location (the saving process then merges in a thread).
+CANNOT_OPEN = 5
 
 
 def main() -> int:
@@ -23,9 +25,13 @@ def main() -> int:
     from ckptio.storage import open_store
 
     logging.basicConfig(level=logging.WARNING, format="ckptio merge process: %(message)s")
-    url, storage_options, storage_config, save_id = pickle.loads(sys.stdin.buffer.read())  # noqa: S301 - our own
     try:
-        committed = commit_merged(open_store(url, storage_options, storage_config), save_id)
+        url, storage_options, storage_config, save_id = pickle.loads(sys.stdin.buffer.read())  # noqa: S301 - ours
+        store = open_store(url, storage_options, storage_config)
+    except Exception:  # options of classes, or a filesystem, only the saving process knows: it merges itself
+        return CANNOT_OPEN
+    try:
+        committed = commit_merged(store, save_id)
     except CheckpointError as exc:  # a mixed or damaged set: every load refuses it by name as well
         logging.warning("the fragments at %s were not merged: %s", url, exc)
         return MERGE_FAILED

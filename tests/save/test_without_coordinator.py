@@ -9,8 +9,10 @@ import json
 import os
 import shutil
 
+import fsspec
 import pytest
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load_file
 
 import ckptio
@@ -293,9 +295,24 @@ def test_a_large_set_is_merged_in_a_process_of_its_own_and_a_merge_called_off_co
     assert open_store(url).exists(METADATA_NAME)  # merged in the thread instead
     assert any("exited with status 1; merging here" in r.getMessage() for r in caplog.records)
     open_store(url).remove(METADATA_NAME)
+    fsspec.register_implementation("parentonly", _ParentOnly, clobber=True)  # no merge process knows it
+    ckptio.save(state, f"parentonly://{tmp_path}/elsewhere", ckptio.WriterConfig(use_collectives=False))
+    ckptio.wait_for_uploads()
+    assert os.path.exists(tmp_path / "elsewhere" / METADATA_NAME)
+    assert any("exited with status 5; merging here" in r.getMessage() for r in caplog.records)
     merge_once.merge_when_complete(url, {}, StorageConfig(), save_id, 1)
     merge_once.settle(url)  # its process is ended before it could import torch, let alone commit
     assert not merge_once._running and not open_store(url).exists(METADATA_NAME)
+
+
+class _ParentOnly(LocalFileSystem):
+    """A local filesystem registered under a protocol of this process alone."""
+
+    protocol = ("parentonly",)
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        return super()._strip_protocol(path.removeprefix("parentonly://"))
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
