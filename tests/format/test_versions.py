@@ -30,6 +30,11 @@ def _fixture_state() -> dict:
 
 @pytest.mark.parametrize("name", ["v1-raw", "v1-zstd"])
 def test_checkpoints_written_by_0_1_0_load_bit_exact(name):
+    assert_loads_the_v1_samples_state(os.path.join(DATA, name))
+
+
+def assert_loads_the_v1_samples_state(path: str) -> None:
+    """``path`` (a tests/data/v1-* sample, or a copy) loads exactly the state it was saved from."""
     expected = _fixture_state()
     state = {
         "w": torch.zeros(256, 130),
@@ -37,7 +42,7 @@ def test_checkpoints_written_by_0_1_0_load_bit_exact(name):
         "step": 0,
         "cfg": {"lr": 0.0, "name": ""},
     }
-    dcp.load(state, storage_reader=ckptio.Reader(os.path.join(DATA, name)), planner=ckptio.SafeLoadPlanner())
+    dcp.load(state, storage_reader=ckptio.Reader(path), planner=ckptio.SafeLoadPlanner())
     assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
     assert state["step"] == 7 and state["cfg"] == {"lr": 0.1, "name": "x"}
 

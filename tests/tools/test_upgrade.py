@@ -20,7 +20,7 @@ from ckptio.legacy.reader import encode_legacy
 from ckptio.storage import open_store
 from ckptio.tools.cli import main as cli_main
 from ckptio.tools.upgrade import _check_same, _items_of, upgrade
-from tests.format.test_versions import DATA, _fixture_state, _v2_sample_state
+from tests.format.test_versions import DATA, _v2_sample_state, assert_loads_the_v1_samples_state
 from tests.helpers.documents import STATE, fresh, meta_path, rewrite_in_version, saved
 
 
@@ -56,16 +56,7 @@ def test_checkpoints_of_0_1_upgrade_and_load_bit_exact(tmp_path, capsys, name):
     url = str(tmp_path / name)
     shutil.copytree(os.path.join(DATA, name), url)
     _upgraded(url, capsys)
-    expected = _fixture_state()
-    state = {
-        "w": torch.zeros(256, 130),
-        "b": torch.zeros(10, dtype=torch.bfloat16),
-        "step": 0,
-        "cfg": {"lr": 0.0, "name": ""},
-    }
-    dcp.load(state, storage_reader=ckptio.Reader(url), planner=ckptio.SafeLoadPlanner())
-    assert torch.equal(state["w"], expected["w"]) and torch.equal(state["b"], expected["b"])
-    assert state["step"] == 7 and state["cfg"] == {"lr": 0.1, "name": "x"}
+    assert_loads_the_v1_samples_state(url)
 
 
 def test_a_sharded_version_2_checkpoint_with_per_rank_values_upgrades(tmp_path, capsys):
