@@ -338,3 +338,25 @@ def test_each_process_group_saves_without_collectives_to_its_own_checkpoint(tmp_
         assert torch.equal(loaded["model.w"], fragment_ranks.full(g)["model.w"])
         assert torch.equal(loaded["model.e"], fragment_ranks.full(0)["model.e"]) and loaded["step"] == g
         assert [loaded[f"loader.rank{r}"]["position"] for r in (2 * g, 2 * g + 1)] == [100 + 2 * g, 101 + 2 * g]
+
+
+def test_a_merge_process_commits_on_s3(s3, monkeypatch, caplog):
+    """The merge process reaches the object store with the saving process's storage options (pickled to
+    it), and commits there create-only."""
+    import logging
+
+    from ckptio.saving import merge_once
+
+    monkeypatch.setattr(merge_once, "IN_PROCESS_FRAGMENTS", 0)
+    caplog.set_level(logging.DEBUG, logger="ckptio.saving.merge_once")
+    base_url, options = s3
+    url = f"{base_url}/ck"
+    state = {"w": torch.arange(64 * 1024.0), "meta": {"x": 1}}
+    ckptio.save(state, url, ckptio.WriterConfig(use_collectives=False), storage_options=options)
+    ckptio.wait_for_uploads()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("in process" in m for m in messages) and not any("merging here" in m for m in messages), messages
+    assert open_store(url, options).exists(METADATA_NAME)
+    loaded = {"w": torch.zeros(64 * 1024), "meta": {"x": 0}}
+    ckptio.load(loaded, url, storage_options=options)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["meta"] == {"x": 1}
