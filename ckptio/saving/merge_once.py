@@ -40,7 +40,10 @@ _FIRST_POLL_S, _LAST_POLL_S = 0.05, 2.0
 #: a fragment (64: ~40 ms, the length of a garbage collection), a process costs ~2.5 s of another core and
 #: ~300 MB to start (it imports torch).
 IN_PROCESS_FRAGMENTS = 64
-_NOT_COMMITTED, _MERGE_FAILED = 3, 4  # merge_process's exit statuses (nothing imports that module)
+#: The merge process's exit statuses besides 0 (committed): ``ckptio.json`` was there already or the set
+#: is not the save's; the set could not be merged (damaged, mixed, a storage fault: loads merge it or
+#: refuse it); it cannot read its orders or open the location (this process then merges in a thread).
+NOT_COMMITTED, MERGE_FAILED, CANNOT_OPEN = 3, 4, 5
 
 _running: dict[threading.Thread, tuple[str, threading.Event]] = {}  # -> the checkpoint's URL, its cancel
 _lock = threading.Lock()
@@ -144,7 +147,7 @@ def _merge_in_process(payload: bytes, url: str, deadline: float, cancel: threadi
             child.terminate()
             child.wait()
             return False
-    if child.returncode not in (0, _NOT_COMMITTED, _MERGE_FAILED):  # no merge ran (an interpreter without ckptio?)
+    if child.returncode not in (0, NOT_COMMITTED, MERGE_FAILED):  # no merge ran (an interpreter without ckptio?)
         log.warning("ckptio: the merge process for %s exited with status %d; merging here", url, child.returncode)
         return None
     return child.returncode == 0

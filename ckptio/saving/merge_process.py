@@ -1,9 +1,9 @@
 """The merge of a large fragment set, in a process of its own (``merge_once``): ``python -m
 ckptio.saving.merge_process`` reads what to merge from its standard input (pickled by the saving
 process, which trusts it: it is its own), merges and commits as ``ckptio merge`` does, and exits 0 when
-it committed, 3 when there was nothing to commit, 4 when the merge failed (logged on its stderr); any
-other status (5: it cannot read its orders or open the location) means the saving process merges in a thread instead.
-Nothing imports this module: it runs only as the merge process's ``__main__``."""
+it committed, else with one of ``merge_once``'s statuses (the merge failed: logged on its stderr); any
+other status means the saving process merges in a thread instead.
+Nothing imports this module (runpy would warn): it runs only as the merge process's ``__main__``."""
 
 from __future__ import annotations
 
@@ -11,17 +11,11 @@ import logging
 import pickle
 import sys
 
-#: Exit status when ``ckptio.json`` was there already, or the set is not the save's.
-NOT_COMMITTED = 3
-#: Exit status when the set could not be merged (damaged, mixed, a storage fault): loads merge it or refuse it.
-MERGE_FAILED = 4
-#: Exit status when this process cannot open the location (the saving process then merges in a thread).
-CANNOT_OPEN = 5
-
 
 def main() -> int:
     from ckptio.errors import CheckpointError
     from ckptio.saving.commit import commit_merged
+    from ckptio.saving.merge_once import CANNOT_OPEN, MERGE_FAILED, NOT_COMMITTED
     from ckptio.storage import open_store
 
     logging.basicConfig(level=logging.WARNING, format="ckptio merge process: %(message)s")
