@@ -305,11 +305,6 @@ class WriterConfig:
             raise ValueError(
                 f"incremental_from must be a checkpoint URL, 'previous' or None, got {self.incremental_from!r}"
             )
-        if self.incremental_from is not None and self.local_tier is not None:
-            raise ValueError(
-                "ckptio does not combine incremental_from with a local tier (local_tier) yet: save incrementally "
-                "to the durable URL, or tiered in full"
-            )
         if self.incremental_max_depth < 1:
             raise ValueError(f"incremental_max_depth must be at least 1, got {self.incremental_max_depth}")
         if not 0 <= self.incremental_min_fraction < 1:

@@ -102,7 +102,6 @@ def test_incremental_saves_from_a_dict_or_the_environment_and_their_bounds_check
         ({"incremental_from": ""}, "incremental_from must be"),
         ({"incremental_max_depth": 0}, "incremental_max_depth"),
         ({"incremental_min_fraction": 1.0}, "incremental_min_fraction"),
-        ({"incremental_from": "previous", "local_tier": str(tmp_path)}, "local tier"),
     ]:
         with pytest.raises(ValueError, match=match):
             ckptio.WriterConfig(**wrong)

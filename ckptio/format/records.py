@@ -321,14 +321,30 @@ class Manifest:
         return [*self.items.values(), *(copy for copies in self.per_rank.values() for copy in copies.values())]
 
 
-def placed_blocks(records: Iterable[StoredItem], file: str) -> list[tuple[int, int, int]]:
-    """``(file offset, stored length, CRC32C)`` of every block ``records`` place in ``file``, by offset."""
-    return sorted(
-        (offset, length, crc)
-        for record in records
-        if record.file == file
-        for offset, (length, crc) in zip(record.block_offsets[:-1], record.blocks, strict=True)
-    )
+def placed_blocks(
+    records: Iterable[StoredItem], file: str, extents: Mapping[str, tuple[Extent, ...]] | None = None
+) -> list[tuple[int, int, int]]:
+    """``(file offset, stored length, CRC32C)`` of every block ``records`` place in ``file``, by offset; an
+    item stored in pieces places its blocks along its runs (``extents``: a manifest's, by virtual name)."""
+    placed = []
+    for record in records:
+        runs = (extents or {}).get(record.file) or (record.extents if isinstance(record, Reference) else ())
+        if len(runs) <= 1:
+            if record.file == file:
+                placed.extend(
+                    (offset, *block) for offset, block in zip(record.block_offsets[:-1], record.blocks, strict=True)
+                )
+            continue
+        if all(run.file != file for run in runs):
+            continue
+        run, at = 0, 0  # the run holding the next block, and the block's offset in it
+        for length, crc in record.blocks:
+            while at >= runs[run].length:
+                run, at = run + 1, 0
+            if runs[run].file == file:
+                placed.append((runs[run].offset + at, length, crc))
+            at += length
+    return sorted(placed)
 
 
 def planner_data_json(planner_data: Any) -> Any:

@@ -62,6 +62,7 @@ def encode_items(
     config: WriterConfig,
     inline_limit: int = 0,
     base: Base | None = None,
+    digested: bool | None = None,
 ) -> dict[MetadataIndex, StoredItem]:
     """Store ``items`` in data file ``file`` (or inline, if they all fit in ``inline_limit`` bytes). With
     ``WriterConfig.incremental_from`` set, every block's content digest is recorded, and the blocks
@@ -71,7 +72,7 @@ def encode_items(
         config.max_block_size, config.compression, config.compression_level, cpu_threads(config.max_concurrency)
     )
     sink = _InlineOrFileSink(store, file, inline_limit)
-    digested = config.incremental_from is not None
+    digested = config.incremental_from is not None if digested is None else digested
     placed: list[tuple[ItemBytes, Codec, int, int, tuple, bytes | None]] = []  # + codec, offset, block size, blocks
     referenced: dict[MetadataIndex, StoredItem] = {}
     offset = 0

@@ -4,9 +4,10 @@ each item which of its blocks that checkpoint's stored bytes already hold.
 Rules, the same on every rank (each decides alone from the same base, no collective):
 
 - The base is ``incremental_from``: a checkpoint URL, or ``"previous"``: the last checkpoint this
-  process saved with ckptio. It must be a sibling (a folder beside the new checkpoint's: the
-  ``run/step-N`` layout), committed, and saved with block digests (any save with ``incremental_from``
-  set records them). A named base that is not is an error; ``"previous"`` that is
+  process saved with ckptio that is committed at its URL now (a tiered save's may still be on its way
+  to the durable tier: the one before it is the base then). It must be a sibling (a folder beside the
+  new checkpoint's: the ``run/step-N`` layout), committed, and saved with block digests (any save with
+  ``incremental_from`` set records them). A named base that is not is an error; ``"previous"`` that is
   not starts the chain over with a full save (logged).
 - The chain is bounded: a save whose base is ``incremental_max_depth`` incremental saves from a full one,
   or whose base referenced less than ``incremental_min_fraction`` of its bytes, is a full save (so no
@@ -32,7 +33,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ckptio.errors import CheckpointError, CheckpointNotFoundError
+from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ckptio.format.codec import block_digest
 from ckptio.format.names import SIBLING_PREFIX, is_sibling_name, sibling_file_name
 from ckptio.format.records import DIGEST_BYTES, NO_DIGEST, Extent, Manifest, StoredItem
@@ -46,12 +47,15 @@ PREVIOUS = "previous"
 #: and writes the other unchanged blocks again (so a load at any depth takes at most ~1.05x a full one's;
 #: the bench's sparse table, 1% of rows changed in 47% of its blocks, written whole to S3 for that).
 READ_OVERHEAD = 0.05
-#: The checkpoint location of this process's last save with ckptio (``incremental_from="previous"``).
+#: The checkpoint locations of this process's last saves with ckptio, newest first
+#: (``incremental_from="previous"``).
 _last_saved: list[str] = []
+#: How many of them are kept: a tiered save's drain is at most a few saves behind.
+SAVES_REMEMBERED = 8
 
 
 def note_saved(checkpoint_id: str) -> None:
-    _last_saved[:] = [checkpoint_id]
+    _last_saved[:] = [checkpoint_id, *(url for url in _last_saved if url != checkpoint_id)][:SAVES_REMEMBERED]
 
 
 @dataclasses.dataclass
@@ -162,42 +166,68 @@ def resolve_base(checkpoint_id: str, config, open_store) -> Base | None:
     wanted = config.incremental_from
     if wanted is None:
         return None
-    named = wanted != PREVIOUS
-    url = wanted if named else (_last_saved[0] if _last_saved else None)
-    if url is None:
-        return None
+    if wanted != PREVIOUS:
+        manifest, problem, _ = _candidate(wanted, checkpoint_id, open_store)
+        if problem is not None:
+            raise CheckpointError(
+                f"incremental_from={wanted!r} cannot be this save's base: {problem}. Name another checkpoint, or "
+                "save in full (incremental_from=None) once to start a chain"
+            )
+        return _within_bounds(wanted, manifest, checkpoint_id, config)
+    first_problem = None
+    for url in _last_saved:
+        if folder_and_name(url)[0] != folder_and_name(checkpoint_id)[0]:
+            break  # saves of another run: this one's first save has nothing to reference
+        manifest, problem, uncommitted = _candidate(url, checkpoint_id, open_store)
+        if problem is None:
+            if first_problem is not None:
+                log.info("ckptio: saving %s against %s: the later %s", checkpoint_id, url, first_problem)
+            return _within_bounds(url, manifest, checkpoint_id, config)
+        first_problem = first_problem or f"{url} is no base: {problem}"
+        if not uncommitted:
+            break  # only a save not (yet) committed there gives way to the one before it
+    if first_problem is not None:
+        log.warning("ckptio: saving %s in full: the previous checkpoint %s", checkpoint_id, first_problem)
+    elif _last_saved:
+        log.info(
+            "ckptio: saving %s in full: the previous checkpoint %s is not beside it", checkpoint_id, _last_saved[0]
+        )
+    return None
+
+
+def _candidate(url: str, checkpoint_id: str, open_store) -> tuple[Manifest | None, str | None, bool]:
+    """The metadata of ``url`` as a base of ``checkpoint_id``, or why it is none, and whether that is
+    because nothing is committed there."""
     parent, name = folder_and_name(url)
     own_parent, own_name = folder_and_name(checkpoint_id)
-    problem = None
     if parent != own_parent or not is_sibling_name(name):
-        problem = (
+        return (
+            None,
             f"it is not a checkpoint in the same folder as {checkpoint_id} (an incremental checkpoint references "
-            "its siblings only, as run/step-200 references run/step-100, named with letters, digits and ._=+,@-)"
+            "its siblings only, as run/step-200 references run/step-100, named with letters, digits and ._=+,@-)",
+            False,
         )
-    elif name == own_name:
-        problem = "it is the checkpoint being saved"
-    manifest = None
-    if problem is None:
-        try:
-            manifest = read_manifest(open_store(url))
-        except (CheckpointNotFoundError, CheckpointError) as exc:
-            problem = f"it cannot be read ({exc})"
-    if manifest is not None and not _digested(manifest):
-        problem = (
+    if name == own_name:
+        return None, "it is the checkpoint being saved", False
+    try:
+        manifest = read_manifest(open_store(url))
+    except (CheckpointNotFoundError, IncompleteCheckpointError) as exc:
+        return None, f"nothing is committed there ({exc})", True
+    except CheckpointError as exc:
+        return None, f"it cannot be read ({exc})", False
+    if not _digested(manifest):
+        return (
+            None,
             f"it was saved without block digests (format version {manifest.header.format_version}; a save records "
-            "them when WriterConfig.incremental_from is set)"
+            "them when WriterConfig.incremental_from is set)",
+            False,
         )
-    if problem is not None and not named and parent != own_parent:  # a new run's first save: nothing to say
-        log.info("ckptio: saving %s in full: the previous checkpoint %s is not beside it", checkpoint_id, url)
-        return None
-    if problem is not None:
-        if named:
-            raise CheckpointError(
-                f"incremental_from={url!r} cannot be this save's base: {problem}. Name another checkpoint, or save "
-                "in full (incremental_from=None) once to start a chain"
-            )
-        log.warning("ckptio: saving %s in full: the previous checkpoint %s is no base: %s", checkpoint_id, url, problem)
-        return None
+    return manifest, None, False
+
+
+def _within_bounds(url: str, manifest: Manifest, checkpoint_id: str, config) -> Base | None:
+    """``url`` as the base, unless the chain would pass ``incremental_max_depth`` or the base referenced too
+    little (``incremental_min_fraction``)."""
     chain = manifest.header.chain
     depth = (chain.depth if chain is not None else 0) + 1
     if depth > config.incremental_max_depth:
@@ -213,7 +243,7 @@ def resolve_base(checkpoint_id: str, config, open_store) -> Base | None:
             config.incremental_min_fraction,
         )
         return None
-    return Base(name, manifest, depth)
+    return Base(folder_and_name(url)[1], manifest, depth)
 
 
 def _digested(manifest: Manifest) -> bool:

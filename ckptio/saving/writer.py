@@ -260,14 +260,14 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         private = isinstance(plan.storage_data, RankAssignment) and plan.storage_data.private_only
         inline_limit = self.config.inline_limit if private and not extras else 0
         stored = None
+        if assigned or extras or self.is_coordinator:  # what this rank writes against; the chain's record
+            self._base = self._incremental_base()
         if self.config.local_tier:
             replicas = {k: v for k, v in held.items() if k not in assigned and k not in extras}
             if assigned or extras or replicas:
                 stored = self._write_tiered(file, {**assigned, **extras}, replicas, planner, objects, inline_limit)
             elif not self.is_coordinator:
                 tiers.queue_prune(self._drain_key(), self._durable(), self.config)
-        if assigned or extras or self.is_coordinator:  # what this rank writes against; the chain's record
-            self._base = self._incremental_base()
         if stored is None and (assigned or extras):  # not tiered, or the fast tier is full
             store = self._open_store()
             store.prepare_directory()
@@ -297,7 +297,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         metadata.planner_data = canonical_planner_data(metadata.planner_data)
         document = encode_metadata(metadata, items, header, per_rank)
         refuse_unloadable(document, self._open_store().describe(METADATA_NAME))
-        if header.chain is not None:
+        if header.chain is not None:  # before the commit, tiered too: deletes keep what a drain will need
             mark_references(self._open_store(), files, self._save_id)
         if self.config.local_tier:
             tiers.commit_locally(
@@ -305,7 +305,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
                 document,
             )
             tiers.queue_commit(
-                self._drain_key(), self._durable(), document, header.files, writers, self._superseded, self.config
+                self._drain_key(), self._durable(), document, header, writers, self._superseded, self.config
             )
         else:
             publish(self._open_store(), document, header.files, self._superseded, self.config.overwrite)
@@ -397,9 +397,9 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         when the fast tier is full (the caller then writes them to the durable tier)."""
         local = local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_options, self.storage_config)
         written = tiers.write_rank_copy(
-            local, file, durable_items, replicas, planner, objects, self.config, inline_limit
+            local, file, durable_items, replicas, planner, objects, self.config, inline_limit, self._base
         )
-        durable = {k: written[0][k] for k in durable_items} if written else None
+        durable = written[0] if written else None
         tiers.queue_rank_drain(
             self._drain_key(),
             self._durable(),

@@ -30,9 +30,10 @@ from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError, CheckpointExistsError, DrainError, StorageError
 from ckptio.format.codec import checksum
 from ckptio.format.document import decode_metadata
-from ckptio.format.names import METADATA_NAME, REFUSED_SUFFIX
-from ckptio.format.records import StoredItem, placed_blocks
+from ckptio.format.names import METADATA_NAME, REFUSED_SUFFIX, own_file_names
+from ckptio.format.records import Extent, Header, StoredItem, placed_blocks
 from ckptio.saving.commit import publish
+from ckptio.saving.references import by_sibling, mark_references
 from ckptio.storage import FsspecStore, LocalStore, open_store
 from ckptio.tiers.background import drain_storage_options, lower_this_thread
 from ckptio.tiers.held_index import holds_committed
@@ -140,10 +141,13 @@ class Upload:
             store.rename(target, self.name)
 
 
-def durable_segments(records: Iterable[StoredItem], file: str, nbytes: int) -> tuple[tuple[int, int | None], ...]:
+def durable_segments(
+    records: Iterable[StoredItem], file: str, nbytes: int, extents: dict[str, tuple[Extent, ...]] | None = None
+) -> tuple[tuple[int, int | None], ...]:
     """``(length, CRC32C)`` of the runs that make up the first ``nbytes`` of ``file``: each block the
-    records place there, and any bytes between blocks (``None``: nothing to check them against)."""
-    blocks = placed_blocks(records, file)
+    records place there (``records.placed_blocks``), and any bytes between blocks (``None``: nothing to
+    check them against)."""
+    blocks = placed_blocks(records, file, extents)
     segments: list[tuple[int, int | None]] = []
     at = 0
     for offset, length, crc in [*blocks, (nbytes, 0, None)]:
@@ -184,17 +188,19 @@ class Commit:
     writers: dict[str, int]
     superseded: list[str]
     overwrite: bool
+    references: str | None = None  # an incremental save's id: its bases checked (and marked again) first
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
         missing: list[str] = []
+        own = own_file_names(self.files)
 
         def arrived() -> bool:
             present = store.list_sizes() or {}
-            refused = [n for n in self.files if n + REFUSED_SUFFIX in present]
+            refused = [n for n in own if n + REFUSED_SUFFIX in present]
             if refused:
                 raise _refused(store, refused[0], self.writers.get(refused[0], "?"))
-            missing[:] = sorted(n for n, size in self.files.items() if present.get(n) != size)
+            missing[:] = sorted(n for n in own if present.get(n) != self.files[n])
             return not missing
 
         def late() -> DrainError:
@@ -206,7 +212,14 @@ class Commit:
             )
 
         _poll(arrived, deadline, late)
+        if self.references is not None:
+            mark_references(store, self.files, self.references)
         publish(store, self.document, self.files, self.superseded, self.overwrite)
+
+
+def references_of(header: Header) -> str | None:
+    """``Commit.references`` of a checkpoint's commit: its save id where it references siblings."""
+    return header.save_id if header.chain is not None and by_sibling(header.files) else None
 
 
 @dataclasses.dataclass

@@ -139,8 +139,10 @@ class LocalCopies:
 
 
 def local_copies(local: FsspecStore, manifest: Manifest) -> LocalCopies:
-    """What ``local`` (a node's fast-tier folder of the checkpoint) holds of ``manifest``'s items."""
+    """What ``local`` (a node's fast-tier folder of the checkpoint) holds of ``manifest``'s items. A rank
+    of an incremental save has two files there (``writing.py``): it is complete when both are."""
     found = LocalCopies()
+    incomplete: set[int] = set()
     for name in local.list_names(nested=True) or []:
         if not name.endswith(HELD_SUFFIX):
             continue
@@ -163,15 +165,19 @@ def local_copies(local: FsspecStore, manifest: Manifest) -> LocalCopies:
                 index.local_bytes,
             )
             continue
-        _add(found, index, manifest)
+        if not _add(found, index, manifest):
+            incomplete.add(parse_data_file_name(index.file).rank)
+    found.complete_ranks -= incomplete
     return found
 
 
-def _add(found: LocalCopies, index: HeldIndex, manifest: Manifest) -> None:
+def _add(found: LocalCopies, index: HeldIndex, manifest: Manifest) -> bool:
+    """Add what ``index`` holds of ``manifest``; whether it is a whole copy of its part (False: some of it
+    is no copy; an index of another save is ignored)."""
     files = manifest.header.files
     whole = index.file in files and files[index.file] == index.durable_bytes
     if index.durable_bytes and not whole:
-        return  # a file of another save
+        return True  # a file of another save
     if whole:
         found.files.add(index.file)
     found.sizes[index.file] = index.local_bytes
@@ -183,17 +189,26 @@ def _add(found: LocalCopies, index: HeldIndex, manifest: Manifest) -> None:
             continue
         if extra.offset + record.stored_bytes > index.local_bytes:
             continue
-        found.relocated.setdefault(key, dataclasses.replace(record, file=index.file, offset=extra.offset))
+        found.relocated.setdefault(key, _relocated(record, index.file, extra.offset))
         matched += 1
-    if (whole or index.durable_bytes == 0) and matched == len(index.extras) and (whole or matched):
+    if matched == len(index.extras) and (whole or matched):
         found.complete_ranks.add(parse_data_file_name(index.file).rank)
+        return True
+    return False
+
+
+def _relocated(record: StoredItem, file: str, offset: int) -> StoredItem:
+    """``record``'s blocks where a fast-tier file holds them back to back (a reference of an incremental
+    save becomes a plain record there)."""
+    plain = {field.name: getattr(record, field.name) for field in dataclasses.fields(StoredItem)}
+    return StoredItem(**{**plain, "file": file, "offset": offset})
 
 
 def damaged_blocks(local: FsspecStore, file: str, manifest: Manifest, copies: LocalCopies) -> str | None:
     """What is wrong with the fast-tier file ``file``, checked as a load would check it: every block the
     checkpoint stores there (its durable part) or relocated there (replicas) against its CRC32C; ``None``
     when every block is whole."""
-    blocks = placed_blocks([*manifest.records(), *copies.relocated.values()], file)
+    blocks = placed_blocks([*manifest.records(), *copies.relocated.values()], file, manifest.extents)
     try:
         with open(local.path(file), "rb", buffering=0) as f:
             for offset, length, crc in blocks:

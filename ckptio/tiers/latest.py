@@ -28,13 +28,13 @@ import torch.distributed as dist
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError
 from ckptio.format.document import decode_metadata
-from ckptio.format.names import METADATA_NAME, parse_data_file_name
+from ckptio.format.names import METADATA_NAME, own_file_names, parse_data_file_name
 from ckptio.format.records import Manifest
 from ckptio.loading.fragment_set import complete_set
 from ckptio.loading.read_once import read_on
 from ckptio.loading.together import fail_together
 from ckptio.storage import FsspecStore, open_store
-from ckptio.tiers.drain import Commit, DrainError, Durable, Upload, drain_queue, durable_segments
+from ckptio.tiers.drain import Commit, DrainError, Durable, Upload, drain_queue, durable_segments, references_of
 from ckptio.tiers.held_index import LocalCopies, damaged_blocks, local_copies
 from ckptio.tiers.paths import local_run_path, normalized_url, step_order
 
@@ -124,7 +124,7 @@ def _resume(
     reports = group.all((group.rank in copies.complete_ranks, sorted(copies.files)))
     durable = Durable(f"{run}/{step}", options, config)
     present = group.one_rank(lambda: open_store(durable.url, options, config).list_sizes() or {})
-    missing = sorted(name for name, size in manifest.files.items() if present.get(name) != size)
+    missing = sorted(name for name in own_file_names(manifest.files) if present.get(name) != manifest.files[name])
     uploader = {}
     for name in missing:
         uploader[name] = next((rank for rank, (_, files) in enumerate(reports) if name in files), None)
@@ -134,11 +134,14 @@ def _resume(
         return False
     records = manifest.records()
     mine = [
-        Upload(durable, local.path(n), n, durable_segments(records, n, manifest.files[n]), resumed=True)
+        Upload(
+            durable, local.path(n), n, durable_segments(records, n, manifest.files[n], manifest.extents), resumed=True
+        )
         for n in missing
         if uploader[n] == group.rank
     ]
-    commit = Commit(durable, document, manifest.files, dict(manifest.header.writer_ranks), [], overwrite=False)
+    writers = dict(manifest.header.writer_ranks)
+    commit = Commit(durable, document, manifest.files, writers, [], False, references_of(manifest.header))
     if restarts_locally:  # load now, finish the drain behind it
         for job in mine + ([commit] if group.rank == holder else []):
             drain_queue().submit(durable.url + "#resumed", job, RESUME_TIMEOUT_S)

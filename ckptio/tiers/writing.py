@@ -6,6 +6,11 @@ that other ranks write (replicas, so that the node restarts from its own copy), 
 index (``held_index.py``); all fsync'd before the save goes on. When the fast tier is full (ENOSPC,
 a quota, a file-size limit) the rank writes its durable items straight to the durable tier, with one
 warning, and the save goes on.
+
+An incremental save (one with a base on the durable tier) writes two files: its durable data file,
+which holds only the blocks that changed against the base (what the drain uploads), and a *full copy*
+of everything else the rank holds (the items it references in the base, whole, and its replicas), so
+that a restart from the node reads no chain and nothing from the durable tier.
 """
 
 from __future__ import annotations
@@ -21,11 +26,21 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
 from ckptio.config import WriterConfig
-from ckptio.format.names import METADATA_NAME
-from ckptio.format.records import StoredItem
+from ckptio.format.names import METADATA_NAME, SIBLING_PREFIX, data_file_name, parse_data_file_name
+from ckptio.format.records import Header, Reference, StoredItem
 from ckptio.saving.data_file import encode_items, item_bytes
+from ckptio.saving.incremental import Base
 from ckptio.storage import FsspecStore
-from ckptio.tiers.drain import AwaitCommit, Commit, Durable, Prune, Upload, drain_queue, durable_segments
+from ckptio.tiers.drain import (
+    AwaitCommit,
+    Commit,
+    Durable,
+    Prune,
+    Upload,
+    drain_queue,
+    durable_segments,
+    references_of,
+)
 from ckptio.tiers.held_index import HeldIndex
 from ckptio.tiers.paths import HELD_SUFFIX, local_run_path, local_step_path, split_step
 
@@ -61,25 +76,57 @@ def write_rank_copy(
     objects: dict[MetadataIndex, memoryview],
     config: WriterConfig,
     inline_limit: int,
+    base: Base | None = None,
 ) -> tuple[dict[MetadataIndex, StoredItem], int] | None:
-    """Write this rank's fast-tier file and index; the records of every item written and how many of
-    the file's first bytes are its durable data file, or ``None`` when the fast tier is full (nothing
-    of this save is left on it)."""
-    items = itertools.chain(item_bytes(durable_items, planner, objects), item_bytes(replicas, planner, objects))
+    """Write this rank's fast-tier files and indexes; the records of the durable items and how many of
+    ``file``'s first bytes are its durable data file, or ``None`` when the fast tier is full (nothing of
+    this save is left on it). With a ``base``, the durable items reference it where unchanged."""
+    names = [file, file + HELD_SUFFIX]
+    inline_limit = inline_limit if not replicas else 0
     try:
         local.prepare_directory()
-        stored = encode_items(local, file, items, config, inline_limit if not replicas else 0)
-        if not any(record.file for record in stored.values()):  # all inline in the metadata
-            return stored, 0
-        index = HeldIndex.of(file, stored, set(durable_items))
-        local.put_atomic(file + HELD_SUFFIX, index.encode())
-        return stored, index.durable_bytes
+        if base is None:
+            items = itertools.chain(item_bytes(durable_items, planner, objects), item_bytes(replicas, planner, objects))
+            stored = encode_items(local, file, items, config, inline_limit)
+            if not any(record.file for record in stored.values()):  # all inline in the metadata
+                return stored, 0
+            index = HeldIndex.of(file, stored, set(durable_items))
+            local.put_atomic(file + HELD_SUFFIX, index.encode())
+            return {k: stored[k] for k in durable_items}, index.durable_bytes
+        stored = encode_items(local, file, item_bytes(durable_items, planner, objects), config, inline_limit, base)
+        nbytes = local.size(file) if any(_in_file(record, file) for record in stored.values()) else 0
+        if nbytes:
+            local.put_atomic(file + HELD_SUFFIX, HeldIndex(file, nbytes, nbytes, ()).encode())
+        referenced = {k: durable_items[k] for k, record in stored.items() if _references_base(record)}
+        full = full_copy_name(file)
+        names += [full, full + HELD_SUFFIX]
+        if referenced or replicas:
+            extras = itertools.chain(item_bytes(referenced, planner, objects), item_bytes(replicas, planner, objects))
+            kept = encode_items(local, full, extras, config, digested=False)
+            local.put_atomic(full + HELD_SUFFIX, HeldIndex.of(full, kept, set()).encode())
+        return stored, nbytes
     except Exception as exc:
         if not tier_full(exc):
             raise
-        local.delete_best_effort([file, file + HELD_SUFFIX])
+        local.delete_best_effort(names)
         _warn_full(local.url)
         return None
+
+
+def full_copy_name(file: str) -> str:
+    """The fast-tier file an incremental save keeps beside its durable data file ``file``: the same rank's,
+    named by a save id no save has (``file``'s with one more digit)."""
+    parsed = parse_data_file_name(file)
+    return data_file_name(parsed.save_id + "f", parsed.rank)
+
+
+def _references_base(record: StoredItem) -> bool:
+    return isinstance(record, Reference) and any(run.file.startswith(SIBLING_PREFIX) for run in record.extents)
+
+
+def _in_file(record: StoredItem, file: str) -> bool:
+    runs = record.extents if isinstance(record, Reference) else ()
+    return record.file == file or any(run.file == file for run in runs)
 
 
 def queue_rank_drain(
@@ -113,14 +160,15 @@ def queue_commit(
     save: str,
     durable: Durable,
     document: bytes,
-    files: dict[str, int],
+    header: Header,
     writers: dict[str, int],
     superseded: list[str],
     config: WriterConfig,
 ) -> None:
-    drain_queue().submit(
-        save, Commit(durable, document, files, writers, superseded, config.overwrite), config.drain_timeout_s
-    )
+    """The coordinator's jobs: commit ``document`` (whose ``header`` is given) once every rank's file
+    is there, then prune its fast tier."""
+    commit = Commit(durable, document, header.files, writers, superseded, config.overwrite, references_of(header))
+    drain_queue().submit(save, commit, config.drain_timeout_s)
     queue_prune(save, durable, config)
 
 

@@ -1,5 +1,5 @@
 """The checkpoint lifecycle as a stateful property: random sequences of saves (plain, tiered on one of two
-node tiers, tiered with a drain that never finishes, incremental, without a coordinator), overwrites,
+node tiers, tiered with a drain that never finishes, incremental (tiered too), without a coordinator), overwrites,
 deletes, reused URLs, damaged and lost node copies, merges and restarts through ``ckptio.latest``, in one
 process, against a model of what each URL and each node holds. Every load returns what the model says
 or raises a named ``CheckpointError``, never other values; ``latest`` always names a step that loads.
@@ -60,6 +60,12 @@ def _value_of(loaded: dict) -> int:
     if not exact or not torch.equal(loaded["base"], torch.arange(float(N))):
         raise AssertionError(f"a load returned values no save wrote: step={loaded['step']}, w[0]={value}")
     return value
+
+
+def _references(tier: str) -> bool:
+    """Whether the newest save on the node ``tier`` references a base (it kept a full copy beside its file)."""
+    newest = max((entry for entry in os.scandir(tier) for entry in os.scandir(entry)), key=lambda e: e.stat().st_mtime)
+    return any(name.endswith("f-r00000.ckio") for name in os.listdir(newest))
 
 
 class Lifecycle(RuleBasedStateMachine):
@@ -131,15 +137,22 @@ class Lifecycle(RuleBasedStateMachine):
             only_fragments(self._url(step))
         self.durable[step] = (value, "fragments" if dies_after_save else "json")
 
-    @rule(tier=TIERS, step=STEPS, overwrite=st.booleans(), drain_finishes=st.booleans())
-    def tiered_save(self, tier, step, overwrite, drain_finishes):
+    @rule(tier=TIERS, step=STEPS, overwrite=st.booleans(), drain_finishes=st.booleans(), incremental=st.booleans())
+    def tiered_save(self, tier, step, overwrite, drain_finishes, incremental):
         stall = {} if drain_finishes else {"drain_bandwidth": 1, "drain_timeout_s": 0.5}
         config = ckptio.WriterConfig(
-            local_tier=self._tier(tier), local_tier_keep=10, overwrite=overwrite, max_block_size=BLOCK, **stall
+            local_tier=self._tier(tier),
+            local_tier_keep=10,
+            overwrite=overwrite,
+            max_block_size=BLOCK,
+            incremental_from="previous" if incremental else None,
+            **stall,
         )
         refused = not overwrite and (self._json_committed(step) or (tier, step) in self.node_commits)
         value = self._save(step, config, refused)
         event(f"tiered save: {'refused' if value is None else 'drained' if drain_finishes else 'drain stalled'}")
+        if incremental and value is not None:
+            event(f"tiered save: incremental, {'references a base' if _references(self._tier(tier)) else 'in full'}")
         if value is None:
             return
         self.node[(tier, step)] = value

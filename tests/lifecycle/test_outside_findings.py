@@ -260,12 +260,12 @@ def test_digest_entries_wider_than_4_bytes_are_refused(tmp_path):
 
 def test_a_config_field_set_after_construction_is_checked_when_the_save_starts(tmp_path):
     """Finding 6: WriterConfig's refusals held at construction only; a field set afterwards bypassed them."""
-    config = ckptio.WriterConfig(local_tier=str(tmp_path / "tier"))
-    config.incremental_from = "previous"
+    config = ckptio.WriterConfig(incremental_from="previous")
+    config.local_tier = "s3://bucket/tier"
     url = str(tmp_path / "run" / "step-1")
     with pytest.raises(BaseException) as raised:  # noqa: PT011 - dcp.save wraps it in torch's CheckpointException
         dcp.save({"w": torch.ones(N)}, storage_writer=ckptio.Writer(url, config))
-    assert "ValueError: ckptio does not combine incremental_from" in str(ckptio.unwrap(raised.value))
+    assert "ValueError: local_tier must be a node-local path" in str(ckptio.unwrap(raised.value))
     config = ckptio.WriterConfig()
     config.max_block_size = 100  # not a multiple of 64
     with pytest.raises(ckptio.CheckpointError, match="ValueError: max_block_size"):

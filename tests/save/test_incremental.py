@@ -208,7 +208,7 @@ def test_a_base_that_cannot_be_referenced_is_a_named_error_or_with_previous_a_fu
         (run / "torch", "cannot be read"),
         (run / "plain", "without block digests"),
         (tmp_path / "elsewhere" / "step-1", "not a checkpoint in the same folder"),
-        (run / "missing", "cannot be read"),
+        (run / "missing", "nothing is committed there"),
     ]:
         with pytest.raises(CheckpointException) as info:
             _save(str(run / "step-2"), _state(1.0), incremental_from=str(base))

@@ -1,0 +1,153 @@
+"""Tiered incremental saves (``local_tier`` with ``incremental_from``): the drain uploads only the blocks
+that changed against the base on the durable tier, the node keeps a full copy (a restart from it reads no
+chain), "previous" is the newest save committed on the durable tier, and a drain a crash cut off resumes
+and commits its references, even after the base was deleted."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptio
+from ckptio.format.names import METADATA_NAME, reference_marker_name
+from ckptio.tools.cli import main as cli_main
+from tests.conftest import s3_objects
+from tests.helpers import tiered
+from tests.helpers.harness import spawn
+
+FROZEN = 1 << 20  # fp32 elements: 4 MiB that never change
+ADAPTER = 1 << 14  # fp32 elements: 64 KiB that change every step, with two moments
+
+
+def _lora(step: int) -> dict:
+    frozen = torch.randn(FROZEN, generator=torch.Generator().manual_seed(0))
+    changing = torch.Generator().manual_seed(step)
+    adapter = {name: torch.randn(ADAPTER, generator=changing) for name in ("lora", "exp_avg", "exp_avg_sq")}
+    return {"frozen": frozen, **adapter, "step": step}
+
+
+def _changed_bytes() -> int:
+    return 3 * ADAPTER * 4
+
+
+def _blank() -> dict:
+    return {"frozen": torch.zeros(FROZEN), **{n: torch.zeros(ADAPTER) for n in ("lora", "exp_avg", "exp_avg_sq")}}
+
+
+def _config(tier, **more) -> ckptio.WriterConfig:
+    return ckptio.WriterConfig(local_tier=str(tier), incremental_from="previous", max_block_size=64 << 10, **more)
+
+
+def _save(url: str, tier, step: int, **more) -> None:
+    dcp.save(_lora(step), storage_writer=ckptio.Writer(url, _config(tier, **more)))
+
+
+def _load(url: str, tier=None) -> tuple[dict, dict]:
+    value = {**_blank(), "step": -1}
+    reader = ckptio.Reader(url, local_tier=str(tier) if tier else None)
+    dcp.load(value, storage_reader=reader)
+    return value, reader.bytes_read
+
+
+def _exact(value: dict, step: int) -> bool:
+    want = _lora(step)
+    return value["step"] == step and all(torch.equal(value[k], want[k]) for k in want if k != "step")
+
+
+def _base_of(url: str) -> str | None:
+    with open(os.path.join(url, METADATA_NAME), "rb") as f:
+        chain = json.loads(f.read()).get("chain")
+    return chain and chain["base"]
+
+
+def _data_bytes(url: str) -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(url, "**", "*.ckio"), recursive=True))
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_drains():
+    yield
+    try:
+        ckptio.wait_for_uploads(timeout=60)
+    except ckptio.DrainError:
+        pass
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_tiered_chain_uploads_what_changed_and_restarts_from_the_node_alone(tmp_path, compression):
+    run, fast = tmp_path / "durable" / "run", tmp_path / "fast"
+    for step in (1, 2, 3):
+        _save(str(run / f"step-{step}"), fast, step, compression=compression)
+        ckptio.wait_for_uploads()
+    for step in (2, 3):
+        url = str(run / f"step-{step}")
+        assert _base_of(url) == f"step-{step - 1}"
+        assert _data_bytes(url) <= 1.05 * _changed_bytes() + (1 << 20), _data_bytes(url)
+        value, read = _load(url, fast)  # the node's full copy: nothing from the durable tier, no chain
+        assert _exact(value, step) and read["durable"] == 0 and read["local"] > FROZEN * 4 * 0.5
+        value, _ = _load(url)  # the durable chain alone
+        assert _exact(value, step)
+    assert cli_main(["verify", str(run / "step-3")]) == 0
+    shutil.rmtree(fast)  # a replaced node: everything from the durable chain
+    value, read = _load(str(run / "step-3"), fast)
+    assert _exact(value, 3) and read["local"] == 0
+
+
+def test_previous_is_the_newest_save_the_durable_tier_committed(tmp_path):
+    run, fast = tmp_path / "durable" / "run", tmp_path / "fast"
+    _save(str(run / "step-1"), fast, 1)
+    ckptio.wait_for_uploads()
+    _save(str(run / "step-2"), fast, 2, drain_bandwidth=1, drain_timeout_s=0.5)  # its drain never finishes
+    with pytest.raises(ckptio.DrainError):
+        ckptio.wait_for_uploads()
+    _save(str(run / "step-3"), fast, 3)
+    ckptio.wait_for_uploads()
+    assert not os.path.exists(run / "step-2" / METADATA_NAME)
+    assert _base_of(str(run / "step-3")) == "step-1"
+    assert _exact(_load(str(run / "step-3"))[0], 3) and _exact(_load(str(run / "step-2"), fast)[0], 2)
+
+
+def test_a_cut_off_drain_resumes_and_commits_its_references_after_the_base_was_deleted(tmp_path):
+    run, fast = tmp_path / "durable" / "run", tmp_path / "fast"
+    _save(str(run / "step-1"), fast, 1)
+    ckptio.wait_for_uploads()
+    _save(str(run / "step-2"), fast, 2, drain_bandwidth=1, drain_timeout_s=0.5)
+    with pytest.raises(ckptio.DrainError):
+        ckptio.wait_for_uploads()
+    assert os.path.exists(run / "step-1" / reference_marker_name("step-2"))  # marked before the save returned
+    assert cli_main(["delete", "--force", str(run / "step-1")]) == 0  # keeps what step 2 references
+
+    url = ckptio.latest(str(run), local_tier=str(fast))
+    assert url == str(run / "step-2")
+    value, read = _load(url, fast)
+    assert _exact(value, 2) and read["durable"] == 0
+    ckptio.wait_for_uploads()  # the resumed drain: step 2's changed blocks, then its commit
+    assert _base_of(url) == "step-1" and _exact(_load(url)[0], 2)
+    assert _data_bytes(url) <= 1.05 * _changed_bytes() + (1 << 20)
+
+
+def test_tiered_incremental_saves_on_two_nodes_restart_from_each_nodes_copy(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    config = {"mode": "replica_group", "compression": "zstd", "incremental_from": "previous", "inline_limit": 0}
+    spawn(4, tiered.save_steps, run, tiers, (2, 2), [1], options, config)  # drained before step 2 starts
+    spawn(4, tiered.save_steps, run, tiers, (2, 2), [2], options, {**config, "incremental_from": f"{run}/step-1"})
+    full, incremental = (
+        sum(size for key, size in s3_objects(options, f"{run}/step-{step}/").items() if key.endswith(".ckio"))
+        for step in (1, 2)
+    )
+    assert incremental < 0.05 * full, (full, incremental)  # the marker changed, the model did not
+
+    restarted = spawn(4, tiered.restart, run, tiers, (2, 2), options)
+    assert [r[:2] for r in restarted] == [(f"{run}/step-2", [])] * 4
+    assert [r[2]["durable"] for r in restarted] == [0, 0, 0, 0]
+    shutil.rmtree(os.path.join(tiers, "node1"))  # node 1 replaced: its ranks read the chain on S3
+    restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options)
+    assert [r[:2] for r in restarted] == [(f"{run}/step-2", [])] * 4
+    assert [r[2]["durable"] > 0 for r in restarted] == [False, False, True, True]
