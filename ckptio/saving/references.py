@@ -15,6 +15,7 @@ decides a deletion is listed strictly: a listing that fails raises, it is never 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from ckptio.errors import CheckpointError, CorruptCheckpointError
@@ -45,14 +46,20 @@ def by_sibling(files: Any) -> dict[str, list[str]]:
     return found
 
 
-def mark_references(store: FsspecStore, files: dict[str, int], save_id: str | None, rank: int | None = None) -> None:
+def mark_references(
+    store: FsspecStore, files: dict[str, int], save_id: str | None, rank: int | None = None, pending_s: float = 0.0
+) -> None:
     """Before an incremental save at ``store`` commits: a marker in every sibling it references (``rank``'s
     own, for a rank's fragment of a save without a coordinator), then every referenced file checked
-    present at its recorded size (else the save fails, naming it)."""
+    present at its recorded size (else the save fails, naming it). ``pending_s``: how long the commit may
+    still take (a tiered save's drain): the marker keeps the files that long even while the referrer's
+    folder is empty."""
     referrer = folder_name(store)
     for sibling, names in sorted(by_sibling(files).items()):
         base = store.sibling(sibling)
         marker = {"referrer": referrer, "save_id": save_id, "files": sorted(names)}
+        if pending_s:
+            marker["pending_until"] = round(time.time() + pending_s, 3)
         base.put_atomic(reference_marker_name(referrer, rank), json.dumps(marker).encode())
         present = base.list_sizes() or {}
         for name in names:
@@ -78,8 +85,8 @@ def files_in_use(
         referrer = parse_reference_marker_name(name)
         if referrer is None:
             continue
-        listed = _marker_files(store, name)
-        live = listed is not None and _referrer_live(store, referrer, saving_counts)
+        listed, pending_until = _marker_files(store, name)
+        live = listed is not None and (time.time() < pending_until or _referrer_live(store, referrer, saving_counts))
         if live:
             used.update(listed)
         else:
@@ -110,11 +117,12 @@ def release(store: FsspecStore, bases: list[str], rank: int | None | str = "ever
             base.remove_all()
 
 
-def _marker_files(store: FsspecStore, name: str) -> list[str] | None:
+def _marker_files(store: FsspecStore, name: str) -> tuple[list[str] | None, float]:
+    """The files a marker lists, and until when its referrer may still commit (unix time; 0: not pending)."""
     try:
         marker = json.loads(store.read(name))
     except FileNotFoundError:
-        return None
+        return None, 0.0
     except ValueError:
         raise CorruptCheckpointError(
             f"{store.describe(name)} is not a reference marker (JSON); it protects data files another checkpoint "
@@ -123,7 +131,8 @@ def _marker_files(store: FsspecStore, name: str) -> list[str] | None:
     files = marker.get("files") if isinstance(marker, dict) else None
     if not isinstance(files, list) or not all(isinstance(f, str) and is_data_file_name(f) for f in files):
         raise CorruptCheckpointError(f"{store.describe(name)} does not list data files; restore it")
-    return files
+    pending_until = marker.get("pending_until", 0.0)
+    return files, float(pending_until) if type(pending_until) in (int, float) else 0.0
 
 
 def _referrer_live(store: FsspecStore, referrer: str, saving_counts: bool) -> bool:

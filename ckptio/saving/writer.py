@@ -58,7 +58,7 @@ from ckptio.saving.planning import Holdings, assign_writers
 from ckptio.saving.references import by_sibling, mark_references
 from ckptio.saving.replicas import own_writes
 from ckptio.state.keys import canonical_planner_data, canonical_write_items
-from ckptio.storage import open_store
+from ckptio.storage import FsspecStore, open_store
 from ckptio.storage.location import CheckpointLocation
 from ckptio.tiers import writing as tiers
 from ckptio.tiers.drain import Durable, drain_queue
@@ -210,7 +210,9 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         settle(self._open_store().url)  # this process's merge of an earlier save there is called off
         if self._fragment is not None:  # every rank, with its own plan alone
-            if self.is_coordinator:
+            if self.is_coordinator and self.config.local_tier:  # an overwrite clears it after the upload
+                check_target(self._open_store(), self.config.overwrite)
+            elif self.is_coordinator:
                 clear_for_fragments(self._open_store(), self.config.overwrite)
             return plans
         _check_same_location(plans)
@@ -298,12 +300,9 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         document = encode_metadata(metadata, items, header, per_rank)
         refuse_unloadable(document, self._open_store().describe(METADATA_NAME))
         if header.chain is not None:  # before the commit, tiered too: deletes keep what a drain will need
-            mark_references(self._open_store(), files, self._save_id)
+            mark_references(self._open_store(), files, self._save_id, pending_s=self._drain_time())
         if self.config.local_tier:
-            tiers.commit_locally(
-                local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_options, self.storage_config),
-                document,
-            )
+            tiers.commit_locally(self._local_store(), document)
             tiers.queue_commit(
                 self._drain_key(), self._durable(), document, header, writers, self._superseded, self.config
             )
@@ -319,12 +318,6 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
 
     def _fragment_of_save(self) -> FragmentSave:
         """This rank's place in a save without a coordinator, or a clear refusal."""
-        if self.config.local_tier:
-            raise CheckpointError(
-                "ckptio does not combine a local tier (WriterConfig.local_tier) with dcp.save(..., "
-                "use_collectives=False): a tiered save commits through its coordinator. Save with collectives, "
-                "or without the local tier"
-            )
         if not torch.distributed.is_initialized():
             return FragmentSave(fragment_save_id(self.checkpoint_id), 1)
         wrapper = enclosing_save_wrapper(sys._getframe(1))  # torch hands the writer its rank, not its group
@@ -347,14 +340,22 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         own = own_writes(held, state, self.rank, self.config.mode, self._fragment.members)
         self._fragment.replicas = own.replicas
         self._fragment.mesh = MeshRecord.of(state)
-        stored = {}
+        stored = None
         if own.written:  # against this rank's own resolve of the base (the same checkpoint on every rank)
             self._base = self._incremental_base()
+        if self.config.local_tier:
+            name = fragment_name(self.rank, self._fragment.ranks)
+            tiers.refuse_committed_fragment(self._local_store(), self._open_store(), name, self.config)
+            replicas = {k: v for k, v in held.items() if k not in own.written}
+            objects = pickled_objects(held, planner)
+            stored = self._write_tiered(file, own.written, replicas, planner, objects, self.config.inline_limit)
+        if stored is None and own.written:  # not tiered, or the fast tier is full
             store = self._open_store()
             store.prepare_directory()
             objects = pickled_objects(own.written, planner)
             items = item_bytes(own.written, planner, objects)
             stored = encode_items(store, file, items, self.config, self.config.inline_limit, self._base)
+        stored = stored or {}
         note_saved(self.checkpoint_id)
         future: Future[list[WriteResult]] = Future()
         future.set_result([WriteResult(index, record.stored_bytes, record) for index, record in stored.items()])
@@ -376,10 +377,16 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         store = self._open_store()
         refuse_unloadable(document, store.describe(name), decode_fragment)
         if header.chain is not None:
-            mark_references(store, files, save.save_id, self.rank)
-        publish_fragment(store, name, document, files, self.config.overwrite)
-        if self.rank == 0:
-            merge_when_complete(store.url, self.storage_options, self.storage_config, save.save_id, save.ranks)
+            mark_references(store, files, save.save_id, self.rank, self._drain_time())
+        merge = (save.save_id, save.ranks) if self.rank == 0 else None
+        if self.config.local_tier:  # on the node now; on the durable tier after this rank's upload
+            tiers.commit_fragment(
+                self._drain_key(), self._local_store(), self._durable(), name, document, files, merge, self.config
+            )
+        else:
+            publish_fragment(store, name, document, files, self.config.overwrite)
+            if merge is not None:
+                merge_when_complete(store.url, self.storage_options, self.storage_config, *merge)
         metadata.storage_meta = self.storage_meta()
 
     # --- tiered saves (``WriterConfig.local_tier``, ``ckptio/tiers``) ------------------------------
@@ -395,9 +402,18 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         """Write everything this rank holds to the fast tier and queue the upload of its durable part;
         the records of ``durable_items`` (their offsets are those of the durable file), or ``None``
         when the fast tier is full (the caller then writes them to the durable tier)."""
-        local = local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_options, self.storage_config)
+        local = self._local_store()
         written = tiers.write_rank_copy(
-            local, file, durable_items, replicas, planner, objects, self.config, inline_limit, self._base
+            local,
+            file,
+            durable_items,
+            replicas,
+            planner,
+            objects,
+            self.config,
+            inline_limit,
+            self._base,
+            list_durable=self._fragment is not None,
         )
         durable = written[0] if written else None
         tiers.queue_rank_drain(
@@ -408,7 +424,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             (durable or {}).values(),
             written[1] if written else 0,
             self.config,
-            self.is_coordinator,
+            self.is_coordinator or self._fragment is not None,  # a rank of a save without one commits its own
             self._started_unix,
         )
         return durable
@@ -421,6 +437,13 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         except StorageError as exc:
             log.warning("ckptio: cannot check the durable tier before a tiered save; saving to the fast tier: %s", exc)
             return []
+
+    def _drain_time(self) -> float:
+        """How long after the save its durable commit may come (a tiered save's drain; 0: now)."""
+        return self.config.drain_timeout_s if self.config.local_tier else 0.0
+
+    def _local_store(self) -> FsspecStore:
+        return local_step_store(self.config.local_tier, self.checkpoint_id, self.storage_options, self.storage_config)
 
     def _durable(self) -> Durable:
         return Durable(self.checkpoint_id, dict(self.storage_options), self.storage_config)

@@ -32,7 +32,8 @@ from ckptio.format.codec import checksum
 from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, REFUSED_SUFFIX, own_file_names
 from ckptio.format.records import Extent, Header, StoredItem, placed_blocks
-from ckptio.saving.commit import publish
+from ckptio.saving.commit import clear_for_fragments, publish, publish_fragment
+from ckptio.saving.merge_once import merge_when_complete
 from ckptio.saving.references import by_sibling, mark_references
 from ckptio.storage import FsspecStore, LocalStore, open_store
 from ckptio.tiers.background import drain_storage_options, lower_this_thread
@@ -92,6 +93,8 @@ class Upload:
         store.prepare_directory()
         try:
             self._copy(store, deadline)
+        except DrainTooSlow:  # not the copy's fault: a later drain (ckptio.latest) may upload it as it is
+            raise
         except DrainError as refusal:  # the copy is damaged: the commit waiting for this file must hear of it
             try:
                 store.put_atomic(self.name + REFUSED_SUFFIX, f"{time.time():.3f}\n{refusal}".encode())
@@ -217,6 +220,29 @@ class Commit:
         publish(store, self.document, self.files, self.superseded, self.overwrite)
 
 
+@dataclasses.dataclass
+class CommitFragment:
+    """Publish a rank's fragment of a save without a coordinator (after its upload, queued before it),
+    then, on the save's rank 0, merge the set once every rank's is there (``merge``: save id, ranks). Rank
+    0's first clears a ``ckptio.json`` it overwrites: the durable tier keeps its checkpoint until then."""
+
+    durable: Durable
+    name: str
+    document: bytes
+    files: dict[str, int]
+    overwrite: bool
+    merge: tuple[str, int] | None = None
+
+    def run(self, deadline: float) -> None:
+        store = self.durable.store()
+        if self.merge is not None and self.overwrite:
+            clear_for_fragments(store, overwrite=True)
+        publish_fragment(store, self.name, self.document, self.files, self.overwrite)
+        if self.merge is not None:
+            durable = self.durable
+            merge_when_complete(durable.url, durable.storage_options, durable.storage_config, *self.merge)
+
+
 def references_of(header: Header) -> str | None:
     """``Commit.references`` of a checkpoint's commit: its save id where it references siblings."""
     return header.save_id if header.chain is not None and by_sibling(header.files) else None
@@ -313,6 +339,10 @@ class Prune:
             log.info("ckptio: removed the fast-tier copy of %s (committed on the durable tier)", durable.url)
 
 
+class DrainTooSlow(DrainError):
+    """An upload that cannot finish in its time at its bandwidth: its copy is whole, only late."""
+
+
 class _Pace:
     """At most ``rate`` bytes per second, on average since the first byte; never a wait past the job's
     deadline (the upload fails instead: a drain that cannot finish in time must not hold a process)."""
@@ -326,7 +356,7 @@ class _Pace:
         self.sent += nbytes
         ahead = self.sent / self.rate - (time.monotonic() - self.start)
         if ahead > 0 and time.monotonic() + ahead > deadline:
-            raise DrainError(
+            raise DrainTooSlow(
                 f"the upload of {what} at drain_bandwidth {self.rate} B/s cannot finish within drain_timeout_s; "
                 "its fast-tier copy is kept (raise drain_bandwidth or drain_timeout_s)"
             )

@@ -28,7 +28,7 @@ from ckptio.format.codec import checksum
 from ckptio.format.columns import b64
 from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, parse_data_file_name
-from ckptio.format.records import Manifest, StoredItem, placed_blocks
+from ckptio.format.records import Manifest, Reference, StoredItem, placed_blocks
 from ckptio.storage import FsspecStore
 from ckptio.tiers.paths import HELD_SUFFIX
 
@@ -76,16 +76,19 @@ class HeldIndex:
         ).encode()
 
     @classmethod
-    def of(cls, file: str, records: dict[MetadataIndex, StoredItem], durable: set[MetadataIndex]) -> "HeldIndex":
-        """The index of ``file`` written with ``records``, those of ``durable`` first."""
+    def of(
+        cls,
+        file: str,
+        records: dict[MetadataIndex, StoredItem],
+        durable: set[MetadataIndex],
+        list_durable: bool = False,
+    ) -> "HeldIndex":
+        """The index of ``file`` written with ``records``, those of ``durable`` first; with ``list_durable``
+        these are listed too (a save without a coordinator: the merge may keep another rank's equal copy)."""
         durable_bytes = max((r.offset + r.stored_bytes for k, r in records.items() if k in durable), default=0)
         local_bytes = max((r.offset + r.stored_bytes for r in records.values()), default=0)
-        extras = tuple(
-            HeldItem(k.fqn, tuple(k.offset) if k.offset is not None else None, r.offset, *_fingerprint(r))
-            for k, r in records.items()
-            if k not in durable
-        )
-        return cls(file, local_bytes, durable_bytes, extras)
+        listed = records if list_durable else {k: r for k, r in records.items() if k not in durable}
+        return cls(file, local_bytes, durable_bytes, held_items(listed))
 
     @classmethod
     def decode(cls, raw: bytes) -> "HeldIndex":
@@ -107,6 +110,15 @@ class HeldIndex:
                 raise ValueError("bad chunk offset")
             items.append(HeldItem(fqn, tuple(chunk) if chunk is not None else None, at, crc, lengths))
         return cls(file, local, durable, tuple(items))
+
+
+def held_items(records: dict[MetadataIndex, StoredItem]) -> tuple[HeldItem, ...]:
+    """The index entries of ``records`` (those stored back to back in the file, not in pieces or inline)."""
+    return tuple(
+        HeldItem(k.fqn, tuple(k.offset) if k.offset is not None else None, r.offset, *_fingerprint(r))
+        for k, r in records.items()
+        if r.inline is None and not isinstance(r, Reference)
+    )
 
 
 def _count(value: Any) -> bool:
@@ -181,7 +193,7 @@ def _add(found: LocalCopies, index: HeldIndex, manifest: Manifest) -> bool:
     if whole:
         found.files.add(index.file)
     found.sizes[index.file] = index.local_bytes
-    matched = 0
+    matched, required = 0, sum(extra.offset >= index.durable_bytes for extra in index.extras)
     for extra in index.extras:
         key = MetadataIndex(extra.fqn, torch.Size(extra.chunk_offset) if extra.chunk_offset is not None else None)
         record = manifest.items.get(key)
@@ -190,8 +202,8 @@ def _add(found: LocalCopies, index: HeldIndex, manifest: Manifest) -> bool:
         if extra.offset + record.stored_bytes > index.local_bytes:
             continue
         found.relocated.setdefault(key, _relocated(record, index.file, extra.offset))
-        matched += 1
-    if matched == len(index.extras) and (whole or matched):
+        matched += extra.offset >= index.durable_bytes  # a copy in the durable part: the file holds it anyway
+    if matched == required and (whole or matched):
         found.complete_ranks.add(parse_data_file_name(index.file).rank)
         return True
     return False

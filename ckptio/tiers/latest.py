@@ -30,13 +30,14 @@ from ckptio.errors import CheckpointError
 from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, own_file_names, parse_data_file_name
 from ckptio.format.records import Manifest
-from ckptio.loading.fragment_set import complete_set
+from ckptio.loading.fragment_set import complete_set, fragments_in
 from ckptio.loading.read_once import read_on
 from ckptio.loading.together import fail_together
 from ckptio.storage import FsspecStore, open_store
 from ckptio.tiers.drain import Commit, DrainError, Durable, Upload, drain_queue, durable_segments, references_of
 from ckptio.tiers.held_index import LocalCopies, damaged_blocks, local_copies
 from ckptio.tiers.paths import local_run_path, normalized_url, step_order
+from ckptio.tiers.reading import node_fragments_metadata
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -74,8 +75,9 @@ def latest(
     local_run = local_run_path(local_tier, run, options)
     views = group.all(_local_steps(local_run, newer_than=newest))
     for step in sorted({s for view in views for s in view}, key=step_order, reverse=True):
-        holders = [rank for rank, view in enumerate(views) if view.get(step)]
-        if holders and _resume(group, run, step, holders[0], local_run, options, config):
+        holders = [rank for rank, view in enumerate(views) if view.get(step) == METADATA_NAME]
+        fragments = any(view.get(step) == FRAGMENTS for view in views)
+        if (holders or fragments) and _resume(group, run, step, holders, local_run, options, config):
             return f"{run}/{step}"
     return f"{run}/{newest}" if newest else None
 
@@ -99,26 +101,47 @@ def _newest_durable(run: str, options: dict[str, Any], config: StorageConfig) ->
     return None
 
 
-def _local_steps(local_run: str, newer_than: str | None) -> dict[str, bool]:
-    """This node's fast-tier steps newer than ``newer_than`` -> whether it holds their metadata."""
+#: What a node holds of a step's metadata (``_local_steps``): fragments of a save without a coordinator.
+FRAGMENTS = "fragments"
+
+
+def _local_steps(local_run: str, newer_than: str | None) -> dict[str, str | None]:
+    """This node's fast-tier steps newer than ``newer_than`` -> what it holds of their metadata:
+    ``ckptio.json``, ``FRAGMENTS``, or ``None``."""
     try:
         entries = [e for e in os.scandir(local_run) if e.is_dir()]
     except FileNotFoundError:
         return {}
     floor = step_order(newer_than) if newer_than else None
-    return {
-        e.name: os.path.exists(os.path.join(e.path, METADATA_NAME))
-        for e in entries
-        if floor is None or step_order(e.name) > floor
-    }
+    return {e.name: _metadata_held(e.path) for e in entries if floor is None or step_order(e.name) > floor}
+
+
+def _metadata_held(folder: str) -> str | None:
+    if os.path.exists(os.path.join(folder, METADATA_NAME)):
+        return METADATA_NAME
+    return FRAGMENTS if fragments_in(os.listdir(folder)) else None
 
 
 def _resume(
-    group: "_Group", run: str, step: str, holder: int, local_run: str, options: dict[str, Any], config: StorageConfig
+    group: "_Group",
+    run: str,
+    step: str,
+    holders: list[int],
+    local_run: str,
+    options: dict[str, Any],
+    config: StorageConfig,
 ) -> bool:
-    """Whether ``step`` (its metadata on rank ``holder``'s fast tier) loads now; finishes or queues its drain."""
+    """Whether ``step`` loads now; finishes or queues its drain. Its metadata: the ``ckptio.json`` the first
+    of ``holders`` holds on its fast tier, or (none: saved without a coordinator) the merge of the fragments
+    the nodes hold."""
     local = open_store(os.path.join(local_run, step), None, config)
-    document = group.one_rank(lambda: local.read(METADATA_NAME), source=holder)
+    if holders:
+        document = group.one_rank(lambda: local.read(METADATA_NAME), source=holders[0])
+    else:
+        document = node_fragments_metadata(local, group.rank, group.all, group.one_rank)
+        if document is None:
+            return False
+    holder = holders[0] if holders else 0
     manifest = decode_metadata(document, local.describe(METADATA_NAME))
     copies = _checked(local, manifest, group)
     reports = group.all((group.rank in copies.complete_ranks, sorted(copies.files)))

@@ -5,11 +5,12 @@ fragments), read by the group's lowest rank. A node's copy stands in for it only
 that checkpoint: its data files carry the committed save id in their names (``held_index.py``), so a
 node's copy of an older checkpoint at the same URL (deleted and saved again, overwritten by a job on
 other nodes, a reused run folder) is never read. Only while nothing is committed at the URL (the drain
-has not finished) does the metadata come from a node's fast tier (sent to the other ranks by the lowest
-rank that holds it). Data files the node holds whole, and replicas its ranks kept, are read from the
-fast tier; everything else from the durable tier. Every block is checked against its CRC32C as on any
-load; a fast-tier file that fails a check (or is missing or short) is dropped and its items read again
-from the durable tier (``Reader.read_data``).
+has not finished) does the metadata come from a node's fast tier: its ``ckptio.json`` (sent to the other
+ranks by the lowest rank that holds it), or, saved without a coordinator, the merge of the fragments the
+nodes hold between them (``node_fragments_metadata``). Data files the node holds whole, and replicas its
+ranks kept, are read from the fast tier; everything else from the durable tier. Every block is checked
+against its CRC32C as on any load; a fast-tier file that fails a check (or is missing or short) is
+dropped and its items read again from the durable tier (``Reader.read_data``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch.distributed as dist
 
-from ckptio.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
+from ckptio.format.document import merge_fragments
+from ckptio.format.fragments import check_set
 from ckptio.format.names import METADATA_NAME
+from ckptio.loading.fragment_set import fragments_in
 from ckptio.loading.read_once import read_on
 from ckptio.storage import FsspecStore, ReadRequest
 
@@ -28,19 +32,54 @@ T = TypeVar("T")
 
 def tiered_metadata_bytes(local: FsspecStore, read_durable: Callable[[], bytes], group: Any, direct: Any) -> bytes:
     """The metadata committed on the durable tier, read by the lowest rank of ``group``; while nothing is
-    committed there, ``ckptio.json`` from the lowest rank whose fast tier holds it. Every rank gets the
-    bytes or the error."""
+    committed there, ``ckptio.json`` from the lowest rank whose fast tier holds it, or the merge of the
+    fragments the nodes hold. Every rank gets the bytes or the error."""
     alone = group is direct or not dist.is_initialized() or dist.get_world_size(group) == 1
     committed = committed_durable(read_durable) if alone else read_on(lambda: committed_durable(read_durable), group, 0)
     if committed is not None:
         return committed
     has_local = local.exists(METADATA_NAME)
     if alone:
-        return local.read(METADATA_NAME) if has_local else read_durable()
+        if has_local:
+            return local.read(METADATA_NAME)
+        return node_fragments_metadata(local, 0, lambda value: [value], lambda fn: fn()) or read_durable()
     flags: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(flags, has_local, group=group)
+    if True not in flags:
+        rank = dist.get_rank(group)
+        merged = node_fragments_metadata(local, rank, lambda v: _all_gather(v, group), lambda fn: read_on(fn, group, 0))
+        if merged is not None:
+            return merged
     source = flags.index(True) if True in flags else 0
     return read_on(lambda: local.read(METADATA_NAME) if has_local else read_durable(), group, source)
+
+
+def node_fragments_metadata(
+    local: FsspecStore, rank: int, all_gather: Callable[[Any], list], on_first_rank: Callable[[Callable[[], T]], T]
+) -> bytes | None:
+    """The merge of the fragments of a tiered save without a coordinator that the ranks' fast tiers
+    (``local``: the node's copy of this rank, ``rank`` of its group) hold between them, or ``None`` unless
+    they form one complete set. Every rank of the group calls it: ``all_gather(value)`` gives every rank's value, and
+    ``on_first_rank(fn)`` runs ``fn`` on the first rank and gives every rank its result. Each fragment
+    is read by the lowest rank that holds it; the first rank merges."""
+    names = sorted(fragments_in(local.list_names() or []))
+    views = all_gather(names)
+    held = fragments_in(sorted({name for view in views for name in view}))
+    try:
+        ranks = check_set(held, local.url) if held else 0
+    except CheckpointError:
+        ranks = 0
+    if not ranks:
+        return None
+    reads = {name: local.read(name) for name in names if next(i for i, v in enumerate(views) if name in v) == rank}
+    documents = {name: raw for part in all_gather(reads) for name, raw in part.items()}
+    return on_first_rank(lambda: merge_fragments(documents, ranks, local.url))
+
+
+def _all_gather(value: Any, group: Any) -> list:
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
 def committed_durable(read_durable: Callable[[], T]) -> T | None:

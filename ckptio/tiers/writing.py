@@ -26,14 +26,17 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
 from ckptio.config import WriterConfig
+from ckptio.errors import CheckpointExistsError
 from ckptio.format.names import METADATA_NAME, SIBLING_PREFIX, data_file_name, parse_data_file_name
 from ckptio.format.records import Header, Reference, StoredItem
+from ckptio.loading.fragment_set import fragments_in
 from ckptio.saving.data_file import encode_items, item_bytes
 from ckptio.saving.incremental import Base
 from ckptio.storage import FsspecStore
 from ckptio.tiers.drain import (
     AwaitCommit,
     Commit,
+    CommitFragment,
     Durable,
     Prune,
     Upload,
@@ -41,7 +44,7 @@ from ckptio.tiers.drain import (
     durable_segments,
     references_of,
 )
-from ckptio.tiers.held_index import HeldIndex
+from ckptio.tiers.held_index import HeldIndex, held_items
 from ckptio.tiers.paths import HELD_SUFFIX, local_run_path, local_step_path, split_step
 
 log = logging.getLogger(__name__)
@@ -77,10 +80,12 @@ def write_rank_copy(
     config: WriterConfig,
     inline_limit: int,
     base: Base | None = None,
+    list_durable: bool = False,
 ) -> tuple[dict[MetadataIndex, StoredItem], int] | None:
     """Write this rank's fast-tier files and indexes; the records of the durable items and how many of
     ``file``'s first bytes are its durable data file, or ``None`` when the fast tier is full (nothing of
-    this save is left on it). With a ``base``, the durable items reference it where unchanged."""
+    this save is left on it). With a ``base``, the durable items reference it where unchanged; with
+    ``list_durable``, the index lists them too (``HeldIndex.of``)."""
     names = [file, file + HELD_SUFFIX]
     inline_limit = inline_limit if not replicas else 0
     try:
@@ -90,13 +95,14 @@ def write_rank_copy(
             stored = encode_items(local, file, items, config, inline_limit)
             if not any(record.file for record in stored.values()):  # all inline in the metadata
                 return stored, 0
-            index = HeldIndex.of(file, stored, set(durable_items))
+            index = HeldIndex.of(file, stored, set(durable_items), list_durable)
             local.put_atomic(file + HELD_SUFFIX, index.encode())
             return {k: stored[k] for k in durable_items}, index.durable_bytes
         stored = encode_items(local, file, item_bytes(durable_items, planner, objects), config, inline_limit, base)
         nbytes = local.size(file) if any(_in_file(record, file) for record in stored.values()) else 0
         if nbytes:
-            local.put_atomic(file + HELD_SUFFIX, HeldIndex(file, nbytes, nbytes, ()).encode())
+            listed = held_items({k: r for k, r in stored.items() if r.file == file}) if list_durable else ()
+            local.put_atomic(file + HELD_SUFFIX, HeldIndex(file, nbytes, nbytes, listed).encode())
         referenced = {k: durable_items[k] for k, record in stored.items() if _references_base(record)}
         full = full_copy_name(file)
         names += [full, full + HELD_SUFFIX]
@@ -142,8 +148,9 @@ def queue_rank_drain(
 ) -> None:
     """This rank's jobs: upload its durable bytes (the first ``nbytes`` of ``file``, holding the blocks
     of ``records``); a rank other than the coordinator then awaits the commit, which the coordinator's
-    ``Commit`` (queued by ``queue_commit``) makes, and prunes its fast tier. ``started``: when this save
-    began (unix time); refusals noted at the URL before it are an earlier save's."""
+    ``Commit`` (queued by ``queue_commit``) makes, and prunes its fast tier (``coordinator``: the
+    coordinator, or a rank of a save without one, which commits its own fragment: ``commit_fragment``).
+    ``started``: when this save began (unix time); refusals noted at the URL before it are an earlier save's."""
     queue = drain_queue()
     if nbytes:
         upload = Upload(
@@ -182,20 +189,60 @@ def queue_prune(save: str, durable: Durable, config: WriterConfig) -> None:
     drain_queue().submit(save, prune, config.drain_timeout_s)
 
 
-def commit_locally(local: FsspecStore, document: bytes) -> None:
-    """The fast tier's copy commits on the coordinator's node (its ``ckptio.json``); when the fast tier
-    is full, the durable commit alone makes the checkpoint loadable."""
+def commit_locally(local: FsspecStore, document: bytes, name: str = METADATA_NAME) -> None:
+    """The fast tier's copy commits on the coordinator's node (its ``ckptio.json``), or each rank's (its
+    fragment); when the fast tier is full, the durable commit alone makes the checkpoint loadable."""
     try:
         local.prepare_directory()
-        local.put_atomic(METADATA_NAME, document)
+        local.put_atomic(name, document)
     except Exception as exc:
         if not tier_full(exc):
             raise
-        local.delete_best_effort([METADATA_NAME])
+        local.delete_best_effort([name])
         _warn_full(local.url)
 
 
+def refuse_committed_fragment(local: FsspecStore, durable: FsspecStore, name: str, config: WriterConfig) -> None:
+    """Before a rank's part of a tiered save without a coordinator: its fragment ``name`` committed on the
+    durable tier, or on the node (or the node's ``ckptio.json`` of the checkpoint, which loads would read
+    instead of the fragments) is replaced only with ``overwrite``; the node's ``ckptio.json`` then goes."""
+    if config.overwrite:
+        local.delete_best_effort([METADATA_NAME])
+        return
+    for store, held in ((local, METADATA_NAME), (local, name), (durable, name)):
+        if store.exists(held):
+            raise CheckpointExistsError(
+                f"{store.describe(held)} is a committed copy of this checkpoint; save to a new step, or pass "
+                "overwrite=True to replace it"
+            )
+
+
+def commit_fragment(
+    save: str,
+    local: FsspecStore,
+    durable: Durable,
+    name: str,
+    document: bytes,
+    files: dict[str, int],
+    merge: tuple[str, int] | None,
+    config: WriterConfig,
+) -> None:
+    """A rank's fragment of a tiered save without a coordinator: committed on the node now (where the fast
+    tier has room), and on the durable tier by the drain after the rank's upload, where rank 0 then merges
+    the set (``merge``: its save id and rank count) once every rank's fragment is there."""
+    commit_locally(local, document, name)
+    job = CommitFragment(durable, name, document, files, config.overwrite, merge)
+    drain_queue().submit(save, job, config.drain_timeout_s)
+    queue_prune(save, durable, config)
+
+
 def local_commit_exists(config: WriterConfig, durable_url: str, storage_options: dict[str, Any]) -> str | None:
-    """The fast-tier ``ckptio.json`` of this checkpoint on this node, if one exists."""
-    path = os.path.join(local_step_path(config.local_tier, durable_url, storage_options), METADATA_NAME)
-    return path if os.path.exists(path) else None
+    """The fast-tier ``ckptio.json`` of this checkpoint on this node, or a fragment of it (a save without a
+    coordinator committed there), if one exists."""
+    folder = local_step_path(config.local_tier, durable_url, storage_options)
+    try:
+        names = sorted(os.listdir(folder))
+    except FileNotFoundError:
+        return None
+    found = [METADATA_NAME] if METADATA_NAME in names else sorted(fragments_in(names))
+    return os.path.join(folder, found[0]) if found else None

@@ -45,11 +45,27 @@ def tiered_writer(run: str, step: int, tier_base: str, options, config: dict) ->
     )
 
 
-def save_steps(run: str, tier_base: str, mesh_shape, steps, options, config: dict | None = None) -> int:
+def save_steps(
+    run: str, tier_base: str, mesh_shape, steps, options, config: dict | None = None, collectives: bool = True
+) -> int:
     for step in steps:
-        dcp.save(state(mesh_shape, step), storage_writer=tiered_writer(run, step, tier_base, options, config or {}))
+        writer = tiered_writer(run, step, tier_base, options, config or {})
+        dcp.save(state(mesh_shape, step), storage_writer=writer, use_collectives=collectives)
     ckptio.wait_for_uploads()
     return dist.get_rank()
+
+
+def save_with_a_stalled_drain(run: str, tier_base: str, mesh_shape, options, collectives: bool) -> str:
+    """Save step 1 (drained), then step 2 with a drain that cannot finish; what ``wait_for_uploads`` raised."""
+    save_steps(run, tier_base, mesh_shape, [1], options, collectives=collectives)
+    stalled = {"drain_bandwidth": 1, "drain_timeout_s": 0.5}
+    writer = tiered_writer(run, 2, tier_base, options, stalled)
+    dcp.save(state(mesh_shape, 2), storage_writer=writer, use_collectives=collectives)
+    try:
+        ckptio.wait_for_uploads()
+    except ckptio.DrainError as exc:
+        return str(exc)
+    return "drained"
 
 
 def save_then_die(run: str, tier_base: str, mesh_shape, options, victim: int, config: dict) -> str:

@@ -1,8 +1,9 @@
 """The checkpoint lifecycle as a stateful property: random sequences of saves (plain, tiered on one of two
-node tiers, tiered with a drain that never finishes, incremental (tiered too), without a coordinator), overwrites,
-deletes, reused URLs, damaged and lost node copies, merges and restarts through ``ckptio.latest``, in one
-process, against a model of what each URL and each node holds. Every load returns what the model says
-or raises a named ``CheckpointError``, never other values; ``latest`` always names a step that loads.
+node tiers, tiered with a drain that never finishes, incremental, without a coordinator, tiered with any
+of these), overwrites, deletes, reused URLs, damaged and lost node copies, merges and restarts through
+``ckptio.latest``, in one process, against a model of what each URL and each node holds. Every load
+returns what the model says or raises a named ``CheckpointError``, never other values; ``latest`` always
+names a step that loads.
 
 The model's rules (what ckptio promises across time):
 - a URL's checkpoint is its last committed save: ``ckptio.json`` (a save with a coordinator, a finished
@@ -137,8 +138,15 @@ class Lifecycle(RuleBasedStateMachine):
             only_fragments(self._url(step))
         self.durable[step] = (value, "fragments" if dies_after_save else "json")
 
-    @rule(tier=TIERS, step=STEPS, overwrite=st.booleans(), drain_finishes=st.booleans(), incremental=st.booleans())
-    def tiered_save(self, tier, step, overwrite, drain_finishes, incremental):
+    @rule(
+        tier=TIERS,
+        step=STEPS,
+        overwrite=st.booleans(),
+        drain_finishes=st.booleans(),
+        incremental=st.booleans(),
+        collectives=st.booleans(),
+    )
+    def tiered_save(self, tier, step, overwrite, drain_finishes, incremental, collectives):
         stall = {} if drain_finishes else {"drain_bandwidth": 1, "drain_timeout_s": 0.5}
         config = ckptio.WriterConfig(
             local_tier=self._tier(tier),
@@ -148,13 +156,15 @@ class Lifecycle(RuleBasedStateMachine):
             incremental_from="previous" if incremental else None,
             **stall,
         )
-        refused = not overwrite and (self._json_committed(step) or (tier, step) in self.node_commits)
-        value = self._save(step, config, refused)
+        committed = self._json_committed(step) if collectives else step in self.durable
+        refused = not overwrite and (committed or (tier, step) in self.node_commits)
+        value = self._save(step, config, refused, use_collectives=collectives)
         event(f"tiered save: {'refused' if value is None else 'drained' if drain_finishes else 'drain stalled'}")
-        if incremental and value is not None:
-            event(f"tiered save: incremental, {'references a base' if _references(self._tier(tier)) else 'in full'}")
         if value is None:
             return
+        event(f"tiered save: {'with' if collectives else 'without'} a coordinator")
+        if incremental:
+            event(f"tiered save: incremental, {'references a base' if _references(self._tier(tier)) else 'in full'}")
         self.node[(tier, step)] = value
         self.node_commits.add((tier, step))
         if drain_finishes:
