@@ -296,6 +296,8 @@ def tiered_table(rows: list[dict], markdown: bool = False) -> str:
         ("tiered save (blocking), s", lambda r: seconds(r, "tiered_save_s")),
         ("  tiered / direct S3", lambda r: ratio(r, "tiered_over_direct")),
         ("  tiered / local-only", lambda r: ratio(r, "tiered_over_local")),
+        ("tiered save without a coordinator (blocking), s", lambda r: seconds(r, "tiered_alone_save_s")),
+        ("  without / with a coordinator", lambda r: ratio(r, "tiered_alone_over_tiered")),
         ("drain until committed on S3, s", lambda r: seconds(r, "commit_s")),
         ("drain, slowest rank (its wait for the commit), s", lambda r: seconds(r, "drain_s")),
         (

@@ -2,11 +2,12 @@
 
 On each S3 target, per repeat and rank: a direct sync save to S3, a local-only save to the fast
 tier's disk, a tiered sync save (its blocking time, then the drain with a training-step loop
-running beside it), the plain ``dcp.async_save`` of a direct and of a tiered save (blocking time),
-``ckptio.latest`` and a restart load from the fast tier against a load of the same checkpoint
-from S3. After the repeats, one load with the last rank's fast tier empty (how many bytes S3 served
-to it and to the others) and tiered saves in a row (memory). Ranks are grouped into simulated nodes
-of one replica group each (the ranks of a node share its fast-tier path, as on a real node).
+running beside it), a tiered save without a coordinator (``use_collectives=False``: blocking time),
+the plain ``dcp.async_save`` of a direct and of a tiered save (blocking time), ``ckptio.latest`` and
+a restart load from the fast tier against a load of the same checkpoint from S3. After the repeats,
+one load with the last rank's fast tier empty (how many bytes S3 served to it and to the others) and
+tiered saves in a row (memory). Ranks are grouped into simulated nodes of one replica group each (the
+ranks of a node share its fast-tier path, as on a real node).
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ class _Run:
         record["drain_s"], record["steps_per_s_during_drain"] = drain_s, steps / max(drain_s, 1e-9)
         record["steps_per_s_without"] = (before + self._steps_per_s(step)) / 2  # before the save and after its drain
 
+        alone_url = f"{self.base}/run-without-coordinator/step-{rep}"
+        record["tiered_alone_save_s"] = self._timed(
+            lambda: dcp.save(state, storage_writer=self._writer(alone_url, self.tiered), use_collectives=False)
+        )
+        ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)  # its drain, and rank 0's merge of the fragments
+
         record["direct_async_blocking_s"] = self._async_blocking(state, self._writer(f"{direct_url}-async"))
         async_url = f"{self.base}/run/step-{2 * rep + 2}"
         # a tiered async save and its drain with nothing beside them: the CPU they cost this process
@@ -122,6 +129,7 @@ class _Run:
         self._remove_on_rank0(local_url, None)
         if rep:  # the previous repeat's steps: a long run must not fill the S3 server (radosgw's is 3 GiB)
             self._forget(f"{self.base}/run/step-{2 * rep - 1}", f"{self.base}/run/step-{2 * rep}")
+        self._forget(alone_url)
         return record
 
     def _forget(self, *urls: str) -> None:
@@ -254,6 +262,7 @@ TIMES = (
     "direct_save_s",
     "local_save_s",
     "tiered_save_s",
+    "tiered_alone_save_s",
     "drain_s",
     "direct_async_blocking_s",
     "tiered_async_blocking_s",
@@ -265,6 +274,7 @@ TIMES = (
 RATIOS = (
     ("tiered_over_direct", "tiered_save_s", "direct_save_s"),
     ("tiered_over_local", "tiered_save_s", "local_save_s"),
+    ("tiered_alone_over_tiered", "tiered_alone_save_s", "tiered_save_s"),
     ("async_tiered_over_direct", "tiered_async_blocking_s", "direct_async_blocking_s"),
     ("load_fast_over_s3", "load_fast_s", "load_s3_s"),
 )
