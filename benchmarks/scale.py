@@ -314,9 +314,9 @@ def simulate_without_coordinator(layout: str, ranks: int, layers: int) -> dict:
     import ckptio
     from ckptio.format.document import decode_metadata
     from ckptio.loading.reader import read_metadata_bytes
+    from ckptio.saving.fragments import FragmentSave
     from ckptio.saving.merge_once import wait_for_merges
     from ckptio.saving.replicas import split_by_holders
-    from ckptio.saving.writer import FragmentSave
     from ckptio.storage import open_store
 
     plans = local_plans(layout, ranks, layers)

@@ -25,6 +25,7 @@ from ckptio.saving.staging import Stager, release_staging_buffers
 from ckptio.saving.writer import Writer
 from ckptio.state.per_rank import PerRank
 from ckptio.tiers.drain import DrainError, uploads_pending, wait_for_uploads
+from ckptio.tiers.landing import TieredLanding as _TieredLanding  # noqa: F401 - registers it with saving
 from ckptio.tiers.latest import latest
 from ckptio.version import __version__
 

@@ -87,6 +87,17 @@ def test_the_0x_reader_is_kept_apart():
     assert importers == ["ckptio.format.document"]
 
 
+def test_saving_imports_nothing_of_tiers():
+    """A tiered save wraps the durable one (``tiers/landing.py`` registers its landing with
+    ``saving/landing.py``): the Writer never branches on tiers, and ``saving`` builds on no tier module."""
+    importers = sorted(
+        a
+        for a, targets in _imports(_modules()).items()
+        if a.startswith("ckptio.saving") and any(b.startswith("ckptio.tiers") for b in targets)
+    )
+    assert importers == []
+
+
 def test_no_import_circles():
     modules = _modules()
     edges = {a: {b for b in targets if b in modules and b != "ckptio"} for a, targets in _imports(modules).items()}

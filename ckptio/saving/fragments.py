@@ -1,5 +1,5 @@
-"""A rank's side of a save without a coordinator: which save it belongs to, and its fragment document
-(``format/fragments.py`` has the format; ``commit.publish_fragment`` the commit).
+"""A rank's side of a save without a coordinator: which save it belongs to, what it writes alone, and its
+fragment document (``format/fragments.py`` has the format; the Writer's landing commits it).
 
 The ranks of one save must name it alike without exchanging a message, and two saves to one path
 must differ, even when a job is restarted or requeued and saves the same step again: a requeued
@@ -14,17 +14,37 @@ attempt: torchrun keeps one per restart), joined to ``CKPTIO_JOB_ID`` when set; 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import sys
 import threading
 import uuid
 from collections import Counter
+from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptio.format.records import StoredItem
-from ckptio.torch_seam import default_store
+from ckptio.errors import CheckpointError
+from ckptio.format.document import decode_fragment, encode_metadata
+from ckptio.format.fragments import FragmentInfo, Replica
+from ckptio.format.names import SIBLING_PREFIX, fragment_name
+from ckptio.format.records import MeshRecord, StoredItem
+from ckptio.saving.data_file import pickled_objects
+from ckptio.saving.incremental import note_saved
+from ckptio.saving.references import by_sibling, mark_references
+from ckptio.saving.replicas import own_writes
+from ckptio.saving.save_metadata import chain_of, header_of, refuse_unloadable, written
+from ckptio.state.keys import canonical_planner_data
+from ckptio.torch_seam import default_store, enclosing_save_wrapper
 
 _JOB_KEY = "ckptio/job-token"
 _lock = threading.Lock()
@@ -87,3 +107,72 @@ def fragment_metadata(metadata: Metadata, items: dict[tuple, StoredItem]) -> Met
     fragment = Metadata(state_dict_metadata=state, planner_data=planner_data)
     fragment.version = metadata.version
     return fragment
+
+
+@dataclasses.dataclass
+class FragmentSave:
+    """A rank's part in a save without a coordinator: the save's id (the same on every rank), how many
+    ranks save, and what ``write_data`` found for the fragment."""
+
+    save_id: str
+    ranks: int
+    members: tuple[int, ...] | None = None  # the save's group: global ranks by group rank (None: every rank)
+    replicas: list[Replica] = dataclasses.field(default_factory=list)
+    mesh: MeshRecord | None = None
+
+
+def fragment_of_save(writer: Any) -> FragmentSave:
+    """This rank's place in a save without a coordinator, or a clear refusal."""
+    if not dist.is_initialized():
+        return FragmentSave(fragment_save_id(writer.checkpoint_id), 1)
+    wrapper = enclosing_save_wrapper(sys._getframe(1))  # torch hands the writer its rank, not its group
+    if wrapper is None and writer.rank != dist.get_rank():
+        raise CheckpointError(
+            f"ckptio cannot tell the process group of this save without collectives (this rank is {writer.rank} "
+            f"of the save's group and {dist.get_rank()} of the default one, and torch's dcp.save frame was not "
+            "found): save over the default process group"
+        )
+    group = getattr(wrapper, "group", None)
+    members = None if group is None else tuple(dist.get_process_group_ranks(group))
+    return FragmentSave(fragment_save_id(writer.checkpoint_id), dist.get_world_size(group), members)
+
+
+def write_own_part(
+    writer: Any, file: str, held: dict[MetadataIndex, WriteItem], planner: SavePlanner
+) -> list[WriteResult]:
+    """Write what this rank decides alone to write (``replicas.py``): its chunks no other rank writes, and
+    its own copy of every object and plain tensor; what it holds besides are its replicas."""
+    save = writer._fragment
+    state = getattr(planner, "state_dict", None) or {}
+    own = own_writes(held, state, writer.rank, writer.config.mode, save.members)
+    save.replicas, save.mesh = own.replicas, MeshRecord.of(state)
+    if own.written:  # against this rank's own resolve of the base (the same checkpoint on every rank)
+        writer._base = writer.incremental_base()
+    replicas = {k: v for k, v in held.items() if k not in own.written}
+    objects = pickled_objects(held, planner)
+    stored = writer._landing.write(file, own.written, replicas, planner, objects, writer.config.inline_limit)
+    note_saved(writer.checkpoint_id)
+    return [WriteResult(index, record.stored_bytes, record) for index, record in stored.items()]
+
+
+def commit_fragment(writer: Any, metadata: Metadata, results: list[WriteResult]) -> None:
+    """Commit this rank's fragment; the save is loadable once every rank's is there."""
+    save, rank = writer._fragment, writer.rank
+    items, files, _ = written([results], [])
+    writers = {name: rank for name in files if not name.startswith(SIBLING_PREFIX)}  # a sibling's: its name's
+    header = header_of(writer.config, metadata, files, writers, save.mesh, save.save_id, world_size=save.ranks)
+    if by_sibling(files):  # this rank's part of the chain; the merge joins the ranks' parts
+        header = dataclasses.replace(header, chain=chain_of(writer._base, writer.config, items.values()))
+    metadata.planner_data = canonical_planner_data(metadata.planner_data)
+    info = FragmentInfo(save.save_id, rank, save.ranks, tuple(sorted(save.replicas, key=_replica_order)))
+    document = encode_metadata(fragment_metadata(metadata, items), items, header, fragment=info)
+    name = fragment_name(rank, save.ranks)
+    store = writer._open_store()
+    refuse_unloadable(document, store.describe(name), decode_fragment)
+    if header.chain is not None:
+        mark_references(store, files, save.save_id, rank, writer._landing.pending_s)
+    writer._landing.commit_fragment(name, document, files, (save.save_id, save.ranks) if rank == 0 else None)
+
+
+def _replica_order(replica: Replica) -> tuple:
+    return (replica.fqn, replica.offsets)

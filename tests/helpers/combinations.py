@@ -36,12 +36,17 @@ SHAPES = {"model.w": (48, 40), "model.b": (37,), "optim.w.exp_avg": (48, 40), "o
 FROZEN = ("model.w", "model.b")
 
 
+def all_rows() -> list[dict[str, Any]]:
+    """The full product of the axes' values."""
+    return [dict(zip(AXES, values, strict=True)) for values in itertools.product(*AXES.values())]
+
+
 def covering_rows() -> list[dict[str, Any]]:
     """Rows in which every pair of values of two axes meets at least once, starting with the eight of
     tier x incremental (off, on) x collectives; rows picked greedily (most pairs still uncovered, first
     in the product's order on ties), so the array is the same on every run."""
     names = list(AXES)
-    product = [dict(zip(names, values, strict=True)) for values in itertools.product(*AXES.values())]
+    product = all_rows()
 
     def pairs(row: dict) -> set:
         return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2)}

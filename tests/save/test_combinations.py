@@ -7,6 +7,9 @@ the same mesh, resharded on 2 ranks and in one process, and verified block by bl
 from __future__ import annotations
 
 import itertools
+import os
+
+import pytest
 
 from ckptio.loading.reader import read_manifest
 from ckptio.storage import open_store
@@ -42,3 +45,16 @@ def test_every_row_saves_twice_and_its_second_step_loads_exact_on_any_mesh(s3, t
         assert (chain and chain.base, chain and chain.referenced_bytes > 0) == (  # the frozen weights referenced
             ("step-1", True) if row["incremental"] else (None, None)
         ), row
+
+
+@pytest.mark.skipif(
+    not os.environ.get("CKPTIO_FULL_PRODUCT"), reason="the full product (768 rows, ~25 min): CKPTIO_FULL_PRODUCT=1"
+)
+def test_the_full_product_of_the_settings(s3, tmp_path):
+    rows = combinations.all_rows()
+    base, storage_options = s3
+    options = {"base": base, "storage_options": storage_options}
+    for start in range(0, len(rows), 64):  # a spawn per 64 rows: each within its timeout
+        part = rows[start : start + 64]
+        saved = spawn(4, combinations.save_and_load_rows, str(tmp_path / f"part{start}"), part, options, timeout=1800)
+        assert saved == [[[]] * len(part)] * 4, list(zip(part, zip(*saved, strict=True), strict=True))

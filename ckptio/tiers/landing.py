@@ -1,0 +1,122 @@
+"""A tiered save's landing (``saving/landing.py``): every rank's copy on its node's fast tier, committed
+there at once; the durable part uploaded, and the checkpoint committed on the durable tier, by the drain
+(``writing.py``, ``drain.py``). A full fast tier sends a rank's data straight to the durable tier."""
+
+from __future__ import annotations
+
+import logging
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+
+from ckptio.errors import CheckpointExistsError, StorageError
+from ckptio.format.names import fragment_name
+from ckptio.format.records import Header, StoredItem
+from ckptio.saving.commit import check_target
+from ckptio.saving.landing import DurableLanding, register_tiered
+from ckptio.storage import FsspecStore
+from ckptio.tiers import writing
+from ckptio.tiers.drain import Durable, drain_queue
+from ckptio.tiers.paths import local_step_store
+
+log = logging.getLogger(__name__)
+
+
+class TieredLanding(DurableLanding):
+    @property
+    def pending_s(self) -> float:  # type: ignore[override]
+        return self.writer.config.drain_timeout_s
+
+    def start(self) -> None:
+        drain_queue().raise_failure()  # a failed background upload of an earlier save is raised here
+
+    def check_target(self) -> list[str]:
+        """As a direct save, on a durable tier the save need not reach: when it is unreachable, the save
+        goes on to the fast tier (its commit there stays create-only); and the node's own committed copy."""
+        w = self.writer
+        try:
+            superseded = super().check_target()
+        except StorageError as exc:
+            log.warning("ckptio: cannot check the durable tier before a tiered save; saving to the fast tier: %s", exc)
+            superseded = []
+        found = (
+            None if w.config.overwrite else writing.local_commit_exists(w.config, w.checkpoint_id, w.storage_options)
+        )
+        if found:
+            raise CheckpointExistsError(
+                f"the fast tier already holds a committed copy of {w.checkpoint_id} ({found}) that has not "
+                "reached the durable tier; save to a new step, or pass overwrite=True to replace it"
+            )
+        return superseded
+
+    def clear_for_fragments(self) -> None:
+        """Refuse a committed checkpoint now; an overwrite clears it after rank 0's upload
+        (``drain.CommitFragment``): the durable tier keeps its checkpoint until then."""
+        check_target(self.writer._open_store(), self.writer.config.overwrite)
+
+    def write(
+        self,
+        file: str,
+        durable_items: dict[MetadataIndex, WriteItem],
+        replicas: dict[MetadataIndex, WriteItem],
+        planner: SavePlanner,
+        objects: dict[MetadataIndex, memoryview],
+        inline_limit: int,
+    ) -> dict[MetadataIndex, StoredItem]:
+        """Everything this rank holds on the fast tier, its durable part's upload queued; straight to the
+        durable tier when the fast tier is full."""
+        w, alone = self.writer, self.writer._fragment is not None
+        if alone:
+            name = fragment_name(w.rank, w._fragment.ranks)
+            writing.refuse_committed_fragment(self.local_store(), w._open_store(), name, w.config)
+        elif not (durable_items or replicas):
+            if not w.is_coordinator:
+                writing.queue_prune(self.drain_key(), self.durable(), w.config)
+            return {}
+        local = self.local_store()
+        written = writing.write_rank_copy(
+            local, file, durable_items, replicas, planner, objects, w.config, inline_limit, w._base, alone
+        )
+        records = written[0] if written else None
+        writing.queue_rank_drain(
+            self.drain_key(),
+            self.durable(),
+            local,
+            file,
+            (records or {}).values(),
+            written[1] if written else 0,
+            w.config,
+            w.is_coordinator or alone,  # a rank of a save without one commits its own fragment
+            w._started_unix,
+        )
+        if records is None:  # the fast tier is full
+            return super().write(file, durable_items, replicas, planner, objects, inline_limit)
+        return records
+
+    def commit(self, document: bytes, header: Header, writers: dict[str, int], superseded: list[str]) -> None:
+        """On the node now; on the durable tier once every rank's upload is there."""
+        writing.commit_locally(self.local_store(), document)
+        writing.queue_commit(
+            self.drain_key(), self.durable(), document, header, writers, superseded, self.writer.config
+        )
+
+    def commit_fragment(self, name: str, document: bytes, files: dict[str, int], merge: tuple[str, int] | None) -> None:
+        """On the node now; on the durable tier after this rank's upload, merged there by rank 0."""
+        w = self.writer
+        writing.commit_fragment(
+            self.drain_key(), self.local_store(), self.durable(), name, document, files, merge, w.config
+        )
+
+    def local_store(self) -> FsspecStore:
+        w = self.writer
+        return local_step_store(w.config.local_tier, w.checkpoint_id, w.storage_options, w.storage_config)
+
+    def durable(self) -> Durable:
+        w = self.writer
+        return Durable(w.checkpoint_id, dict(w.storage_options), w.storage_config)
+
+    def drain_key(self) -> str:
+        return f"{self.writer.checkpoint_id}#{self.writer._save_id}"
+
+
+register_tiered(TieredLanding)
