@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from ckptio.config import StorageConfig
-from ckptio.errors import CheckpointError
+from ckptio.errors import CheckpointError, MixedFragmentsError
 from ckptio.loading.fragment_set import fragments_in
 from ckptio.saving.commit import commit_merged
 from ckptio.storage import FsspecStore, open_store
@@ -41,9 +41,10 @@ _FIRST_POLL_S, _LAST_POLL_S = 0.05, 2.0
 #: ~300 MB to start (it imports torch).
 IN_PROCESS_FRAGMENTS = 64
 #: The merge process's exit statuses besides 0 (committed): ``ckptio.json`` was there already or the set
-#: is not the save's; the set could not be merged (damaged, mixed, a storage fault: loads merge it or
-#: refuse it); it cannot read its orders or open the location (this process then merges in a thread).
-NOT_COMMITTED, MERGE_FAILED, CANNOT_OPEN = 3, 4, 5
+#: is not the save's; the set could not be merged (damaged, a storage fault: loads merge it or refuse
+#: it); it cannot read its orders or open the location (this process then merges in a thread); the set
+#: mixes saves (an overwrite whose ranks have not all replaced their fragments yet: asked again later).
+NOT_COMMITTED, MERGE_FAILED, CANNOT_OPEN, MIXED = 3, 4, 5, 6
 
 _running: dict[threading.Thread, tuple[str, threading.Event]] = {}  # -> the checkpoint's URL, its cancel
 _lock = threading.Lock()
@@ -89,14 +90,14 @@ def _merge(where: tuple, save_id: str, ranks: int, deadline: float, cancel: thre
         store = open_store(*where)
         poll = _FIRST_POLL_S
         while time.monotonic() < deadline and not cancel.is_set():
-            if len(fragments_in(store.list_names() or [])) >= ranks:
-                large = ranks > IN_PROCESS_FRAGMENTS and _shared(store) and bool(sys.executable)
-                payload = _payload(where, save_id) if large else None
-                committed = None if payload is None else _merge_in_process(payload, store.url, deadline, cancel)
-                if committed is None:  # a small set, or no merge process could run
-                    committed = commit_merged(store, save_id, go_on=lambda: not cancel.is_set()) is not None
-                log.debug("ckptio: %s merged its fragments: %s", store.url, "committed" if committed else "not")
-                return
+            found = fragments_in(store.list_names() or [])
+            if len(found) >= ranks:
+                committed = _merge_set(store, where, save_id, ranks, deadline, cancel)
+                if committed is None and any(name.ranks != ranks for name in found.values()):
+                    committed = False  # fragments of another rank count: never this save's set
+                if committed is not None:
+                    log.debug("ckptio: %s merged its fragments: %s", store.url, "committed" if committed else "not")
+                    return
             cancel.wait(poll)
             poll = min(poll * 2, _LAST_POLL_S)
         if not cancel.is_set():
@@ -110,6 +111,24 @@ def _merge(where: tuple, save_id: str, ranks: int, deadline: float, cancel: thre
     finally:
         with _lock:
             _running.pop(threading.current_thread(), None)
+
+
+def _merge_set(
+    store: FsspecStore, where: tuple, save_id: str, ranks: int, deadline: float, cancel: threading.Event
+) -> bool | None:
+    """Merge the complete-by-name set at ``store``: whether it committed, or ``None`` while it still mixes
+    an earlier save's fragments with this one's (an overwrite: each rank replaces its own in turn)."""
+    large = ranks > IN_PROCESS_FRAGMENTS and _shared(store) and bool(sys.executable)
+    payload = _payload(where, save_id) if large else None
+    committed = None if payload is None else _merge_in_process(payload, store.url, deadline, cancel)
+    if committed is MIXED:
+        return None
+    if committed is None:  # a small set, or no merge process could run
+        try:
+            committed = commit_merged(store, save_id, go_on=lambda: not cancel.is_set()) is not None
+        except MixedFragmentsError:
+            return None
+    return committed
 
 
 def _shared(store: FsspecStore) -> bool:
@@ -128,9 +147,9 @@ def _payload(where: tuple, save_id: str) -> bytes | None:
         return None
 
 
-def _merge_in_process(payload: bytes, url: str, deadline: float, cancel: threading.Event) -> bool | None:
+def _merge_in_process(payload: bytes, url: str, deadline: float, cancel: threading.Event) -> bool | int | None:
     """The merge in a process of its own, which this thread waits for (and ends when called off): whether
-    it committed, or ``None`` when no process could be started or run."""
+    it committed, ``MIXED`` (the set mixes saves), or ``None`` when no process could be started or run."""
     try:
         child = subprocess.Popen(
             [sys.executable, "-m", "ckptio.saving.merge_process"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL
@@ -147,6 +166,8 @@ def _merge_in_process(payload: bytes, url: str, deadline: float, cancel: threadi
             child.terminate()
             child.wait()
             return False
+    if child.returncode == MIXED:
+        return MIXED
     if child.returncode not in (0, NOT_COMMITTED, MERGE_FAILED):  # no merge ran (an interpreter without ckptio?)
         log.warning("ckptio: the merge process for %s exited with status %d; merging here", url, child.returncode)
         return None

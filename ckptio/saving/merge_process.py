@@ -13,9 +13,9 @@ import sys
 
 
 def main() -> int:
-    from ckptio.errors import CheckpointError
+    from ckptio.errors import CheckpointError, MixedFragmentsError
     from ckptio.saving.commit import commit_merged
-    from ckptio.saving.merge_once import CANNOT_OPEN, MERGE_FAILED, NOT_COMMITTED
+    from ckptio.saving.merge_once import CANNOT_OPEN, MERGE_FAILED, MIXED, NOT_COMMITTED
     from ckptio.storage import open_store
 
     logging.basicConfig(level=logging.WARNING, format="ckptio merge process: %(message)s")
@@ -26,6 +26,8 @@ def main() -> int:
         return CANNOT_OPEN
     try:
         committed = commit_merged(store, save_id)
+    except MixedFragmentsError:  # an overwrite's ranks have not all replaced their fragments yet
+        return MIXED
     except CheckpointError as exc:  # a mixed or damaged set: every load refuses it by name as well
         logging.warning("the fragments at %s were not merged: %s", url, exc)
         return MERGE_FAILED

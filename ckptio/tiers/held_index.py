@@ -76,19 +76,13 @@ class HeldIndex:
         ).encode()
 
     @classmethod
-    def of(
-        cls,
-        file: str,
-        records: dict[MetadataIndex, StoredItem],
-        durable: set[MetadataIndex],
-        list_durable: bool = False,
-    ) -> "HeldIndex":
-        """The index of ``file`` written with ``records``, those of ``durable`` first; with ``list_durable``
-        these are listed too (a save without a coordinator: the merge may keep another rank's equal copy)."""
+    def of(cls, file: str, records: dict[MetadataIndex, StoredItem], durable: set[MetadataIndex]) -> "HeldIndex":
+        """The index of ``file`` written with ``records``, those of ``durable`` first. Every record is listed,
+        the durable ones too: the checkpoint may keep another rank's equal copy of an object or plain tensor
+        this rank wrote (a save without a coordinator, or objects kept per rank), which the node holds."""
         durable_bytes = max((r.offset + r.stored_bytes for k, r in records.items() if k in durable), default=0)
         local_bytes = max((r.offset + r.stored_bytes for r in records.values()), default=0)
-        listed = records if list_durable else {k: r for k, r in records.items() if k not in durable}
-        return cls(file, local_bytes, durable_bytes, held_items(listed))
+        return cls(file, local_bytes, durable_bytes, held_items(records))
 
     @classmethod
     def decode(cls, raw: bytes) -> "HeldIndex":

@@ -75,7 +75,7 @@ class TieredLanding(DurableLanding):
             return {}
         local = self.local_store()
         written = writing.write_rank_copy(
-            local, file, durable_items, replicas, planner, objects, w.config, inline_limit, w._base, alone
+            local, file, durable_items, replicas, planner, objects, w.config, inline_limit, w._base
         )
         records = written[0] if written else None
         writing.queue_rank_drain(

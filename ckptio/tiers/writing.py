@@ -80,12 +80,11 @@ def write_rank_copy(
     config: WriterConfig,
     inline_limit: int,
     base: Base | None = None,
-    list_durable: bool = False,
 ) -> tuple[dict[MetadataIndex, StoredItem], int] | None:
     """Write this rank's fast-tier files and indexes; the records of the durable items and how many of
     ``file``'s first bytes are its durable data file, or ``None`` when the fast tier is full (nothing of
-    this save is left on it). With a ``base``, the durable items reference it where unchanged; with
-    ``list_durable``, the index lists them too (``HeldIndex.of``)."""
+    this save is left on it). With a ``base``, the durable items reference it where unchanged. Each
+    file's index lists every item it holds (``HeldIndex.of``)."""
     names = [file, file + HELD_SUFFIX]
     inline_limit = inline_limit if not replicas else 0
     try:
@@ -95,13 +94,13 @@ def write_rank_copy(
             stored = encode_items(local, file, items, config, inline_limit)
             if not any(record.file for record in stored.values()):  # all inline in the metadata
                 return stored, 0
-            index = HeldIndex.of(file, stored, set(durable_items), list_durable)
+            index = HeldIndex.of(file, stored, set(durable_items))
             local.put_atomic(file + HELD_SUFFIX, index.encode())
             return {k: stored[k] for k in durable_items}, index.durable_bytes
         stored = encode_items(local, file, item_bytes(durable_items, planner, objects), config, inline_limit, base)
         nbytes = local.size(file) if any(_in_file(record, file) for record in stored.values()) else 0
         if nbytes:
-            listed = held_items({k: r for k, r in stored.items() if r.file == file}) if list_durable else ()
+            listed = held_items({k: r for k, r in stored.items() if r.file == file})
             local.put_atomic(file + HELD_SUFFIX, HeldIndex(file, nbytes, nbytes, listed).encode())
         referenced = {k: durable_items[k] for k, record in stored.items() if _references_base(record)}
         full = full_copy_name(file)

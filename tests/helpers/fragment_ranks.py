@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Any, Iterator
 
 import torch
@@ -205,3 +206,18 @@ def save_then_die_on_rank(run: str, case: dict[str, Any], dying_rank: int) -> st
     except BaseException as exc:  # noqa: BLE001 - the closing barrier, with a dead peer
         return type(exc).__name__
     return "ok"
+
+
+def save_late(url: str, case: dict[str, Any], late: int, delay_s: float) -> str:
+    """``save`` with rank ``late`` starting ``delay_s`` after the others (an overwrite's ranks replace their
+    fragments in turn); the save id of the ``ckptio.json`` at ``url`` once every rank's merge has ended."""
+    values = state(case["save_mesh"], case["save_placements"], case["seed"], per_rank=case.get("per_rank", True))
+    if dist.get_rank() == late:  # after the mesh, whose making waits for every rank
+        time.sleep(delay_s)
+    save(url, case, values)
+    dist.barrier()
+    from ckptio.format.document import decode_metadata
+    from ckptio.storage import open_store
+
+    store = open_store(url)
+    return decode_metadata(store.read("ckptio.json"), url).header.save_id

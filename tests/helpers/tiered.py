@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import ckptio
-from tests.helpers import scenarios
+from tests.helpers import combinations, scenarios
 
 
 def flip_a_byte(path: str, bit: int = 0x10) -> None:
@@ -73,6 +73,11 @@ def save_then_die(run: str, tier_base: str, mesh_shape, options, victim: int, co
     starts; the other ranks' drains time out. Returns what ``wait_for_uploads`` raised."""
     save_steps(run, tier_base, mesh_shape, [1], options, {"mode": config.get("mode", "all_ranks")})
     dcp.save(state(mesh_shape, 2), storage_writer=tiered_writer(run, 2, tier_base, options, config))
+    return _killed_or_drained(victim)
+
+
+def _killed_or_drained(victim: int) -> str:
+    """Rank ``victim`` killed (SIGKILL) as its drain starts; on the others, what ``wait_for_uploads`` raised."""
     if dist.get_rank() == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     try:
@@ -82,20 +87,45 @@ def save_then_die(run: str, tier_base: str, mesh_shape, options, victim: int, co
     return "drained"
 
 
-def restart(run: str, tier_base: str, mesh_shape, options, finish_drain: bool = True) -> tuple:
-    """What a restarted job does: agree on the newest step, load it from the nearest tier."""
+def restart(run: str, tier_base: str, mesh_shape, options, finish_drain: bool = True, changing=False) -> tuple:
+    """What a restarted job does: agree on the newest step, load it from the nearest tier. ``changing``:
+    the run saved ``combinations.state`` (``save_incremental_then_die``)."""
     url = ckptio.latest(run, local_tier=node_tier(tier_base), storage_options=options)
     step = int(url.rsplit("-", 1)[1])
-    value = state(mesh_shape, 0, empty=True)
+    value = _empty(mesh_shape, step, changing)
     reader = ckptio.Reader(url, storage_options=options, local_tier=node_tier(tier_base))
     dcp.load(value, storage_reader=reader)
     if finish_drain:
         ckptio.wait_for_uploads()
-    return url, problems(value, step), reader.bytes_read
+    return url, _problems(value, step, changing), reader.bytes_read
 
 
-def load_durable(url: str, mesh_shape, options, step: int) -> list[str]:
+def load_durable(url: str, mesh_shape, options, step: int, changing=False) -> list[str]:
     """A plain ``dcp.load`` of the durable copy alone."""
-    value = state(mesh_shape, 0, empty=True)
+    value = _empty(mesh_shape, step, changing)
     dcp.load(value, storage_reader=ckptio.Reader(url, storage_options=options))
-    return problems(value, step)
+    return _problems(value, step, changing)
+
+
+def _empty(mesh_shape, step: int, changing: bool) -> dict:
+    return combinations.state(_ROW, step, zeros=True) if changing else state(mesh_shape, 0, empty=True)
+
+
+def _problems(value: dict, step: int, changing: bool) -> list[str]:
+    return combinations.problems(value, step, _ROW) if changing else problems(value, step)
+
+
+_ROW = {"group": "default"}  # combinations.state on the 2x2 mesh
+
+
+def save_incremental_then_die(run: str, tier_base: str, options, victim: int) -> str:
+    """Tiered incremental saves of a state whose moments change (``combinations.state``): step 1 drained,
+    then step 2, whose drain at 500 B/s cannot finish in 3 s, and rank ``victim`` killed (SIGKILL) as it
+    starts; what ``wait_for_uploads`` raised on the others."""
+    config = {"incremental_from": "previous", "max_block_size": 1024, "inline_limit": 0}
+    config["differing_objects"] = "keep_per_rank"  # its per-rank value
+    dcp.save(combinations.state(_ROW, 1), storage_writer=tiered_writer(run, 1, tier_base, options, config))
+    ckptio.wait_for_uploads()
+    slow = {**config, "drain_bandwidth": 500, "drain_timeout_s": 3}
+    dcp.save(combinations.state(_ROW, 2), storage_writer=tiered_writer(run, 2, tier_base, options, slow))
+    return _killed_or_drained(victim)

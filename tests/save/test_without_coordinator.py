@@ -176,6 +176,17 @@ def test_a_save_killed_on_one_rank_stays_incomplete_and_the_previous_step_loads(
     assert os.listdir(f"{run}/step-2") == []
 
 
+def test_an_overwrite_whose_ranks_replace_their_fragments_in_turn_is_merged_once_all_have(tmp_path):
+    """Rank 0's merge found a set complete by name that mixed the overwritten save's fragments with the
+    new one's (a rank slower to replace its own) and gave the merge up to the loads; it asks again."""
+    url = str(tmp_path / "ckpt")
+    spawn(4, fragment_ranks.save, url, CASE)
+    first = open_store(url).read(METADATA_NAME)
+    merged = spawn(4, fragment_ranks.save_late, url, {**CASE, "overwrite": True, "seed": 12}, 3, 1.0)
+    assert len(set(merged)) == 1 and merged[0] not in first.decode()  # the new save's, merged
+    _load_everywhere(url, {**CASE, "seed": 12})
+
+
 def test_saving_again_without_overwrite_is_refused_on_every_rank_and_with_it_replaces(tmp_path):
     url = str(tmp_path / "ckpt")
     outcomes = spawn(4, fragment_ranks.save_twice, url, CASE)

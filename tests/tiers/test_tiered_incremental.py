@@ -19,7 +19,7 @@ from ckptio.format.names import METADATA_NAME, reference_marker_name
 from ckptio.tools.cli import main as cli_main
 from tests.conftest import s3_objects
 from tests.helpers import tiered
-from tests.helpers.harness import spawn
+from tests.helpers.harness import run_ranks, spawn
 
 FROZEN = 1 << 20  # fp32 elements: 4 MiB that never change
 ADAPTER = 1 << 14  # fp32 elements: 64 KiB that change every step, with two moments
@@ -151,3 +151,19 @@ def test_tiered_incremental_saves_on_two_nodes_restart_from_each_nodes_copy(s3, 
     restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options)
     assert [r[:2] for r in restarted] == [(f"{run}/step-2", [])] * 4
     assert [r[2]["durable"] > 0 for r in restarted] == [False, False, True, True]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_during_a_tiered_incremental_drain_leaves_the_previous_step_and_restarts_exact(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    outcomes = run_ranks(4, tiered.save_incremental_then_die, run, tiers, options, 1)
+    assert outcomes[1] == ("died", -9) and all(status == "ok" for status, _ in outcomes[:1] + outcomes[2:])
+    assert "ckptio.json" not in [key.rsplit("/", 1)[1] for key in s3_objects(options, f"{run}/step-2/")]
+    assert spawn(4, tiered.load_durable, f"{run}/step-1", (2, 2), options, 1, True) == [[]] * 4  # it stands
+
+    restarted = spawn(4, tiered.restart, run, tiers, (2, 2), options, True, True)  # same nodes: step 2 from them
+    assert [r[:2] for r in restarted] == [(f"{run}/step-2", [])] * 4
+    assert [r[2]["durable"] for r in restarted] == [0, 0, 0, 0]
+    objects = s3_objects(options, f"{run}/step-2/")
+    assert "ckptio.json" in [key.rsplit("/", 1)[1] for key in objects]  # the drain finished behind the load
