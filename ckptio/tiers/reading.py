@@ -59,9 +59,10 @@ def node_fragments_metadata(
 ) -> bytes | None:
     """The merge of the fragments of a tiered save without a coordinator that the ranks' fast tiers
     (``local``: the node's copy of this rank, ``rank`` of its group) hold between them, or ``None`` unless
-    they form one complete set. Every rank of the group calls it: ``all_gather(value)`` gives every rank's value, and
-    ``on_first_rank(fn)`` runs ``fn`` on the first rank and gives every rank its result. Each fragment
-    is read by the lowest rank that holds it; the first rank merges."""
+    they form one complete set. Every rank of the group calls it: ``all_gather(value)`` gives every rank's
+    value, and ``on_first_rank(fn)`` runs ``fn`` on the first rank and gives every rank its result (or its
+    ``CheckpointError``). Each fragment is read by the lowest rank that holds it; the first rank merges.
+    Every rank's fragments reach every rank: this runs only where a drain was cut off."""
     names = sorted(fragments_in(local.list_names() or []))
     views = all_gather(names)
     held = fragments_in(sorted({name for view in views for name in view}))
@@ -71,8 +72,16 @@ def node_fragments_metadata(
         ranks = 0
     if not ranks:
         return None
-    reads = {name: local.read(name) for name in names if next(i for i, v in enumerate(views) if name in v) == rank}
+    reads = {}
+    for name in names:
+        if next(i for i, view in enumerate(views) if name in view) == rank:
+            try:
+                reads[name] = local.read(name)
+            except (OSError, CheckpointError):  # gone or unreadable: the set is incomplete on every rank
+                pass
     documents = {name: raw for part in all_gather(reads) for name, raw in part.items()}
+    if len(documents) != ranks:
+        return None
     return on_first_rank(lambda: merge_fragments(documents, ranks, local.url))
 
 
