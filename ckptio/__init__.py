@@ -27,6 +27,7 @@ from ckptio.state.per_rank import PerRank
 from ckptio.tiers.drain import DrainError, uploads_pending, wait_for_uploads
 from ckptio.tiers.landing import TieredLanding as _TieredLanding  # noqa: F401 - registers it with saving
 from ckptio.tiers.latest import latest
+from ckptio.tiers.nearest import NearestTierReads as _NearestTierReads  # noqa: F401 - registers it with loading
 from ckptio.version import __version__
 
 __all__ = [

@@ -22,7 +22,9 @@ LAYERS = [
         "ckptio.torch_seam",
     ),
     ("ckptio.format", "ckptio.legacy", "ckptio.storage", "ckptio.state"),
-    ("ckptio.saving", "ckptio.loading", "ckptio.tiers"),
+    ("ckptio.loading",),  # a save reads its incremental base and fragment sets through it
+    ("ckptio.saving",),
+    ("ckptio.tiers",),  # wraps both: registers its landing and its reads with them
     ("ckptio.hf",),
     ("ckptio.api",),
     ("ckptio.tools", "ckptio.integrations"),
@@ -87,13 +89,13 @@ def test_the_0x_reader_is_kept_apart():
     assert importers == ["ckptio.format.document"]
 
 
-def test_saving_imports_nothing_of_tiers():
-    """A tiered save wraps the durable one (``tiers/landing.py`` registers its landing with
-    ``saving/landing.py``): the Writer never branches on tiers, and ``saving`` builds on no tier module."""
+def test_saving_and_loading_import_nothing_of_tiers():
+    """Tiers wrap the durable save and load (``tiers/landing.py`` and ``tiers/nearest.py`` register with
+    ``saving/landing.py`` and ``loading/read_tier.py``): the Writer and Reader never branch on tiers."""
     importers = sorted(
         a
         for a, targets in _imports(_modules()).items()
-        if a.startswith("ckptio.saving") and any(b.startswith("ckptio.tiers") for b in targets)
+        if a.startswith(("ckptio.saving", "ckptio.loading")) and any(b.startswith("ckptio.tiers") for b in targets)
     )
     assert importers == []
 

@@ -32,6 +32,7 @@ from ckptio.loading.extents import byte_source, recorded_sizes
 from ckptio.loading.fetch import load_jobs, prepared_jobs
 from ckptio.loading.fragment_set import FragmentsFound, complete_set, merged_metadata
 from ckptio.loading.read_once import DIRECT, load_group, read_once
+from ckptio.loading.read_tier import reads_for
 from ckptio.loading.safe_load import restore_objects_under_held_keys
 from ckptio.loading.shared_reads import (
     SharedReadPlan,
@@ -45,9 +46,6 @@ from ckptio.loading.sources import ByteSource, Prepared
 from ckptio.state.keys import CanonicalKeyDict, canonical_index
 from ckptio.storage import FsspecStore
 from ckptio.storage.location import CheckpointLocation
-from ckptio.tiers.held_index import LocalCopies, local_copies
-from ckptio.tiers.paths import local_step_store
-from ckptio.tiers.reading import TieredSource, tiered_metadata_bytes
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +74,8 @@ class Reader(CheckpointLocation, StorageReader):
 
     ``local_tier`` (default: ``CKPTIO_LOCAL_TIER``): the node-local path a tiered save
     (``WriterConfig.local_tier``) wrote to; each byte is then read from the nearest tier that holds a
-    verified copy (``tiers/reading.py``), and ``bytes_read`` tells how many bytes each tier served.
+    verified copy (``read_tier.py``, ``tiers/nearest.py``), and ``bytes_read`` tells how many bytes each
+    tier served.
 
     Both kinds of read load from the reader as an item source (``sources.ItemSource``: ``item_for``,
     ``stored_record``, ``prepare``, ``deliver``), which ``HFReader`` implements for safetensors files.
@@ -122,7 +121,7 @@ class Reader(CheckpointLocation, StorageReader):
         self._store: FsspecStore | None = None
         self.manifest = None
         self._prefetched: Manifest | None = None
-        self._local_copies = LocalCopies()
+        self._tier = reads_for(self)  # where this load reads from: the URL, or the nearest tier
 
     # No **kwargs: torch would then retry a failed read as "rank-local metadata" and hide our error.
     def read_metadata(self, *args: Any) -> Metadata:
@@ -150,9 +149,8 @@ class Reader(CheckpointLocation, StorageReader):
 
     def _read_manifest(self, group: Any) -> Manifest:
         store = self._open_store()
-        if self.local_tier:
-            raw = tiered_metadata_bytes(self._tier_store(), lambda: read_metadata_bytes(store), group, DIRECT)
-        else:
+        raw = self._tier.metadata_bytes(lambda: read_metadata_bytes(store), group)
+        if raw is None:
             each_rank_reads = not reads_once(store)
             try:  # where one rank reads for all, it merges fragments there and then
                 raw = read_once(
@@ -165,13 +163,10 @@ class Reader(CheckpointLocation, StorageReader):
                 raw = read_once(lambda: read_metadata_bytes(store), group, store.url)
         return decode_metadata(raw, store.describe(METADATA_NAME))
 
-    def _tier_store(self) -> FsspecStore:
-        return local_step_store(self.local_tier, self.checkpoint_id, self.storage_options, self.storage_config)
-
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._items: dict[MetadataIndex, StoredItem] = metadata.storage_data
-        if self.local_tier and self.manifest is not None:
-            self._local_copies = local_copies(self._tier_store(), self.manifest)
+        if self.manifest is not None:
+            self._tier.set_up(self.manifest)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -183,9 +178,7 @@ class Reader(CheckpointLocation, StorageReader):
         return [dataclasses.replace(plan, storage_data=shared) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self.local_tier:
-            self._read_tiered(plan, planner)
-        else:
+        if not self._tier.read(plan, planner):
             self._read_direct(plan, planner)
         future: Future[None] = Future()
         future.set_result(None)
@@ -208,45 +201,6 @@ class Reader(CheckpointLocation, StorageReader):
             pairs = [(ri, item) for key, ri, item in triples if key not in keys]
         self.deliver(store, self.prepare(pairs, planner, places=False), planner)
 
-    def _read_tiered(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Read from the nearest tier; a fast-tier file that fails a check is dropped and its items
-        read again from the durable tier."""
-        restore_objects_under_held_keys(planner, plan)
-        local, durable = self._tier_store(), byte_source(self._open_store(), self.manifest)
-        self.bytes_read = {"local": 0, "durable": 0}
-        while True:
-            pairs = [(read_item, self.item_for(read_item)) for read_item in plan.items]
-            names = self._local_copies.local_files
-            reads_durable = any(item.file and item.file not in names for _, item in pairs)
-            source = TieredSource(local, durable, names, reads_durable)
-            try:
-                self.deliver(source, self.prepare(pairs, planner, places=False), planner)
-                break
-            except CorruptCheckpointError as exc:
-                if exc.file not in names:
-                    raise
-                log.warning(
-                    "ckptio: the fast-tier copy %s failed its check (%s); reading it from %s instead",
-                    local.describe(exc.file),
-                    exc,
-                    durable.url,
-                )
-                self._drop_local(exc.file)
-            finally:
-                for tier, count in source.bytes_read.items():
-                    self.bytes_read[tier] += count
-        log.info(
-            "ckptio: loaded %s: %d bytes from the fast tier, %d from the durable tier",
-            self.checkpoint_id,
-            self.bytes_read["local"],
-            self.bytes_read["durable"],
-        )
-
-    def _drop_local(self, name: str) -> None:
-        copies = self._local_copies
-        copies.files.discard(name)
-        copies.relocated = {key: item for key, item in copies.relocated.items() if item.file != name}
-
     # --- the item source (``sources.ItemSource``) that plain and shared reads load from -----------
     def file_sizes(self) -> dict[str, int]:
         return recorded_sizes(self.manifest) if self.manifest else {}
@@ -266,9 +220,7 @@ class Reader(CheckpointLocation, StorageReader):
                 f"key {read_item.storage_index.fqn!r} (chunk at {tuple(read_item.storage_index.offset or ())}) "
                 f"is not stored in {self.checkpoint_id}"
             ) from None
-        if self.local_tier and item.file not in self._local_copies.files:
-            return self._local_copies.relocated.get(index, item)
-        return item
+        return self._tier.record_for(index, item)
 
     def prepare(self, pairs: list[tuple[ReadItem, Any]], planner: LoadPlanner, *, places: bool) -> Prepared:
         """``fetch`` jobs, their destinations resolved as delivery reaches them; with ``places``, all
@@ -285,7 +237,7 @@ class Reader(CheckpointLocation, StorageReader):
     def _shared_read_plan(self, plans: list[LoadPlan]) -> SharedReadPlan | None:
         """Coordinator: whether the ranks share reads (``dedup_reads``), and who reads what."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.local_tier:  # each node reads what it holds from its own fast tier
+        if not self._tier.shares_reads:  # a tiered load: each node reads what it holds from its own fast tier
             return None
         if self.dedup_reads is False or world == 1 or len(plans) != world:
             if self.dedup_reads is True and world > 1:

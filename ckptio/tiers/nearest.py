@@ -1,0 +1,91 @@
+"""A tiered load's reads (``loading/read_tier.py``): the metadata committed at the URL (or, while the
+drain has not committed, the node's copy: ``reading.tiered_metadata_bytes``), and each byte from the
+nearest tier holding a verified copy: the files this node holds whole and the replicas its ranks kept
+(``held_index.local_copies``) from the fast tier, the rest from the durable tier. A fast-tier file that
+fails a check is dropped and its items read again from the durable tier."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+
+from ckptio.errors import CorruptCheckpointError
+from ckptio.format.records import Manifest, StoredItem
+from ckptio.loading.extents import byte_source
+from ckptio.loading.read_once import DIRECT
+from ckptio.loading.read_tier import DurableReads, register_tiered
+from ckptio.loading.safe_load import restore_objects_under_held_keys
+from ckptio.storage import FsspecStore
+from ckptio.tiers.held_index import LocalCopies, local_copies
+from ckptio.tiers.paths import local_step_store
+from ckptio.tiers.reading import TieredSource, tiered_metadata_bytes
+
+log = logging.getLogger(__name__)
+
+
+class NearestTierReads(DurableReads):
+    shares_reads = False  # each node reads what it holds from its own fast tier
+
+    def __init__(self, reader: Any):
+        super().__init__(reader)
+        self.copies = LocalCopies()
+
+    def metadata_bytes(self, read_durable: Callable[[], bytes], group: Any) -> bytes | None:
+        return tiered_metadata_bytes(self.local_store(), read_durable, group, DIRECT)
+
+    def set_up(self, manifest: Manifest) -> None:
+        self.copies = local_copies(self.local_store(), manifest)
+
+    def record_for(self, index: MetadataIndex, item: StoredItem) -> StoredItem:
+        if item.file in self.copies.files:
+            return item
+        return self.copies.relocated.get(index, item)
+
+    def read(self, plan: LoadPlan, planner: LoadPlanner) -> bool:
+        """Read from the nearest tier; ``reader.bytes_read`` says how many bytes each tier served."""
+        r = self.reader
+        restore_objects_under_held_keys(planner, plan)
+        local, durable = self.local_store(), byte_source(r._open_store(), r.manifest)
+        r.bytes_read = {"local": 0, "durable": 0}
+        while True:
+            pairs = [(read_item, r.item_for(read_item)) for read_item in plan.items]
+            names = self.copies.local_files
+            reads_durable = any(item.file and item.file not in names for _, item in pairs)
+            source = TieredSource(local, durable, names, reads_durable)
+            try:
+                r.deliver(source, r.prepare(pairs, planner, places=False), planner)
+                break
+            except CorruptCheckpointError as exc:
+                if exc.file not in names:
+                    raise
+                log.warning(
+                    "ckptio: the fast-tier copy %s failed its check (%s); reading it from %s instead",
+                    local.describe(exc.file),
+                    exc,
+                    durable.url,
+                )
+                self._drop(exc.file)
+            finally:
+                for tier, count in source.bytes_read.items():
+                    r.bytes_read[tier] += count
+        log.info(
+            "ckptio: loaded %s: %d bytes from the fast tier, %d from the durable tier",
+            r.checkpoint_id,
+            r.bytes_read["local"],
+            r.bytes_read["durable"],
+        )
+        return True
+
+    def _drop(self, name: str) -> None:
+        self.copies.files.discard(name)
+        self.copies.relocated = {key: item for key, item in self.copies.relocated.items() if item.file != name}
+
+    def local_store(self) -> FsspecStore:
+        r = self.reader
+        return local_step_store(r.local_tier, r.checkpoint_id, r.storage_options, r.storage_config)
+
+
+register_tiered(NearestTierReads)
