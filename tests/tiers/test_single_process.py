@@ -56,15 +56,6 @@ def _load(url: str, options=None, tier=None) -> tuple[dict, ckptio.Reader]:
     return value, reader
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_drains():
-    yield
-    try:
-        ckptio.wait_for_uploads(timeout=60)
-    except ckptio.DrainError:
-        pass
-
-
 def test_a_flipped_byte_in_a_fast_tier_file_is_read_from_the_durable_tier(tmp_path, caplog):
     url = str(tmp_path / "durable" / "run" / "step-1")
     _save(url, tmp_path / "fast")

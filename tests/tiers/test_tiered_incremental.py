@@ -70,15 +70,6 @@ def _data_bytes(url: str) -> int:
     return sum(os.path.getsize(p) for p in glob.glob(os.path.join(url, "**", "*.ckio"), recursive=True))
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_drains():
-    yield
-    try:
-        ckptio.wait_for_uploads(timeout=60)
-    except ckptio.DrainError:
-        pass
-
-
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_a_tiered_chain_uploads_what_changed_and_restarts_from_the_node_alone(tmp_path, compression):
     run, fast = tmp_path / "durable" / "run", tmp_path / "fast"
