@@ -129,3 +129,26 @@ def save_incremental_then_die(run: str, tier_base: str, options, victim: int) ->
     slow = {**config, "drain_bandwidth": 500, "drain_timeout_s": 3}
     dcp.save(combinations.state(_ROW, 2), storage_writer=tiered_writer(run, 2, tier_base, options, slow))
     return _killed_or_drained(victim)
+
+
+def killed_during_incremental_save(run: str, tier_base: str, options, victim: int) -> str:
+    """Tiered incremental step 1 (drained), then step 2 with rank ``victim`` killed (SIGKILL) while it
+    writes its items to the fast tier; what the save raised on the others."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class DiesWhileWriting(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            if dist.get_rank() == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().resolve_data(write_item)
+
+    config = {"incremental_from": "previous", "max_block_size": 1024, "inline_limit": 0}
+    config["differing_objects"] = "keep_per_rank"
+    dcp.save(combinations.state(_ROW, 1), storage_writer=tiered_writer(run, 1, tier_base, options, config))
+    ckptio.wait_for_uploads()
+    writer = tiered_writer(run, 2, tier_base, options, config)
+    try:
+        dcp.save(combinations.state(_ROW, 2), storage_writer=writer, planner=DiesWhileWriting())
+    except Exception as exc:  # noqa: BLE001 - torch's CheckpointException or gloo's error
+        return type(exc).__name__
+    return "saved"

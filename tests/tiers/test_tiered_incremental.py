@@ -158,3 +158,14 @@ def test_a_rank_killed_during_a_tiered_incremental_drain_leaves_the_previous_ste
     assert [r[2]["durable"] for r in restarted] == [0, 0, 0, 0]
     objects = s3_objects(options, f"{run}/step-2/")
     assert "ckptio.json" in [key.rsplit("/", 1)[1] for key in objects]  # the drain finished behind the load
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_it_writes_a_tiered_incremental_save_leaves_the_previous_step(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    outcomes = run_ranks(4, tiered.killed_during_incremental_save, run, tiers, options, 2, timeout=120)
+    assert outcomes[2] == ("died", -9), outcomes
+    assert all(status in ("ok", "error") and value != "saved" for status, value in outcomes[:2] + outcomes[3:])
+    restarted = spawn(4, tiered.restart, run, tiers, (2, 2), options, True, True)  # step 2 never committed
+    assert [r[:2] for r in restarted] == [(f"{run}/step-1", [])] * 4
