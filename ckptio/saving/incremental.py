@@ -4,11 +4,12 @@ each item which of its blocks that checkpoint's stored bytes already hold.
 Rules, the same on every rank (each decides alone from the same base, no collective):
 
 - The base is ``incremental_from``: a checkpoint URL, or ``"previous"``: the last checkpoint this
-  process saved with ckptio that is committed at its URL now (a tiered save's may still be on its way
-  to the durable tier: the one before it is the base then). It must be a sibling (a folder beside the
-  new checkpoint's: the ``run/step-N`` layout), committed, and saved with block digests (any save with
-  ``incremental_from`` set records them). A named base that is not is an error; ``"previous"`` that is
-  not starts the chain over with a full save (logged).
+  process saved with ckptio beside the new one (saves to other folders in between do not count) that is
+  committed at its URL now (a tiered save's may still be on its way to the durable tier: the one before
+  it is the base then). It must be a sibling (a folder beside the new checkpoint's: the ``run/step-N``
+  layout), committed, and saved with block digests (any save with ``incremental_from`` set records them).
+  A named base that is not is an error; ``"previous"`` that is not starts the chain over with a full save
+  (logged).
 - The chain is bounded: a save whose base is ``incremental_max_depth`` incremental saves from a full one,
   or whose base referenced less than ``incremental_min_fraction`` of its bytes, is a full save (so no
   chain grows without end, and a state that changes too much stops paying for references).
@@ -175,9 +176,8 @@ def resolve_base(checkpoint_id: str, config, open_store) -> Base | None:
             )
         return _within_bounds(wanted, manifest, checkpoint_id, config)
     first_problem = None
-    for url in _last_saved:
-        if folder_and_name(url)[0] != folder_and_name(checkpoint_id)[0]:
-            break  # saves of another run: this one's first save has nothing to reference
+    beside = [url for url in _last_saved if folder_and_name(url)[0] == folder_and_name(checkpoint_id)[0]]
+    for url in beside:  # saves elsewhere in between (another run, an export) are not this run's previous
         manifest, problem, uncommitted = _candidate(url, checkpoint_id, open_store)
         if problem is None:
             if first_problem is not None:
@@ -188,7 +188,7 @@ def resolve_base(checkpoint_id: str, config, open_store) -> Base | None:
             break  # only a save not (yet) committed there gives way to the one before it
     if first_problem is not None:
         log.warning("ckptio: saving %s in full: the previous checkpoint %s", checkpoint_id, first_problem)
-    elif _last_saved:
+    elif _last_saved:  # a new run's first save: nothing to reference
         log.info(
             "ckptio: saving %s in full: the previous checkpoint %s is not beside it", checkpoint_id, _last_saved[0]
         )

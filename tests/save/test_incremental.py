@@ -501,3 +501,15 @@ def test_markers_of_a_save_without_a_coordinator_go_when_it_is_overwritten_or_de
     delete_checkpoint(open_store(str(run / "step-1")))
     assert not (run / "step-1").exists() or not list((run / "step-1").iterdir())
     assert torch.equal(_load(str(run / "step-2"))["adapter"], _state(1.0)["adapter"])
+
+
+def test_previous_is_the_last_save_beside_the_new_one_not_one_elsewhere_in_between(tmp_path):
+    """An export or an evaluation checkpoint saved to another folder between two training saves is not
+    the training run's previous checkpoint (the save was a full one)."""
+    run, config = tmp_path / "run", {"incremental_from": "previous", "max_block_size": 4096}
+    _save(str(run / "step-1"), _state(), **config)
+    _save(str(tmp_path / "exports" / "eval-1"), _state(), **config)
+    _save(str(run / "step-2"), _state(1.0), **config)
+    with open(run / "step-2" / METADATA_NAME) as f:
+        assert json.load(f)["chain"]["base"] == "step-1"
+    assert torch.equal(_load(str(run / "step-2"))["frozen"], _state()["frozen"])
