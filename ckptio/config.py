@@ -230,8 +230,9 @@ class WriterConfig:
     use_collectives: bool = True
     #: Incremental saves: the checkpoint to save against, a URL of a sibling checkpoint (beside this one,
     #: as ``run/step-100`` is to ``run/step-200``), or ``"previous"``: the last checkpoint this process
-    #: saved. Every block whose content (xxh3-128 digest) equals the base's stored item is referenced there
-    #: instead of written; the checkpoint loads like any other, and deletes keep the data it references.
+    #: saved beside it and committed. Every block whose content (xxh3-128 digest) equals the base's stored
+    #: item is referenced there instead of written; the checkpoint loads like any other, and deletes keep
+    #: the data it references.
     #: Any save with this set records the digests, so the first save of a chain (nothing to reference) is
     #: a full one. ``None``: off.
     incremental_from: str | None = None
