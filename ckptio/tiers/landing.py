@@ -31,8 +31,8 @@ class TieredLanding(DurableLanding):
         drain_queue().raise_failure()  # a failed background upload of an earlier save is raised here
 
     def check_target(self) -> list[str]:
-        """As a direct save, on a durable tier the save need not reach: when it is unreachable, the save
-        goes on to the fast tier (its commit there stays create-only); and the node's own committed copy."""
+        """A direct save's check, on a durable tier this save need not reach (when it is unreachable, the
+        save goes on to the fast tier, whose commit stays create-only); then the node's own committed copy."""
         w = self.writer
         try:
             superseded = super().check_target()
