@@ -92,9 +92,10 @@ def _merge(where: tuple, save_id: str, ranks: int, deadline: float, cancel: thre
         while time.monotonic() < deadline and not cancel.is_set():
             found = fragments_in(store.list_names() or [])
             if len(found) >= ranks:
-                committed = _merge_set(store, where, save_id, ranks, deadline, cancel)
-                if committed is None and any(name.ranks != ranks for name in found.values()):
-                    committed = False  # fragments of another rank count: never this save's set
+                if any(name.ranks != ranks for name in found.values()):
+                    committed = False  # fragments of another rank count: never this save's set, nothing to try
+                else:
+                    committed = _merge_set(store, where, save_id, ranks, deadline, cancel)
                 if committed is not None:
                     log.debug("ckptio: %s merged its fragments: %s", store.url, "committed" if committed else "not")
                     return
