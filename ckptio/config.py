@@ -209,6 +209,11 @@ class WriterConfig:
     #: The local tier keeps this many newest checkpoints of a run, and never one whose durable copy
     #: has not committed.
     local_tier_keep: int = 2
+    #: How many nodes keep each rank's fast-tier files: ``1``, its own; ``k``, its own and ``k-1`` partner
+    #: nodes (the next ones by rank; ``tiers/nodes.py``), copied in the background over the save's ranks,
+    #: so a restart after a node loss reads the lost node's part from a partner instead of the durable
+    #: tier. Nodes are told apart by ``CKPTIO_NODE``, torchrun's ``GROUP_RANK``, or the host name.
+    local_tier_copies: int = 1
     #: Background uploads to the durable tier: at most this many bytes per second per process
     #: (``None``: as fast as the store takes them).
     drain_bandwidth: int | None = None
@@ -292,6 +297,13 @@ class WriterConfig:
             )
         if self.local_tier_keep < 1:
             raise ValueError(f"local_tier_keep must be at least 1, got {self.local_tier_keep}")
+        if type(self.local_tier_copies) is not int or self.local_tier_copies < 1:
+            raise ValueError(f"local_tier_copies must be an integer of at least 1, got {self.local_tier_copies!r}")
+        if self.local_tier_copies > 1 and self.local_tier is None:
+            raise ValueError(
+                f"local_tier_copies={self.local_tier_copies} copies the fast tier to partner nodes, but local_tier "
+                "is not set: pass local_tier (a node-local path), or leave local_tier_copies at 1"
+            )
         if self.drain_bandwidth is not None and self.drain_bandwidth < 1:
             raise ValueError(
                 f"drain_bandwidth must be None or a positive number of bytes/s, got {self.drain_bandwidth}"

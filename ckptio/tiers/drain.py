@@ -477,11 +477,16 @@ def wait_for_uploads(timeout: float | None = None) -> None:
         dcp.save(state, storage_writer=ckptio.Writer("s3://bucket/run/step-200", cfg))
         ckptio.wait_for_uploads()
 
-    It waits as well for the merges of this process's saves without a coordinator (``merge_once``)."""
+    It waits as well for the merges of this process's saves without a coordinator (``merge_once``) and
+    for its copies to partner nodes (``WriterConfig.local_tier_copies``)."""
     from ckptio.saving.merge_once import wait_for_merges
+    from ckptio.tiers.replication import wait_for_copies
 
-    _QUEUE.wait(timeout)
-    wait_for_merges(timeout)
+    try:
+        _QUEUE.wait(timeout)
+        wait_for_merges(timeout)
+    finally:  # copies to partner nodes are done even when an upload failed: the step may restart from them
+        wait_for_copies(timeout)
 
 
 def uploads_pending() -> int:

@@ -13,6 +13,7 @@ The index is a cache: an unreadable one is ignored (with a warning) and the dura
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import logging
@@ -215,8 +216,33 @@ def damaged_blocks(local: FsspecStore, file: str, manifest: Manifest, copies: Lo
     checkpoint stores there (its durable part) or relocated there (replicas) against its CRC32C; ``None``
     when every block is whole."""
     blocks = placed_blocks([*manifest.records(), *copies.relocated.values()], file, manifest.extents)
+    return first_damage(local.path(file), blocks)
+
+
+def index_damage(path: str, index: HeldIndex) -> str | None:
+    """What is wrong with the file at ``path`` against its held ``index``: its size, and every block of
+    every item the index lists, against its CRC32C; ``None`` when the file is what the index describes.
+    (A partner's copy is checked so on arrival, before any manifest is at hand.)"""
     try:
-        with open(local.path(file), "rb", buffering=0) as f:
+        size = os.path.getsize(path)
+    except OSError as exc:
+        return f"it cannot be read: {exc}"
+    if size != index.local_bytes:
+        return f"it holds {size} bytes, its index records {index.local_bytes}"
+    blocks = []
+    for item in index.extras:
+        crcs = np.frombuffer(base64.b64decode(item.crc32c), dtype="<u4")
+        lengths = np.frombuffer(base64.b64decode(item.stored_lengths), dtype="<u4")
+        starts = item.offset + np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)])
+        blocks.extend(zip(starts.tolist(), lengths.tolist(), crcs.tolist(), strict=True))
+    return first_damage(path, sorted(blocks))
+
+
+def first_damage(path: str, blocks: list[tuple[int, int, int]]) -> str | None:
+    """The first of ``blocks`` (``(offset, length, CRC32C)``) the file at ``path`` does not hold, said
+    in words; ``None`` when it holds them all."""
+    try:
+        with open(path, "rb", buffering=0) as f:
             for offset, length, crc in blocks:
                 f.seek(offset)
                 block = f.read(length)

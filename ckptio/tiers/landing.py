@@ -5,19 +5,21 @@ there at once; the durable part uploaded, and the checkpoint committed on the du
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import Future
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
 from ckptio.errors import CheckpointExistsError, StorageError
-from ckptio.format.names import fragment_name
+from ckptio.format.names import METADATA_NAME, fragment_name
 from ckptio.format.records import Header, StoredItem
 from ckptio.saving.commit import check_target
 from ckptio.saving.landing import DurableLanding, register_tiered
 from ckptio.storage import FsspecStore
-from ckptio.tiers import writing
+from ckptio.tiers import replication, writing
 from ckptio.tiers.drain import Durable, drain_queue
-from ckptio.tiers.paths import local_step_store
+from ckptio.tiers.paths import HELD_SUFFIX, local_step_path, local_step_store
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,8 @@ class TieredLanding(DurableLanding):
 
     def start(self) -> None:
         drain_queue().raise_failure()  # a failed background upload of an earlier save is raised here
+        replication.settle_documents()  # an earlier save that did not commit has no document to copy
+        self._document: Future = replication.resolved(None)
 
     def check_target(self) -> list[str]:
         """A direct save's check, on a durable tier this save need not reach (when it is unreachable, the
@@ -64,7 +68,50 @@ class TieredLanding(DurableLanding):
         inline_limit: int,
     ) -> dict[MetadataIndex, StoredItem]:
         """Everything this rank holds on the fast tier, its durable part's upload queued; straight to the
-        durable tier when the fast tier is full."""
+        durable tier when the fast tier is full. With ``local_tier_copies``, its files' copying to partner
+        nodes is queued too, whatever happens here (each partner expects one offer per save)."""
+        job = self._replication_job()
+        written: list[str] = []
+        try:
+            records = self._write(file, durable_items, replicas, planner, objects, inline_limit)
+            written = self._files_here(file)
+            return records
+        finally:
+            if job is not None:
+                job.files.set_result(written)
+                replication.replication_queue().submit(self.drain_key(), job, self.writer.config.drain_timeout_s)
+
+    def _replication_job(self) -> replication.Replicate | None:
+        w = self.writer
+        if w.config.local_tier_copies < 2:
+            return None
+        alone = w._fragment is not None
+        members = replication.save_members(w._fragment.members if alone else None, alone)
+        link = replication.link_of_save(members, w.config.local_tier_copies)
+        if link is None:
+            return None
+        if w.is_coordinator or alone:  # commits on the node: its document follows its files
+            self._document = replication.document_future()
+        folder = local_step_path(w.config.local_tier, w.checkpoint_id, w.storage_options)
+        return replication.Replicate(link, w.checkpoint_id, folder, Future(), self._document)
+
+    def _files_here(self, file: str) -> list[str]:
+        """This rank's files of the save on the fast tier (none where it was full)."""
+        local = self.local_store()
+        names = [file, file + HELD_SUFFIX]
+        if self.writer._base is not None:
+            names += [writing.full_copy_name(file), writing.full_copy_name(file) + HELD_SUFFIX]
+        return [name for name in names if os.path.exists(local.path(name))]
+
+    def _write(
+        self,
+        file: str,
+        durable_items: dict[MetadataIndex, WriteItem],
+        replicas: dict[MetadataIndex, WriteItem],
+        planner: SavePlanner,
+        objects: dict[MetadataIndex, memoryview],
+        inline_limit: int,
+    ) -> dict[MetadataIndex, StoredItem]:
         w, alone = self.writer, self.writer._fragment is not None
         if alone:
             name = fragment_name(w.rank, w._fragment.ranks)
@@ -94,15 +141,18 @@ class TieredLanding(DurableLanding):
         return records
 
     def commit(self, document: bytes, header: Header, writers: dict[str, int], superseded: list[str]) -> None:
-        """On the node now; on the durable tier once every rank's upload is there."""
+        """On the node now (and on its partners); on the durable tier once every rank's upload is there."""
         writing.commit_locally(self.local_store(), document)
+        _resolve(self._document, (METADATA_NAME, document))
         writing.queue_commit(
             self.drain_key(), self.durable(), document, header, writers, superseded, self.writer.config
         )
 
     def commit_fragment(self, name: str, document: bytes, files: dict[str, int], merge: tuple[str, int] | None) -> None:
-        """On the node now; on the durable tier after this rank's upload, merged there by rank 0."""
+        """On the node now (and on its partners); on the durable tier after this rank's upload, merged there
+        by rank 0."""
         w = self.writer
+        _resolve(self._document, (name, document))
         writing.commit_fragment(
             self.drain_key(), self.local_store(), self.durable(), name, document, files, merge, w.config
         )
@@ -117,6 +167,11 @@ class TieredLanding(DurableLanding):
 
     def drain_key(self) -> str:
         return f"{self.writer.checkpoint_id}#{self.writer._save_id}"
+
+
+def _resolve(future: Future, document: tuple[str, bytes]) -> None:
+    if not future.done():
+        future.set_result(document)
 
 
 register_tiered(TieredLanding)

@@ -9,6 +9,9 @@ loadable now, which it is when
   (a restart on the same nodes): it loads locally, and the part of its drain the crash cut off is
   queued in the background (the lowest rank holding each missing file uploads it, the rank holding
   the metadata commits); or
+- every data file of the checkpoint is on some node's fast tier (its own node's, or a partner's copy:
+  ``WriterConfig.local_tier_copies``) and the job has a process group: it loads from the nodes (a rank
+  fetches what its node lacks from a node that holds it, ``peers.py``), the drain behind it as above; or
 - every data file missing from the durable tier survives on some node's fast tier: those ranks upload
   them now, the durable checkpoint commits, then every rank loads (replaced nodes read the durable
   tier).
@@ -36,6 +39,7 @@ from ckptio.loading.together import fail_together
 from ckptio.storage import FsspecStore, open_store
 from ckptio.tiers.drain import Commit, DrainError, Durable, Upload, drain_queue, durable_segments, references_of
 from ckptio.tiers.held_index import LocalCopies, damaged_blocks, local_copies
+from ckptio.tiers.nodes import this_node
 from ckptio.tiers.paths import local_run_path, normalized_url, step_order
 from ckptio.tiers.reading import node_fragments_metadata
 
@@ -152,8 +156,10 @@ def _resume(
     for name in missing:
         uploader[name] = next((rank for rank, (_, files) in enumerate(reports) if name in files), None)
     restarts_locally = group.size == manifest.header.world_size and all(own for own, _ in reports)
+    held = {name for _, files in reports for name in files}
+    on_the_nodes = group.on and all(name in held for name in own_file_names(manifest.files))
     every_file_survives = all(rank is not None for rank in uploader.values())
-    if not (restarts_locally or every_file_survives):
+    if not (restarts_locally or on_the_nodes or every_file_survives):
         return False
     records = manifest.records()
     mine = [
@@ -165,7 +171,7 @@ def _resume(
     ]
     writers = dict(manifest.header.writer_ranks)
     commit = Commit(durable, document, manifest.files, writers, [], False, references_of(manifest.header))
-    if restarts_locally:  # load now, finish the drain behind it
+    if restarts_locally or on_the_nodes:  # load now (ranks fetch what their node lacks), finish the drain behind it
         for job in mine + ([commit] if group.rank == holder else []):
             drain_queue().submit(durable.url + "#resumed", job, RESUME_TIMEOUT_S)
         return True
@@ -182,23 +188,27 @@ def _resume(
 def _checked(local: FsspecStore, manifest: Manifest, group: "_Group") -> LocalCopies:
     """What this node holds of ``manifest``, each file's blocks checked against their CRC32Cs as a load
     would (a copy damaged after its save is no copy: a restart from it would fail on every rank). Each
-    file is checked once: by the rank its name gives, where that rank holds it, else by the lowest rank
-    that does."""
+    node's copy of a file is checked once: by the rank its name gives, where that rank is on the node and
+    holds it, else by the node's lowest rank that does; a damaged copy is dropped on its node alone."""
     copies = local_copies(local, manifest)
-    views = group.all(sorted({*copies.files, *copies.sizes}))
+    node = this_node()
+    views = group.all((node, sorted({*copies.files, *copies.sizes})))
     found = {}
-    for name in views[group.rank]:
-        holders = [rank for rank, view in enumerate(views) if name in view]
+    for name in views[group.rank][1]:
+        holders = [rank for rank, (on, view) in enumerate(views) if on == node and name in view]
         own = parse_data_file_name(name).rank
         if (own if own in holders else holders[0]) == group.rank:
             problem = damaged_blocks(local, name, manifest, copies)
             if problem:
                 found[name] = problem
                 log.warning("ckptio: the fast-tier copy %s is damaged (%s): not a copy", local.describe(name), problem)
-    for name in {name for report in group.all(sorted(found)) for name in report}:
-        copies.files.discard(name)
-        copies.relocated = {key: item for key, item in copies.relocated.items() if item.file != name}
-        copies.complete_ranks.discard(parse_data_file_name(name).rank)
+    for rank, names in enumerate(group.all(sorted(found))):
+        if views[rank][0] != node:
+            continue
+        for name in names:
+            copies.files.discard(name)
+            copies.relocated = {key: item for key, item in copies.relocated.items() if item.file != name}
+            copies.complete_ranks.discard(parse_data_file_name(name).rank)
     return copies
 
 

@@ -21,6 +21,7 @@ from ckptio.loading.safe_load import restore_objects_under_held_keys
 from ckptio.storage import FsspecStore
 from ckptio.tiers.held_index import LocalCopies, local_copies
 from ckptio.tiers.paths import local_step_store
+from ckptio.tiers.peers import fetch_from_peers
 from ckptio.tiers.reading import TieredSource, tiered_metadata_bytes
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,10 @@ class NearestTierReads(DurableReads):
     def __init__(self, reader: Any):
         super().__init__(reader)
         self.copies = LocalCopies()
+        self.group: Any = DIRECT  # the load's process group, once its metadata is read over it
 
     def metadata_bytes(self, read_durable: Callable[[], bytes], group: Any) -> bytes | None:
+        self.group = group
         return tiered_metadata_bytes(self.local_store(), read_durable, group, DIRECT)
 
     def set_up(self, manifest: Manifest) -> None:
@@ -49,12 +52,17 @@ class NearestTierReads(DurableReads):
         r = self.reader
         restore_objects_under_held_keys(planner, plan)
         local, durable = self.local_store(), byte_source(r._open_store(), r.manifest)
-        r.bytes_read = {"local": 0, "durable": 0}
+        r.bytes_read = {"local": 0, "peer": 0, "durable": 0}
+        pairs = [(read_item, r.item_for(read_item)) for read_item in plan.items]
+        lacking = {item.file for _, item in pairs if item.file and item.file not in self.copies.local_files}
+        from_peers = fetch_from_peers(self.group, local, self.copies, lacking, r.manifest.header.world_size)
+        if from_peers:
+            self.copies = local_copies(local, r.manifest)
         while True:
             pairs = [(read_item, r.item_for(read_item)) for read_item in plan.items]
             names = self.copies.local_files
             reads_durable = any(item.file and item.file not in names for _, item in pairs)
-            source = TieredSource(local, durable, names, reads_durable)
+            source = TieredSource(local, durable, names, reads_durable, from_peers)
             try:
                 r.deliver(source, r.prepare(pairs, planner, places=False), planner)
                 break
@@ -72,9 +80,11 @@ class NearestTierReads(DurableReads):
                 for tier, count in source.bytes_read.items():
                     r.bytes_read[tier] += count
         log.info(
-            "ckptio: loaded %s: %d bytes from the fast tier, %d from the durable tier",
+            "ckptio: loaded %s: %d bytes from this node's fast tier, %d from copies fetched from other nodes, "
+            "%d from the durable tier",
             r.checkpoint_id,
             r.bytes_read["local"],
+            r.bytes_read["peer"],
             r.bytes_read["durable"],
         )
         return True

@@ -102,14 +102,22 @@ def committed_durable(read_durable: Callable[[], T]) -> T | None:
 
 class TieredSource:
     """A byte source (``loading.sources.ByteSource``) reading the files named in ``local_names`` from
-    the fast tier and every other one from the durable tier, counting the bytes each serves."""
+    the fast tier and every other one from the durable tier, counting the bytes each serves (those of
+    ``peer_names``, fast-tier files fetched from other nodes for this load, as ``"peer"``)."""
 
-    def __init__(self, local: FsspecStore, durable: FsspecStore, local_names: set[str], reads_durable: bool):
-        self.local, self.durable, self.local_names = local, durable, set(local_names)
+    def __init__(
+        self,
+        local: FsspecStore,
+        durable: FsspecStore,
+        local_names: set[str],
+        reads_durable: bool,
+        peer_names: set[str] = frozenset(),
+    ):
+        self.local, self.durable, self.local_names, self.peer_names = local, durable, set(local_names), peer_names
         self.url = durable.url
         self.remote = durable.remote and reads_durable
         self.read_gap_bytes = durable.read_gap_bytes if self.remote else local.read_gap_bytes
-        self.bytes_read = {"local": 0, "durable": 0}
+        self.bytes_read = {"local": 0, "peer": 0, "durable": 0}
 
     def _tier(self, name: str) -> tuple[str, FsspecStore]:
         return ("local", self.local) if name in self.local_names else ("durable", self.durable)
@@ -121,7 +129,7 @@ class TieredSource:
             if picked:
                 for i, got in zip(picked, store.read_into([requests[i] for i in picked]), strict=True):
                     counts[i] = got
-                    self.bytes_read[tier] += got
+                    self.bytes_read["peer" if requests[i].name in self.peer_names else tier] += got
         return counts
 
     def describe(self, name: str) -> str:

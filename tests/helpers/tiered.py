@@ -24,7 +24,10 @@ def flip_a_byte(path: str, bit: int = 0x10) -> None:
 
 
 def node_tier(tier_base: str) -> str:
+    """This rank's simulated node (two ranks a node): its fast tier, under ``tier_base``; the rank is
+    placed there (``CKPTIO_NODE``) so that replication tells the nodes apart."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    os.environ["CKPTIO_NODE"] = f"node{rank // 2}"
     return os.path.join(tier_base, f"node{rank // 2}")
 
 
@@ -60,6 +63,21 @@ def save_with_a_stalled_drain(run: str, tier_base: str, mesh_shape, options, col
     save_steps(run, tier_base, mesh_shape, [1], options, collectives=collectives)
     stalled = {"drain_bandwidth": 1, "drain_timeout_s": 0.5}
     writer = tiered_writer(run, 2, tier_base, options, stalled)
+    dcp.save(state(mesh_shape, 2), storage_writer=writer, use_collectives=collectives)
+    try:
+        ckptio.wait_for_uploads()
+    except ckptio.DrainError as exc:
+        return str(exc)
+    return "drained"
+
+
+def save_with_a_cut_off_drain(
+    run: str, tier_base: str, mesh_shape, options, config: dict, collectives: bool = True
+) -> str:
+    """Save step 1 (drained), then step 2, whose drain cannot finish (as if the job died during it): with
+    ``config`` both; what ``wait_for_uploads`` raised after step 2."""
+    save_steps(run, tier_base, mesh_shape, [1], options, config, collectives)
+    writer = tiered_writer(run, 2, tier_base, options, {**config, "drain_bandwidth": 1, "drain_timeout_s": 0.5})
     dcp.save(state(mesh_shape, 2), storage_writer=writer, use_collectives=collectives)
     try:
         ckptio.wait_for_uploads()

@@ -1,0 +1,440 @@
+"""Copies of each rank's fast-tier files on partner nodes (``WriterConfig.local_tier_copies``).
+
+After a rank's fast-tier files are written, a background job sends them, and then the document that
+commits them on the node (``ckptio.json`` on the coordinator, a fragment on a rank of a save without
+one), to its partner ranks (``nodes.py``); each partner writes them into its own node's folder of the
+same step, where they are a copy like the node's own (loads, ``ckptio.latest``, resumed drains and
+pruning treat them alike). The bytes travel over a gloo group of the save's ranks made for this (one
+per group of ranks, created when the first replicated save of that group writes: every rank of the
+save joins it there), point to point, in pieces of ``PIECE_BYTES``, one thread per process below the
+training's priority. Each piece carries its CRC32C; a received file is checked against its held index,
+block by block, before it is renamed into place, so a damaged copy is never kept.
+
+Every rank of a replicated save sends exactly one offer (possibly empty) to each partner and receives
+one from each source, in save order: the exchange never waits on a save's outcome, except the
+document, which a rank sends once its save commits on the node (``None`` when it does not: the next
+save, ``wait_for_uploads`` and the process's exit settle one still pending). A partner that cannot store
+a copy (a full disk) takes the bytes and drops them, with one warning: the save has succeeded, with
+fewer copies. A failure is logged, never raised: the durable tier still gets every file from its drain.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import functools
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ckptio.format.codec import checksum
+from ckptio.tiers.drain import DrainQueue
+from ckptio.tiers.held_index import HeldIndex, index_damage
+from ckptio.tiers.nodes import NodeMap, this_node
+from ckptio.tiers.paths import HELD_SUFFIX
+from ckptio.torch_seam import enclosing_save_wrapper
+
+log = logging.getLogger(__name__)
+
+#: Bytes of a file sent as one message (one buffer per partner and per source is held at a time).
+PIECE_BYTES = 8 << 20
+#: How long one send or receive of the replication group may wait (a rank's document waits for its
+#: save's commit; a dead peer ends a wait at once: its connection closes).
+GROUP_TIMEOUT_S = 4 * 3600.0
+
+_groups: dict[tuple[int, ...], tuple[Any, NodeMap]] = {}
+_pending_documents: list[Future] = []
+_lock = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """This rank's part in a replicated save: its group (made for replication), rank there, the ranks
+    that receive its files and those whose files it receives."""
+
+    group: Any
+    rank: int
+    partners: tuple[int, ...]
+    sources: tuple[int, ...]
+
+
+def link_of_save(members: tuple[int, ...] | None, copies: int) -> Link | None:
+    """This rank's replication link for a save over the global ranks ``members`` (``None``: every rank),
+    keeping ``copies`` copies of each file; ``None`` where there is nothing to copy to (one process, or
+    one node). Every rank of the save calls it at the same step (it may create the group)."""
+    if copies < 2 or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    members = members or tuple(range(dist.get_world_size()))
+    if len(members) < 2:
+        return None
+    with _lock:
+        if members not in _groups:
+            group = dist.new_group(
+                list(members),
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+                use_local_synchronization=True,
+            )
+            names: list = [None] * len(members)
+            dist.all_gather_object(names, this_node(), group=group)
+            _groups[members] = (group, NodeMap(names))
+        group, nodes = _groups[members]
+    if len(nodes.nodes) < copies:
+        _warn_few_nodes(len(nodes.nodes), copies)
+    if len(nodes.nodes) < 2:
+        return None
+    rank = dist.get_rank(group)
+    return Link(group, rank, tuple(nodes.partners(rank, copies)), tuple(nodes.sources(rank, copies)))
+
+
+def save_members(fragment_members: tuple[int, ...] | None, alone: bool) -> tuple[int, ...] | None:
+    """The global ranks of the save this call runs in: a save without a coordinator knows them
+    (``fragment_members``); otherwise the group of the enclosing ``dcp.save`` (``None``: every rank)."""
+    if alone:
+        return fragment_members
+    wrapper = enclosing_save_wrapper(sys._getframe(1))
+    group = getattr(wrapper, "group", None) if wrapper is not None else None
+    return None if group is None else tuple(dist.get_process_group_ranks(group))
+
+
+@functools.lru_cache(maxsize=4)
+def _warn_few_nodes(nodes: int, copies: int) -> None:
+    log.warning(
+        "ckptio: local_tier_copies=%d but the save's ranks run on %d node(s): each fast-tier file is kept on %d "
+        "node(s) (set CKPTIO_NODE or launch with torchrun, which sets GROUP_RANK, if the nodes are miscounted)",
+        copies,
+        nodes,
+        min(nodes, copies),
+    )
+
+
+@dataclasses.dataclass
+class Replicate:
+    """Send this rank's fast-tier files of a save (``files``: their names in ``folder``, known once the
+    rank has written them) and then its node document to its partners; receive its sources' into
+    ``folder``, this node's folder of the same step."""
+
+    link: Link
+    url: str
+    folder: str
+    files: Future
+    document: Future
+
+    def run(self, deadline: float) -> None:
+        try:
+            self._exchange(deadline)
+        except Exception as exc:  # noqa: BLE001 - the drain still uploads every file: copies are a bonus
+            log.warning(
+                "ckptio: the fast-tier copies of %s were not all replicated to partner nodes: %s", self.url, exc
+            )
+
+    def _exchange(self, deadline: float) -> None:
+        names = self.files.result()
+        sizes = [(n, os.path.getsize(os.path.join(self.folder, n))) for n in names]
+        offers = _exchange(self.link, {"url": self.url, "files": [[n, size] for n, size in sizes if size]})
+        arrivals = {}
+        for source, (theirs, _) in offers.items():
+            if theirs.get("url") != self.url:  # a peer out of step: nothing it sends is kept
+                log.warning(
+                    "ckptio: rank %d of the replication group offered %r for %s", source, theirs.get("url"), self.url
+                )
+            arrivals[source] = Arrivals(self.folder, theirs["files"], source, keep=theirs.get("url") == self.url)
+        mine = [(n, size) for n, size in sizes if size]
+        move_files(self.link.group, self.folder, {p: mine for p in self.link.partners}, arrivals)
+        try:
+            document = self.document.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            document = None
+        name, raw = document if document else (None, b"")
+        documents = _exchange(self.link, {"name": name}, raw)
+        for source, (theirs, (raw, whole)) in documents.items():
+            if whole and arrivals[source].keep:
+                _put_document(self.folder, theirs.get("name"), raw, arrivals[source])
+
+
+def move_files(group: Any, folder: str, outgoing: dict[int, list[tuple[str, int]]], incoming: dict[int, Any]) -> None:
+    """Send each group rank of ``outgoing`` its files (name, size) from ``folder``, piece by piece, and
+    take each source's pieces into its ``Arrivals`` (``incoming``). Each round posts its sends before its
+    receives, so ranks that send to each other never wait on each other."""
+    streams = {to: _Pieces(folder, files) for to, files in outgoing.items()}
+    rounds = max([0, *(s.count for s in streams.values()), *(a.count for a in incoming.values())])
+    for _ in range(rounds):
+        sends = []
+        for to, stream in streams.items():
+            piece = stream.next()
+            if piece is not None:
+                sends.append(_isend(group, *piece, to))
+        for source, arrivals in incoming.items():
+            if arrivals.expecting:
+                arrivals.take(*_recv(group, source))
+        for work in sends:
+            work.wait()
+
+
+def _exchange(link: Link, value: dict, raw: bytes = b"") -> dict[int, tuple[dict, tuple[bytes, bool]]]:
+    """Send ``value`` (JSON) and ``raw`` to every partner; what every source sent (``raw`` with whether it
+    arrived whole). Sends are posted before any receive, so partners that send to each other never wait
+    on each other."""
+    head = json.dumps(value).encode()
+    sends = [_isend(link.group, data, checksum(data), p) for p in link.partners for data in (head, raw)]
+    got = {}
+    for source in link.sources:
+        theirs, whole = _recv(link.group, source)
+        if not whole:
+            raise RuntimeError(f"a message from rank {source} of the replication group fails its CRC32C")
+        got[source] = (json.loads(theirs), _recv(link.group, source))
+    for work in sends:
+        work.wait()
+    return got
+
+
+def _isend(group: Any, data: bytes, crc: int, to: int) -> "_Sent":
+    """Send ``data`` and its CRC32C to group rank ``to``: its length and CRC, then its bytes."""
+    head = torch.tensor([len(data), crc], dtype=torch.int64)
+    works = [dist.isend(head, group=group, group_dst=to)]
+    body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+    if body is not None:
+        works.append(dist.isend(body, group=group, group_dst=to))
+    return _Sent(works, head, body)
+
+
+class _Sent:
+    def __init__(self, works: list, *keep: Any):
+        self.works, self.keep = works, keep  # the tensors stay alive until sent
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def _recv(group: Any, source: int) -> tuple[bytes, bool]:
+    """A message from group rank ``source``, and whether it matches its CRC32C."""
+    head = torch.zeros(2, dtype=torch.int64)
+    dist.recv(head, group=group, group_src=source)
+    length, crc = int(head[0]), int(head[1])
+    if not length:
+        return b"", crc == checksum(b"")
+    body = torch.empty(length, dtype=torch.uint8)
+    dist.recv(body, group=group, group_src=source)
+    data = body.numpy().tobytes()
+    return data, checksum(data) == crc
+
+
+class _Pieces:
+    """This rank's files (name, size), piece by piece with each piece's CRC32C. A file that cannot be read
+    as it was offered is sent as pieces that fail their check, so the partner stays in step and drops it."""
+
+    def __init__(self, folder: str, files: list[tuple[str, int]]):
+        self.folder, self.files = folder, files
+        self.count = sum(_pieces_of(size) for _, size in files)
+        self._walk = self._pieces()
+
+    def _pieces(self) -> Iterator[tuple[bytes, int]]:
+        for name, size in self.files:
+            lengths = [min(PIECE_BYTES, size - at) for at in range(0, size, PIECE_BYTES)]
+            try:
+                with open(os.path.join(self.folder, name), "rb", buffering=0) as f:
+                    for length in lengths:
+                        data = f.read(length)
+                        if len(data) != length:
+                            raise OSError(f"{name} ended before its {size} bytes")
+                        yield data, checksum(data)
+                        lengths = lengths[1:]
+            except OSError as exc:
+                log.warning("ckptio: cannot send the fast-tier file %s to partner nodes: %s", name, exc)
+                for length in lengths:
+                    yield bytes(length), checksum(b"x")  # any CRC but the zeros': refused on arrival
+
+    def next(self) -> tuple[bytes, int] | None:
+        return next(self._walk, None)
+
+
+def _pieces_of(size: int) -> int:
+    return -(-size // PIECE_BYTES)
+
+
+class Arrivals:
+    """A source's files arriving piece by piece: each written beside its final name, checked against its
+    held index once whole and renamed into place; a file that cannot be stored, or fails a check, is taken
+    and dropped."""
+
+    def __init__(self, folder: str, files: list, source: int, keep: bool):
+        self.folder, self.source, self.keep = folder, source, keep
+        self.files = [(str(name), int(size)) for name, size in files]
+        self.count = sum(_pieces_of(size) for _, size in self.files)
+        self.done: list[str] = []
+        self._at, self._written, self._handle, self._dropping = 0, 0, None, False
+
+    @property
+    def expecting(self) -> bool:
+        return self._at < len(self.files)
+
+    def take(self, data: bytes, whole: bool) -> None:
+        name, size = self.files[self._at]
+        if self._written == 0:
+            self._dropping = not (self.keep and _safe_name(name))
+            self._handle = None if self._dropping else self._open(name)
+        if not whole and not self._dropping:
+            self._drop(name, f"a piece from rank {self.source} failed its CRC32C on arrival", warn=False)
+            log.warning(
+                "ckptio: a partner copy of %s from rank %d failed its check on arrival; not kept", name, self.source
+            )
+        if self._handle is not None:
+            try:
+                self._handle.write(data)
+            except OSError as exc:
+                self._drop(name, str(exc))
+        self._written += len(data)
+        if self._written >= size:
+            if self._handle is not None:
+                self._finish(name)
+            self._at, self._written, self._handle = self._at + 1, 0, None
+
+    def _open(self, name: str) -> Any:
+        try:
+            os.makedirs(os.path.dirname(self._partial(name)), exist_ok=True)
+            return open(self._partial(name), "wb")
+        except OSError as exc:
+            self._drop(name, str(exc))
+            return None
+
+    def _drop(self, name: str, why: str, warn: bool = True) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        _remove(self._partial(name))
+        self._dropping = True
+        if warn:
+            _warn_not_kept(self.folder, why)
+
+    def _finish(self, name: str) -> None:
+        handle, self._handle = self._handle, None
+        try:
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+            if name.endswith(HELD_SUFFIX):
+                problem = self._check(name)
+                if problem:
+                    log.warning("ckptio: a partner copy from rank %d is damaged (%s); not kept", self.source, problem)
+                    _remove(self._partial(name), os.path.join(self.folder, name[: -len(HELD_SUFFIX)]))
+                    return
+            os.replace(self._partial(name), os.path.join(self.folder, name))
+            self.done.append(name)
+        except OSError as exc:
+            _remove(self._partial(name))
+            _warn_not_kept(self.folder, str(exc))
+
+    def _check(self, held: str) -> str | None:
+        """The data file this index describes (received before it) against the index."""
+        try:
+            with open(self._partial(held), "rb") as f:
+                index = HeldIndex.decode(f.read())
+        except (ValueError, KeyError, TypeError, OSError) as exc:
+            return f"its index cannot be read: {exc}"
+        if index.file + HELD_SUFFIX != held or index.file not in self.done:
+            return f"its index {held} does not describe a file received with it"
+        try:
+            return index_damage(os.path.join(self.folder, index.file), index)
+        except ValueError as exc:
+            return f"its index is malformed: {exc}"
+
+    def _partial(self, name: str) -> str:
+        return os.path.join(self.folder, f"{name}.partial-{os.getpid()}")
+
+
+def _put_document(folder: str, name: str | None, raw: bytes | None, arrivals: Arrivals) -> None:
+    """The source's node document, kept only with every file it sent (a document without its files
+    would make the node count a copy it does not hold)."""
+    if not name or raw is None or not _safe_name(name) or len(arrivals.done) != len(arrivals.files):
+        return
+    path = os.path.join(folder, name)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(path + f".partial-{os.getpid()}", "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + f".partial-{os.getpid()}", path)
+    except OSError as exc:
+        _remove(path + f".partial-{os.getpid()}")
+        _warn_not_kept(folder, str(exc))
+
+
+def _safe_name(name: Any) -> bool:
+    """A name inside the step's folder (a peer's offer is input like any file)."""
+    parts = name.split("/") if isinstance(name, str) else [""]
+    return all(part not in ("", ".", "..") for part in parts) and not name.startswith("/")
+
+
+def _remove(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+@functools.lru_cache(maxsize=8)
+def _warn_not_kept(folder: str, why: str) -> None:
+    log.warning(
+        "ckptio: this node cannot keep a partner's fast-tier copy in %s (%s); the save stands, with fewer copies",
+        folder,
+        why,
+    )
+
+
+def document_future() -> Future:
+    """A rank's node document of a save, resolved when it commits on the node (``None``: it did not)."""
+    future: Future = Future()
+    with _lock:
+        _pending_documents[:] = [f for f in _pending_documents if not f.done()]
+        _pending_documents.append(future)
+    return future
+
+
+def settle_documents() -> None:
+    """Documents still pending are of saves that did not commit (a later save began, or the process is
+    waiting for its uploads or exiting): partners are told there is none."""
+    with _lock:
+        pending, _pending_documents[:] = list(_pending_documents), []
+    for future in pending:
+        if not future.done():
+            future.set_result(None)
+
+
+def resolved(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+_QUEUE = DrainQueue()
+
+
+def replication_queue() -> DrainQueue:
+    """This process's copying to partner nodes: one thread, jobs in save order."""
+    return _QUEUE
+
+
+def wait_for_copies(timeout: float | None = None) -> None:
+    """Block until this process's copies to partner nodes are done (they never raise: see the module)."""
+    _QUEUE.wait(timeout)
+
+
+@atexit.register
+def _copy_at_exit() -> None:
+    settle_documents()
+    if _QUEUE.pending:
+        log.warning("ckptio: waiting for %d copy job(s) to partner nodes before exiting", _QUEUE.pending)
+        _QUEUE.wait()
