@@ -4,14 +4,18 @@ On each S3 target, per repeat and rank: a direct sync save to S3, a local-only s
 tier's disk, a tiered sync save (its blocking time, then the drain with a training-step loop
 running beside it), a tiered save without a coordinator (``use_collectives=False``: blocking time),
 the plain ``dcp.async_save`` of a direct and of a tiered save (blocking time), ``ckptio.latest`` and
-a restart load from the fast tier against a load of the same checkpoint from S3. After the repeats,
-one load with the last rank's fast tier empty (how many bytes S3 served to it and to the others) and
-tiered saves in a row (memory). Ranks are grouped into simulated nodes of one replica group each (the
-ranks of a node share its fast-tier path, as on a real node).
+a restart load from the fast tier against a load of the same checkpoint from S3; a tiered save whose
+files are copied to the other node (``local_tier_copies=2``: blocking time, bytes sent), and a restart
+(``latest`` and the load) after the last node was lost while that save's drain was cut off, one with
+every node's fast tier, and a load of the same step from S3. After the repeats, one load with the last
+rank's fast tier empty (how many bytes S3 served to it and to the others) and tiered saves in a row
+(memory). Ranks are grouped into simulated nodes of one replica group each (the ranks of a node share its
+fast-tier path and its ``CKPTIO_NODE``, as on a real node).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -21,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import ckptio
+from ckptio.tiers import replication
 from ckptio.tiers.paths import local_step_path
 
 from . import counting, workload
@@ -46,6 +51,7 @@ def run_rank(cfg: dict) -> list[dict]:
     one of the memory over saves in a row."""
     rank, mesh, specs, state = rank_state(cfg)
     node_tier = os.path.join(cfg["tiered_fast_base"], f"node{rank // cfg['mesh'][1]}")
+    os.environ["CKPTIO_NODE"] = f"node{rank // cfg['mesh'][1]}"
     step = TrainingStep()
     records = []
     for target in cfg["targets"]:
@@ -72,6 +78,7 @@ class _Run:
         self.local_base = os.path.join(cfg["tiered_fast_base"], "local-only", target["name"].replace(" ", "_"))
         self.direct = ckptio.WriterConfig(mode=MODE)
         self.tiered = ckptio.WriterConfig(mode=MODE, local_tier=node_tier)
+        self.copied = ckptio.WriterConfig(mode=MODE, local_tier=node_tier, local_tier_copies=2)
 
     def _writer(self, url: str, config: ckptio.WriterConfig | None = None) -> ckptio.Writer:
         return ckptio.Writer(url, config or self.direct, storage_options=self.options)
@@ -103,6 +110,8 @@ class _Run:
         record["drain_s"], record["steps_per_s_during_drain"] = drain_s, steps / max(drain_s, 1e-9)
         record["steps_per_s_without"] = (before + self._steps_per_s(step)) / 2  # before the save and after its drain
 
+        record |= self._copied_and_restarted(rep, state, mesh, specs)
+
         alone_url = f"{self.base}/run-without-coordinator/step-{rep}"
         record["tiered_alone_save_s"] = self._timed(
             lambda: dcp.save(state, storage_writer=self._writer(alone_url, self.tiered), use_collectives=False)
@@ -131,6 +140,56 @@ class _Run:
             self._forget(f"{self.base}/run/step-{2 * rep - 1}", f"{self.base}/run/step-{2 * rep}")
         self._forget(alone_url)
         return record
+
+    def _copied_and_restarted(self, rep: int, state: dict, mesh, specs) -> dict:
+        """A tiered save copied to the other node (its blocking time, the bytes sent: (k-1) x this rank's
+        files); then one whose drain is cut off, restarted (``latest`` and the load) with the last node's
+        fast tier lost (an empty one in its place), again with every node's, and loaded from S3 alone."""
+        url = f"{self.base}/run-copies/step-{rep}"
+        sent = replication.bytes_sent()["file"]
+        record = {"copies_save_s": self._timed(lambda: dcp.save(state, storage_writer=self._writer(url, self.copied)))}
+        ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)
+        record["copy_bytes_sent"] = replication.bytes_sent()["file"] - sent
+        record["own_fast_tier_bytes"] = _own_bytes(local_step_path(self.node_tier, url, self.options), self.rank)
+
+        lost_run = f"{self.base}/run-lost-{rep}"
+        cut_off = dataclasses.replace(self.copied, drain_bandwidth=1, drain_timeout_s=0.5)
+        dcp.save(state, storage_writer=self._writer(f"{lost_run}/step-1", cut_off))
+        try:
+            ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)
+        except ckptio.DrainError:
+            pass  # as meant: nothing of it is on S3
+        last_node = (dist.get_world_size() - 1) // self.cfg["mesh"][1]
+        lost = self.rank // self.cfg["mesh"][1] == last_node
+        empty = os.path.join(self.cfg["tiered_fast_base"], f"replaced-{rep}")
+        record |= self._restart(lost_run, "node_lost", mesh, specs, empty if lost else self.node_tier)
+        ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)  # the drain the restart resumed: committed on S3 now
+        record |= self._restart(lost_run, "all_tiers", mesh, specs, self.node_tier)
+        record |= self._load(f"{lost_run}/step-1", "s3_of_copied", mesh, specs, local_tier=None)
+        self._forget(url, f"{lost_run}/step-1")
+        self._remove_on_rank0(empty, None)
+        return record
+
+    def _restart(self, run: str, name: str, mesh, specs, tier: str) -> dict:
+        loaded = workload.build_state(mesh, specs, self.cfg["data"], self.rank, empty=True)
+        found: list = []
+
+        def restart() -> None:
+            start = counting.now()
+            found.append(ckptio.latest(run, local_tier=tier, storage_options=self.options))
+            found.append(counting.now() - start)
+            reader = ckptio.Reader(found[0], storage_options=self.options, local_tier=tier)
+            dcp.load(loaded, storage_reader=reader)
+            found.append(reader.bytes_read)
+
+        seconds = self._timed(restart)
+        return {
+            f"restart_{name}_s": seconds,
+            f"restart_{name}_latest_s": found[1],
+            f"restart_{name}_found": found[0] == f"{run}/step-1",
+            f"restart_{name}_bytes_read": dict(found[2]),
+            f"restart_{name}_mismatches": workload.check_state(loaded, specs, self.cfg["data"], self.rank),
+        }
 
     def _forget(self, *urls: str) -> None:
         """Remove these tiered checkpoints from the durable tier and from every node's fast tier."""
@@ -235,6 +294,12 @@ class _Run:
         dist.barrier()
 
 
+def _own_bytes(folder: str, rank: int) -> int:
+    """Bytes of this rank's fast-tier files (its data files and their indexes) in a step's folder."""
+    own = f"-r{rank:05d}.ckio"
+    return sum(e.stat().st_size for e in os.scandir(folder) if e.name.endswith((own, own + ".held.json")))
+
+
 def _processes_cpu_s(pids: list[int]) -> float:
     """CPU seconds (user + system) of the processes ``pids`` so far; 0 for none (a remote server)."""
     total = 0.0
@@ -269,6 +334,10 @@ TIMES = (
     "latest_s",
     "load_fast_s",
     "load_s3_s",
+    "copies_save_s",
+    "restart_node_lost_s",
+    "restart_all_tiers_s",
+    "load_s3_of_copied_s",
 )
 #: (name, numerator, denominator): ratios per repeat of the slowest ranks' times, then their median.
 RATIOS = (
@@ -277,6 +346,10 @@ RATIOS = (
     ("tiered_alone_over_tiered", "tiered_alone_save_s", "tiered_save_s"),
     ("async_tiered_over_direct", "tiered_async_blocking_s", "direct_async_blocking_s"),
     ("load_fast_over_s3", "load_fast_s", "load_s3_s"),
+    ("copies_over_tiered", "copies_save_s", "tiered_save_s"),
+    ("copies_over_direct", "copies_save_s", "direct_save_s"),
+    ("node_lost_restart_over_s3", "restart_node_lost_s", "load_s3_of_copied_s"),
+    ("all_tiers_restart_over_s3", "restart_all_tiers_s", "load_s3_of_copied_s"),
 )
 
 
@@ -319,10 +392,18 @@ def summarize(records: list[dict]) -> list[dict]:
         row["emptied_s3_bytes"] = lonely["bytes_read"].get("durable", 0)
         row["emptied_needed_bytes"] = lonely["needed_bytes"]
         row["emptied_others_s3_bytes"] = sum(r["bytes_read"].get("durable", 0) for r in emptied if r is not lonely)
-        row["bit_exact"] = all(
-            not (r.get("mismatches") or r.get("load_fast_mismatches") or r.get("load_s3_mismatches")) for r in recs
+        row["copy_bytes_over_files"] = sum(r["copy_bytes_sent"] for r in ranks) / max(
+            sum(r["own_fast_tier_bytes"] for r in ranks), 1
         )
-        row["latest_agreed"] = all(r["latest_is_newest"] for r in ranks)
+        for restart in ("node_lost", "all_tiers"):
+            row[f"restart_{restart}_s3_bytes"] = sum(r[f"restart_{restart}_bytes_read"]["durable"] for r in ranks)
+            row[f"restart_{restart}_peer_bytes"] = sum(r[f"restart_{restart}_bytes_read"]["peer"] for r in ranks)
+        checked = ("mismatches", "load_fast_mismatches", "load_s3_mismatches", "load_s3_of_copied_mismatches")
+        checked += ("restart_node_lost_mismatches", "restart_all_tiers_mismatches")
+        row["bit_exact"] = all(not any(r.get(field) for field in checked) for r in recs)
+        row["latest_agreed"] = all(
+            r["latest_is_newest"] and r["restart_node_lost_found"] and r["restart_all_tiers_found"] for r in ranks
+        )
         rows.append(row)
     return rows
 

@@ -339,6 +339,34 @@ class Prune:
             log.info("ckptio: removed the fast-tier copy of %s (committed on the durable tier)", durable.url)
 
 
+#: A drain ``ckptio.latest`` resumed behind a restart's load waits for that load to end (the job's
+#: critical path: a drain beside it takes cores and the S3 server's time from it), at most this long.
+RESUME_HOLD_S = 30.0
+_load_ended = threading.Event()
+_load_ended.set()
+
+
+@dataclasses.dataclass
+class AfterLoad:
+    """``job``, once the restart's load that ``ckptio.latest`` queued it behind has ended (``load_ended``),
+    someone waits for the uploads, or ``RESUME_HOLD_S`` have passed."""
+
+    job: Any
+
+    def run(self, deadline: float) -> None:
+        _load_ended.wait(max(0.0, min(RESUME_HOLD_S, deadline - time.monotonic())))
+        self.job.run(deadline)
+
+
+def hold_for_load() -> None:
+    """Jobs queued as ``AfterLoad`` from now wait for the next ``load_ended``."""
+    _load_ended.clear()
+
+
+def load_ended() -> None:
+    _load_ended.set()
+
+
 class DrainTooSlow(DrainError):
     """An upload that cannot finish in its time at its bandwidth: its copy is whole, only late."""
 
@@ -482,6 +510,7 @@ def wait_for_uploads(timeout: float | None = None) -> None:
     from ckptio.saving.merge_once import wait_for_merges
     from ckptio.tiers.replication import wait_for_copies
 
+    load_ended()  # a resumed drain held for a restart's load goes now: someone waits for it
     try:
         _QUEUE.wait(timeout)
         wait_for_merges(timeout)
@@ -497,6 +526,7 @@ def uploads_pending() -> int:
 
 
 def _drain_at_exit() -> None:
+    load_ended()
     if _QUEUE.pending:
         log.warning("ckptio: waiting for %d background upload job(s) before exiting", _QUEUE.pending)
         try:

@@ -178,6 +178,17 @@ def local_copies(local: FsspecStore, manifest: Manifest) -> LocalCopies:
     return found
 
 
+def add_copy(found: LocalCopies, index: HeldIndex, size: int, manifest: Manifest) -> bool:
+    """Add a copy of ``index.file`` (``size`` bytes) held elsewhere than the node's folder (fetched from
+    another node) to ``found``, as ``local_copies`` adds the node's; whether it holds any of ``manifest``."""
+    if size != index.local_bytes:
+        return False
+    before = (len(found.files), len(found.relocated))
+    _add(found, index, manifest)
+    found.sizes.pop(index.file, None)  # not the node's: never offered to others as the node's copy
+    return (len(found.files), len(found.relocated)) != before
+
+
 def _add(found: LocalCopies, index: HeldIndex, manifest: Manifest) -> bool:
     """Add what ``index`` holds of ``manifest``; whether it is a whole copy of its part (False: some of it
     is no copy; an index of another save is ignored)."""
@@ -229,13 +240,21 @@ def index_damage(path: str, index: HeldIndex) -> str | None:
         return f"it cannot be read: {exc}"
     if size != index.local_bytes:
         return f"it holds {size} bytes, its index records {index.local_bytes}"
+    return first_damage(path, blocks_of(index))
+
+
+def blocks_of(index: HeldIndex) -> list[tuple[int, int, int]]:
+    """``(offset, length, CRC32C)`` of every block of every item ``index`` lists, by offset; ``ValueError``
+    when an entry is malformed."""
     blocks = []
     for item in index.extras:
         crcs = np.frombuffer(base64.b64decode(item.crc32c), dtype="<u4")
         lengths = np.frombuffer(base64.b64decode(item.stored_lengths), dtype="<u4")
+        if len(crcs) != len(lengths):
+            raise ValueError(f"the entry of {item.fqn!r} lists {len(crcs)} CRC32Cs for {len(lengths)} blocks")
         starts = item.offset + np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)])
         blocks.extend(zip(starts.tolist(), lengths.tolist(), crcs.tolist(), strict=True))
-    return first_damage(path, sorted(blocks))
+    return sorted(blocks)
 
 
 def first_damage(path: str, blocks: list[tuple[int, int, int]]) -> str | None:

@@ -37,7 +37,17 @@ from ckptio.loading.fragment_set import complete_set, fragments_in
 from ckptio.loading.read_once import read_on
 from ckptio.loading.together import fail_together
 from ckptio.storage import FsspecStore, open_store
-from ckptio.tiers.drain import Commit, DrainError, Durable, Upload, drain_queue, durable_segments, references_of
+from ckptio.tiers.drain import (
+    AfterLoad,
+    Commit,
+    DrainError,
+    Durable,
+    Upload,
+    drain_queue,
+    durable_segments,
+    hold_for_load,
+    references_of,
+)
 from ckptio.tiers.held_index import LocalCopies, damaged_blocks, local_copies
 from ckptio.tiers.nodes import this_node
 from ckptio.tiers.paths import local_run_path, normalized_url, step_order
@@ -172,8 +182,9 @@ def _resume(
     writers = dict(manifest.header.writer_ranks)
     commit = Commit(durable, document, manifest.files, writers, [], False, references_of(manifest.header))
     if restarts_locally or on_the_nodes:  # load now (ranks fetch what their node lacks), finish the drain behind it
+        hold_for_load()
         for job in mine + ([commit] if group.rank == holder else []):
-            drain_queue().submit(durable.url + "#resumed", job, RESUME_TIMEOUT_S)
+            drain_queue().submit(durable.url + "#resumed", AfterLoad(job), RESUME_TIMEOUT_S)
         return True
     deadline = time.monotonic() + RESUME_TIMEOUT_S
     try:

@@ -19,6 +19,7 @@ from ckptio.loading.read_once import DIRECT
 from ckptio.loading.read_tier import DurableReads, register_tiered
 from ckptio.loading.safe_load import restore_objects_under_held_keys
 from ckptio.storage import FsspecStore
+from ckptio.tiers.drain import load_ended
 from ckptio.tiers.held_index import LocalCopies, local_copies
 from ckptio.tiers.paths import local_step_store
 from ckptio.tiers.peers import fetch_from_peers
@@ -34,6 +35,7 @@ class NearestTierReads(DurableReads):
         super().__init__(reader)
         self.copies = LocalCopies()
         self.group: Any = DIRECT  # the load's process group, once its metadata is read over it
+        self.fetched: dict[str, memoryview] = {}  # copies fetched from other nodes for this load
 
     def metadata_bytes(self, read_durable: Callable[[], bytes], group: Any) -> bytes | None:
         self.group = group
@@ -53,16 +55,22 @@ class NearestTierReads(DurableReads):
         restore_objects_under_held_keys(planner, plan)
         local, durable = self.local_store(), byte_source(r._open_store(), r.manifest)
         r.bytes_read = {"local": 0, "peer": 0, "durable": 0}
+        try:
+            self._read(plan, planner, local, durable)
+        finally:
+            load_ended()  # a drain ckptio.latest resumed behind this restart goes now
+        return True
+
+    def _read(self, plan: LoadPlan, planner: LoadPlanner, local: FsspecStore, durable: Any) -> None:
+        r = self.reader
         pairs = [(read_item, r.item_for(read_item)) for read_item in plan.items]
         lacking = {item.file for _, item in pairs if item.file and item.file not in self.copies.local_files}
-        from_peers = fetch_from_peers(self.group, local, self.copies, lacking, r.manifest.header.world_size)
-        if from_peers:
-            self.copies = local_copies(local, r.manifest)
+        self.fetched = fetch_from_peers(self.group, local, self.copies, lacking, r.manifest)
         while True:
             pairs = [(read_item, r.item_for(read_item)) for read_item in plan.items]
             names = self.copies.local_files
             reads_durable = any(item.file and item.file not in names for _, item in pairs)
-            source = TieredSource(local, durable, names, reads_durable, from_peers)
+            source = TieredSource(local, durable, names, reads_durable, self.fetched)
             try:
                 r.deliver(source, r.prepare(pairs, planner, places=False), planner)
                 break
@@ -87,9 +95,9 @@ class NearestTierReads(DurableReads):
             r.bytes_read["peer"],
             r.bytes_read["durable"],
         )
-        return True
 
     def _drop(self, name: str) -> None:
+        self.fetched.pop(name, None)
         self.copies.files.discard(name)
         self.copies.relocated = {key: item for key, item in self.copies.relocated.items() if item.file != name}
 

@@ -102,8 +102,8 @@ def committed_durable(read_durable: Callable[[], T]) -> T | None:
 
 class TieredSource:
     """A byte source (``loading.sources.ByteSource``) reading the files named in ``local_names`` from
-    the fast tier and every other one from the durable tier, counting the bytes each serves (those of
-    ``peer_names``, fast-tier files fetched from other nodes for this load, as ``"peer"``)."""
+    the fast tier, those of ``fetched`` (copies fetched from other nodes for this load: ``peers.py``)
+    from memory, and every other one from the durable tier, counting the bytes each serves."""
 
     def __init__(
         self,
@@ -111,32 +111,53 @@ class TieredSource:
         durable: FsspecStore,
         local_names: set[str],
         reads_durable: bool,
-        peer_names: set[str] = frozenset(),
+        fetched: dict[str, memoryview] | None = None,
     ):
-        self.local, self.durable, self.local_names, self.peer_names = local, durable, set(local_names), peer_names
+        self.local, self.durable, self.local_names, self.fetched = local, durable, set(local_names), fetched or {}
         self.url = durable.url
         self.remote = durable.remote and reads_durable
         self.read_gap_bytes = durable.read_gap_bytes if self.remote else local.read_gap_bytes
         self.bytes_read = {"local": 0, "peer": 0, "durable": 0}
 
-    def _tier(self, name: str) -> tuple[str, FsspecStore]:
-        return ("local", self.local) if name in self.local_names else ("durable", self.durable)
+    def _tier(self, name: str) -> str:
+        if name in self.fetched:
+            return "peer"
+        return "local" if name in self.local_names else "durable"
 
     def read_into(self, requests: Sequence[ReadRequest]) -> list[int]:
         counts = [0] * len(requests)
+        for i, request in enumerate(requests):
+            if self._tier(request.name) == "peer":
+                counts[i] = _copy_out(self.fetched[request.name], request)
+                self.bytes_read["peer"] += counts[i]
         for tier, store in (("local", self.local), ("durable", self.durable)):
-            picked = [i for i, r in enumerate(requests) if self._tier(r.name)[0] == tier]
+            picked = [i for i, r in enumerate(requests) if self._tier(r.name) == tier]
             if picked:
                 for i, got in zip(picked, store.read_into([requests[i] for i in picked]), strict=True):
                     counts[i] = got
-                    self.bytes_read["peer" if requests[i].name in self.peer_names else tier] += got
+                    self.bytes_read[tier] += got
         return counts
 
     def describe(self, name: str) -> str:
-        return self._tier(name)[1].describe(name)
+        if self._tier(name) == "peer":
+            return f"{self.durable.describe(name)} (the copy fetched from another node)"
+        return self._store(name).describe(name)
 
     def size(self, name: str) -> int:
-        return self._tier(name)[1].size(name)
+        return len(self.fetched[name]) if self._tier(name) == "peer" else self._store(name).size(name)
 
     def exists(self, name: str) -> bool:
-        return self._tier(name)[1].exists(name)
+        return self._tier(name) == "peer" or self._store(name).exists(name)
+
+    def _store(self, name: str) -> FsspecStore:
+        return self.local if self._tier(name) == "local" else self.durable
+
+
+def _copy_out(data: memoryview, request: ReadRequest) -> int:
+    """Fill ``request``'s buffers from ``data`` (a file in memory); the bytes copied."""
+    at = request.offset
+    for buffer in request.buffers:
+        chunk = data[at : at + len(buffer)]
+        buffer.cast("B")[: len(chunk)] = chunk
+        at += len(chunk)
+    return at - request.offset

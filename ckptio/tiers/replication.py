@@ -11,11 +11,13 @@ training's priority. Each piece carries its CRC32C; a received file is checked a
 block by block, before it is renamed into place, so a damaged copy is never kept.
 
 Every rank of a replicated save sends exactly one offer (possibly empty) to each partner and receives
-one from each source, in save order: the exchange never waits on a save's outcome, except the
-document, which a rank sends once its save commits on the node (``None`` when it does not: the next
-save, ``wait_for_uploads`` and the process's exit settle one still pending). A partner that cannot store
-a copy (a full disk) takes the bytes and drops them, with one warning: the save has succeeded, with
-fewer copies. A failure is logged, never raised: the durable tier still gets every file from its drain.
+one from each source, in save order. The copying starts once every rank of the save has committed it on
+its node (a barrier of the group after each rank's commit: it runs behind the save, not beside its
+writes); a rank whose save did not commit offers its files without a document (the next save, and the
+process's exit, settle a commit still awaited; the save's ``drain_timeout_s`` bounds the wait). A
+partner that cannot store a copy (a full disk) takes the bytes and drops them, with one warning a save:
+the save has succeeded, with fewer copies. A failure is logged, never raised: the durable tier still
+gets every file from its drain.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,8 @@ PIECE_BYTES = 8 << 20
 GROUP_TIMEOUT_S = 4 * 3600.0
 
 _groups: dict[tuple[int, ...], tuple[Any, NodeMap]] = {}
+_sent = {"file": 0, "other": 0}
+_warned: dict[str, None] = {}  # folders whose copies were refused (a warning each)
 _pending_documents: list[Future] = []
 _lock = threading.Lock()
 
@@ -140,8 +144,16 @@ class Replicate:
 
     def _exchange(self, deadline: float) -> None:
         names = self.files.result()
-        sizes = [(n, os.path.getsize(os.path.join(self.folder, n))) for n in names]
-        offers = _exchange(self.link, {"url": self.url, "files": [[n, size] for n, size in sizes if size]})
+        try:
+            document = self.document.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            document = None
+        # Every rank has committed this save on its node (or given up on it): the copying runs behind the
+        # save, never beside its writes.
+        dist.barrier(group=self.link.group)
+        name, raw = document if document else (None, b"")
+        sizes = [(n, size) for n in names if (size := os.path.getsize(os.path.join(self.folder, n)))]
+        offers = _exchange(self.link, {"url": self.url, "files": sizes, "document": name}, raw)
         arrivals = {}
         for source, (theirs, _) in offers.items():
             if theirs.get("url") != self.url:  # a peer out of step: nothing it sends is kept
@@ -149,17 +161,10 @@ class Replicate:
                     "ckptio: rank %d of the replication group offered %r for %s", source, theirs.get("url"), self.url
                 )
             arrivals[source] = Arrivals(self.folder, theirs["files"], source, keep=theirs.get("url") == self.url)
-        mine = [(n, size) for n, size in sizes if size]
-        move_files(self.link.group, self.folder, {p: mine for p in self.link.partners}, arrivals)
-        try:
-            document = self.document.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            document = None
-        name, raw = document if document else (None, b"")
-        documents = _exchange(self.link, {"name": name}, raw)
-        for source, (theirs, (raw, whole)) in documents.items():
+        move_files(self.link.group, self.folder, {p: sizes for p in self.link.partners}, arrivals)
+        for source, (theirs, (raw, whole)) in offers.items():
             if whole and arrivals[source].keep:
-                _put_document(self.folder, theirs.get("name"), raw, arrivals[source])
+                _put_document(self.folder, theirs.get("document"), raw, arrivals[source])
 
 
 def move_files(group: Any, folder: str, outgoing: dict[int, list[tuple[str, int]]], incoming: dict[int, Any]) -> None:
@@ -173,10 +178,10 @@ def move_files(group: Any, folder: str, outgoing: dict[int, list[tuple[str, int]
         for to, stream in streams.items():
             piece = stream.next()
             if piece is not None:
-                sends.append(_isend(group, *piece, to))
+                sends.append(_isend(group, *piece, to, "file"))
         for source, arrivals in incoming.items():
             if arrivals.expecting:
-                arrivals.take(*_recv(group, source))
+                arrivals.take(*_recv(group, source, getattr(arrivals, "buffer_for", None)))
         for work in sends:
             work.wait()
 
@@ -192,18 +197,24 @@ def _exchange(link: Link, value: dict, raw: bytes = b"") -> dict[int, tuple[dict
         theirs, whole = _recv(link.group, source)
         if not whole:
             raise RuntimeError(f"a message from rank {source} of the replication group fails its CRC32C")
-        got[source] = (json.loads(theirs), _recv(link.group, source))
+        raw, whole_raw = _recv(link.group, source)
+        got[source] = (json.loads(bytes(theirs)), (bytes(raw), whole_raw))
     for work in sends:
         work.wait()
     return got
 
 
-def _isend(group: Any, data: bytes, crc: int, to: int) -> "_Sent":
-    """Send ``data`` and its CRC32C to group rank ``to``: its length and CRC, then its bytes."""
+def _isend(group: Any, data: bytes | torch.Tensor, crc: int, to: int, kind: str = "other") -> "_Sent":
+    """Send ``data`` (bytes, or a uint8 tensor sent as it is) and its CRC32C to group rank ``to``: its
+    length and CRC, then its bytes."""
     head = torch.tensor([len(data), crc], dtype=torch.int64)
+    with _lock:
+        _sent[kind] += len(data)
+        _sent["other"] += head.numel() * head.element_size()
     works = [dist.isend(head, group=group, group_dst=to)]
-    body = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
-    if body is not None:
+    body = None
+    if len(data):
+        body = data if isinstance(data, torch.Tensor) else torch.frombuffer(bytearray(data), dtype=torch.uint8)
         works.append(dist.isend(body, group=group, group_dst=to))
     return _Sent(works, head, body)
 
@@ -217,16 +228,16 @@ class _Sent:
             work.wait()
 
 
-def _recv(group: Any, source: int) -> tuple[bytes, bool]:
-    """A message from group rank ``source``, and whether it matches its CRC32C."""
+def _recv(group: Any, source: int, into: Callable[[int], torch.Tensor] | None = None) -> tuple[memoryview, bool]:
+    """A message from group rank ``source`` (its bytes, received in place into ``into(length)`` where given),
+    and whether it matches its CRC32C."""
     head = torch.zeros(2, dtype=torch.int64)
     dist.recv(head, group=group, group_src=source)
     length, crc = int(head[0]), int(head[1])
-    if not length:
-        return b"", crc == checksum(b"")
-    body = torch.empty(length, dtype=torch.uint8)
-    dist.recv(body, group=group, group_src=source)
-    data = body.numpy().tobytes()
+    body = into(length) if into is not None else torch.empty(length, dtype=torch.uint8)
+    if length:
+        dist.recv(body, group=group, group_src=source)
+    data = memoryview(body.numpy())
     return data, checksum(data) == crc
 
 
@@ -239,23 +250,23 @@ class _Pieces:
         self.count = sum(_pieces_of(size) for _, size in files)
         self._walk = self._pieces()
 
-    def _pieces(self) -> Iterator[tuple[bytes, int]]:
+    def _pieces(self) -> Iterator[tuple[torch.Tensor, int]]:
         for name, size in self.files:
             lengths = [min(PIECE_BYTES, size - at) for at in range(0, size, PIECE_BYTES)]
             try:
                 with open(os.path.join(self.folder, name), "rb", buffering=0) as f:
                     for length in lengths:
-                        data = f.read(length)
-                        if len(data) != length:
+                        piece = torch.empty(length, dtype=torch.uint8)
+                        if f.readinto(memoryview(piece.numpy())) != length:
                             raise OSError(f"{name} ended before its {size} bytes")
-                        yield data, checksum(data)
+                        yield piece, checksum(memoryview(piece.numpy()))
                         lengths = lengths[1:]
             except OSError as exc:
                 log.warning("ckptio: cannot send the fast-tier file %s to partner nodes: %s", name, exc)
                 for length in lengths:
-                    yield bytes(length), checksum(b"x")  # any CRC but the zeros': refused on arrival
+                    yield torch.zeros(length, dtype=torch.uint8), checksum(b"x")  # any CRC but zeros': refused
 
-    def next(self) -> tuple[bytes, int] | None:
+    def next(self) -> tuple[torch.Tensor, int] | None:
         return next(self._walk, None)
 
 
@@ -268,8 +279,8 @@ class Arrivals:
     held index once whole and renamed into place; a file that cannot be stored, or fails a check, is taken
     and dropped."""
 
-    def __init__(self, folder: str, files: list, source: int, keep: bool):
-        self.folder, self.source, self.keep = folder, source, keep
+    def __init__(self, folder: str, files: list, source: int, keep: bool, synced: bool = True):
+        self.folder, self.source, self.keep, self.synced = folder, source, keep, synced
         self.files = [(str(name), int(size)) for name, size in files]
         self.count = sum(_pieces_of(size) for _, size in self.files)
         self.done: list[str] = []
@@ -279,7 +290,7 @@ class Arrivals:
     def expecting(self) -> bool:
         return self._at < len(self.files)
 
-    def take(self, data: bytes, whole: bool) -> None:
+    def take(self, data: memoryview, whole: bool) -> None:
         name, size = self.files[self._at]
         if self._written == 0:
             self._dropping = not (self.keep and _safe_name(name))
@@ -321,13 +332,19 @@ class Arrivals:
         handle, self._handle = self._handle, None
         try:
             handle.flush()
-            os.fsync(handle.fileno())
+            if self.synced:
+                os.fsync(handle.fileno())
             handle.close()
+            if name.endswith(HELD_SUFFIX) and name[: -len(HELD_SUFFIX)] not in self.done:
+                _remove(self._partial(name))  # its data file was dropped (and said so): the index goes too
+                return
             if name.endswith(HELD_SUFFIX):
                 problem = self._check(name)
                 if problem:
                     log.warning("ckptio: a partner copy from rank %d is damaged (%s); not kept", self.source, problem)
-                    _remove(self._partial(name), os.path.join(self.folder, name[: -len(HELD_SUFFIX)]))
+                    data = name[: -len(HELD_SUFFIX)]
+                    _remove(self._partial(name), os.path.join(self.folder, data))
+                    self.done = [done for done in self.done if done != data]
                     return
             os.replace(self._partial(name), os.path.join(self.folder, name))
             self.done.append(name)
@@ -385,13 +402,26 @@ def _remove(*paths: str) -> None:
             pass
 
 
-@functools.lru_cache(maxsize=8)
 def _warn_not_kept(folder: str, why: str) -> None:
+    """One warning per save (per folder) on a node that cannot keep partners' copies."""
+    with _lock:
+        if folder in _warned:
+            return
+        _warned[folder] = None
+        while len(_warned) > 64:
+            _warned.pop(next(iter(_warned)))
     log.warning(
         "ckptio: this node cannot keep a partner's fast-tier copy in %s (%s); the save stands, with fewer copies",
         folder,
         why,
     )
+
+
+def bytes_sent() -> dict[str, int]:
+    """Bytes this process has sent to other nodes (copies, and fetches for loads): ``"file"``, of files;
+    ``"other"``, of offers, documents and message heads."""
+    with _lock:
+        return dict(_sent)
 
 
 def document_future() -> Future:

@@ -173,7 +173,8 @@ def _gc_local_tier(args: argparse.Namespace, local_tier: str) -> int:
     width = max(len(s.step) for s in steps)
     for s in steps:
         verdict = "removable" if s.removable else "kept     "
-        print(f"{s.step.ljust(width)}  {_mib(s.size):>10}  {verdict}  {s.why}")
+        ranks = f"ranks {','.join(map(str, s.ranks))}" if s.ranks else "no rank's files"
+        print(f"{s.step.ljust(width)}  {_mib(s.size):>10}  {verdict}  {ranks}; {s.why}")
     removable = [s for s in steps if s.removable]
     if not removable:
         print(f"nothing to remove (the newest {keep} and every step not yet on the durable tier are kept)")

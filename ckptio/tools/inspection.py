@@ -227,14 +227,17 @@ def _tier_lines(tiers: dict[str, Any]) -> list[str]:
     if not node["present"]:
         return lines + [f"fast tier    this node holds no copy ({node['path']})"]
     here = "holds the metadata" if node["committed_here"] else "holds no metadata (another node's coordinator does)"
-    lines.append(f"fast tier    {node['path']}: {len(node['files'])} file(s), {here}")
+    ranks = sorted({f["rank"] for f in node["files"] if "rank" in f})
+    held = f"of rank(s) {', '.join(map(str, ranks))}" if ranks else "of no rank"
+    lines.append(f"fast tier    {node['path']}: {len(node['files'])} file(s) {held} (its own, and copies), {here}")
     uploaded = {True: "uploaded", False: "NOT uploaded", None: "durable tier unreachable"}
     for f in node["files"]:
         if "local_bytes" not in f:
             lines.append(f"  {f['file']}  {f['problem']}")
             continue
         lines.append(
-            f"  {f['file']}  {_size(f['local_bytes'])} here, {_size(f['durable_bytes'])} for the durable tier "
+            f"  {f['file']}  rank {f['rank']}, {_size(f['local_bytes'])} here, "
+            f"{_size(f['durable_bytes'])} for the durable tier "
             f"({uploaded[f['on_durable']] if f['durable_bytes'] else 'nothing to upload'}), "
             f"{f['replicas']} replica item(s)" + (f"; {f['problem']}" if "problem" in f else "")
         )

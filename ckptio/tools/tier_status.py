@@ -1,11 +1,13 @@
 """What a node's fast tier holds: of one checkpoint (``ckptio inspect --local-tier``) and of a whole
 run, with which steps are safe to remove (``ckptio gc --local-tier``).
 
-A step's fast-tier folder holds the files of the node's ranks and their held indexes; only the
-coordinator's node holds its ``ckptio.json``. Whether a step may go is decided by the durable tier,
-as the writer's own pruning decides: a step committed there is removable beyond the newest
-``keep``; a step never committed there is kept while a drain or ``ckptio.latest`` can still finish
-it, and removable once a newer step committed durably (``latest`` never resumes an older one).
+A step's fast-tier folder holds the files of the node's ranks and their held indexes, and, with
+``local_tier_copies``, the copies of its partner nodes' ranks' files (and ``ckptio.json``): listed, sized
+and removed with the step like the node's own (each file says whose rank it is). Whether a step may go
+is decided by the durable tier, as the writer's own pruning decides: a step committed there is
+removable beyond the newest ``keep``; a step never committed there is kept while a drain or
+``ckptio.latest`` can still finish it, and removable once a newer step committed durably (``latest``
+never resumes an older one).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import shutil
 from typing import Any
 
 from ckptio.errors import CheckpointError
-from ckptio.format.names import METADATA_NAME
+from ckptio.format.names import METADATA_NAME, parse_data_file_name
 from ckptio.storage import open_store
 from ckptio.tiers.held_index import HeldIndex
 from ckptio.tiers.paths import HELD_SUFFIX, local_run_path, local_step_path, normalized_url, step_order
@@ -29,6 +31,7 @@ class NodeStep:
     path: str
     size: int  # bytes of every file in the step's folder
     committed_here: bool  # this node holds the step's ckptio.json
+    ranks: tuple[int, ...]  # the saving ranks whose files it holds (its own, and partners' copies)
     on_durable: bool  # committed on the durable tier
     removable: bool
     why: str
@@ -66,6 +69,7 @@ def node_steps(run_url: str, local_tier: str, storage_options: dict[str, Any] | 
                 entry.path,
                 _folder_size(entry.path),
                 os.path.exists(os.path.join(entry.path, METADATA_NAME)),
+                _ranks_in(entry.path),
                 durable[step],
                 removable,
                 why,
@@ -109,6 +113,7 @@ def node_copy(url: str, local_tier: str, storage_options: dict[str, Any] | None)
             continue
         entry = {
             "file": index.file,
+            "rank": parse_data_file_name(index.file).rank,
             "local_bytes": size,
             "durable_bytes": index.durable_bytes,
             "replicas": len(index.extras),
@@ -123,6 +128,15 @@ def node_copy(url: str, local_tier: str, storage_options: dict[str, Any] | None)
         "committed_here": os.path.exists(os.path.join(path, METADATA_NAME)),
         "files": files,
     }
+
+
+def _ranks_in(path: str) -> tuple[int, ...]:
+    ranks = set()
+    for name in os.listdir(path):
+        parsed = parse_data_file_name(name.removesuffix(HELD_SUFFIX)) if name.endswith(HELD_SUFFIX) else None
+        if parsed is not None:
+            ranks.add(parsed.rank)
+    return tuple(sorted(ranks))
 
 
 def _folder_size(path: str) -> int:

@@ -1,11 +1,12 @@
 """Every feature with every other: the axes of a save, a covering array of their values, and the rank
 bodies that save each row twice on 4 gloo ranks (a 2x2 HSDP mesh) and load it back.
 
-A row is one combination: save mode, compression, ``dcp.save`` or ``dcp.async_save``, a node tier or
-none, incremental off / against "previous" / against the first step named, with or without collectives,
-spread key prefixes or none, a local folder or S3, the default process group or each replica group of the
-mesh saving its own checkpoint over its shard group. The state is AdamW-shaped (frozen weights, moments
-that change every step), with objects and a value that differs per rank."""
+A row is one combination: save mode, compression, ``dcp.save`` or ``dcp.async_save``, a node tier (its
+files copied to the other node, or not) or none, incremental off / against "previous" / against the first
+step named, with or without collectives, spread key prefixes or none, a local folder or S3, the default
+process group or each replica group of the mesh saving its own checkpoint over its shard group. The state
+is AdamW-shaped (frozen weights, moments that change every step), with objects and a value that differs
+per rank."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ AXES: dict[str, tuple] = {
     "mode": ("all_ranks", "replica_group"),
     "compression": (None, "zstd"),
     "api": ("save", "async_save"),
-    "tier": (False, True),
+    "tier": (None, "node", "copies"),
     "incremental": (None, "previous", "named"),
     "collectives": (True, False),
     "key_prefix": (None, "hash"),
@@ -42,7 +43,7 @@ def all_rows() -> list[dict[str, Any]]:
 
 
 def covering_rows() -> list[dict[str, Any]]:
-    """Rows in which every pair of values of two axes meets at least once, starting with the eight of
+    """Rows in which every pair of values of two axes meets at least once, starting with the twelve of
     tier x incremental (off, on) x collectives; rows picked greedily (most pairs still uncovered, first
     in the product's order on ties), so the array is the same on every run."""
     names = list(AXES)
@@ -59,8 +60,10 @@ def covering_rows() -> list[dict[str, Any]]:
         rows.append(best)
         uncovered.difference_update(pairs(best))
 
-    for tier, incremental, collectives in itertools.product((False, True), (None, "previous"), (True, False)):
+    for tier, incremental, collectives in itertools.product(AXES["tier"], (None, "previous"), (True, False)):
         wanted = {"tier": tier, "incremental": incremental, "collectives": collectives}
+        if tier == "copies":  # over both nodes: a save over one replica group's ranks has no other node
+            wanted["group"] = "default"
         take([row for row in product if all(row[k] == v for k, v in wanted.items())])
     while uncovered:
         take(product)
@@ -124,6 +127,7 @@ def save_and_load_rows(root: str, rows: list[dict], options: dict | None) -> lis
     problems of each row's load (empty: exact)."""
     rank = dist.get_rank()
     group = rank // 2
+    os.environ["CKPTIO_NODE"] = f"node{group}"  # two ranks a node, each node its own fast tier
     storage = options["storage_options"] if options else None
     out = []
     for index, row in enumerate(rows):
@@ -138,6 +142,7 @@ def save_and_load_rows(root: str, rows: list[dict], options: dict | None) -> lis
                 mode=row["mode"],
                 compression=row["compression"],
                 local_tier=tier,
+                local_tier_copies=2 if row["tier"] == "copies" else 1,
                 incremental_from=base,
                 key_prefix=row["key_prefix"],
                 differing_objects="keep_per_rank",

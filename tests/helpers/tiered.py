@@ -31,6 +31,13 @@ def node_tier(tier_base: str) -> str:
     return os.path.join(tier_base, f"node{rank // 2}")
 
 
+def local_step_folder(run: str, tier_base: str, step: int, options) -> str:
+    """This rank's node's fast-tier folder of ``<run>/step-<step>``."""
+    from ckptio.tiers.paths import local_step_path
+
+    return local_step_path(node_tier(tier_base), f"{run}/step-{step}", options)
+
+
 def state(mesh_shape, step: int, empty: bool = False) -> dict:
     value = scenarios.make_state(scenarios.make_mesh(mesh_shape), empty=empty)
     value["marker"] = torch.tensor([0 if empty else step], dtype=torch.int64)

@@ -207,4 +207,4 @@ def test_async_save_to_a_tier_and_the_settings_from_the_environment(tmp_path, mo
     dcp.async_save(_state(4), storage_writer=ckptio.Writer(url, config)).result()
     ckptio.wait_for_uploads()
     loaded, reader = _load(url)  # the Reader takes CKPTIO_LOCAL_TIER too
-    assert _same(loaded, 4) and reader.bytes_read == {"local": reader.bytes_read["local"], "durable": 0}
+    assert _same(loaded, 4) and reader.bytes_read == {"local": reader.bytes_read["local"], "peer": 0, "durable": 0}

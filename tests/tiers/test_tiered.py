@@ -41,12 +41,14 @@ def test_tiered_save_drains_then_each_node_restarts_from_its_own_copy(s3, tmp_pa
     assert [r[:2] for r in restarted] == [(f"{run}/step-2", [])] * 4
     assert [r[2]["durable"] for r in restarted] == [0, 0, 0, 0]
 
-    shutil.rmtree(os.path.join(tiers, "node1"))  # node 1 replaced: its ranks read from S3, the others do not
+    # Node 1 replaced: its ranks fetch from node 0 what it holds (in HSDP, every item: node 0's ranks
+    # hold the replicas of node 1's shards), and read nothing from S3.
+    shutil.rmtree(os.path.join(tiers, "node1"))
     restarted = spawn(4, tiered.restart, run, tiers, (2, 2), options)
     assert [r[:2] for r in restarted] == [(f"{run}/step-2", [])] * 4
     read = [r[2] for r in restarted]
-    assert [r["durable"] for r in read[:2]] == [0, 0] and [r["local"] for r in read[2:]] == [0, 0]
-    assert all(r["durable"] > 0 for r in read[2:])
+    assert [r["durable"] for r in read] == [0, 0, 0, 0] and [r["local"] for r in read[2:]] == [0, 0]
+    assert all(r["peer"] > 0 for r in read[2:]) and [r["peer"] for r in read[:2]] == [0, 0]
 
     resharded = spawn(4, tiered.restart, run, tiers, (1, 4), options)
     assert [r[:2] for r in resharded] == [(f"{run}/step-2", [])] * 4
@@ -86,12 +88,13 @@ def test_a_rank_killed_mid_drain_restarts_locally_or_finishes_the_drain_or_falls
         shutil.rmtree(tiers)
         shutil.copytree(snapshot, tiers)
 
-    # Node 1 replaced: rank 1's file survives on node 0 only, so the drain finishes first, then all load.
+    # Node 1 replaced: rank 1's file survives on node 0 only, so the drain finishes first, then all load,
+    # node 1's ranks from node 0 (which holds the replicas of their shards).
     undo_drain()
     shutil.rmtree(os.path.join(tiers, "node1"))
     restarted = spawn(4, tiered.restart, run, tiers, (2, 2), options)
     assert [r[:2] for r in restarted] == [(f"{run}/step-2", [])] * 4
-    assert [r[2]["durable"] > 0 for r in restarted] == [False, False, True, True]
+    assert [(r[2]["durable"], r[2]["peer"] > 0) for r in restarted] == [(0, False)] * 2 + [(0, True)] * 2
 
     # Node 0 replaced: rank 1's file and the step's metadata are gone everywhere: step 1 it is.
     undo_drain()

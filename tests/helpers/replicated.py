@@ -1,0 +1,98 @@
+"""Per-rank bodies of the replication tests: tiered saves whose fast-tier files are copied to a partner
+node (``local_tier_copies``), on two simulated nodes of two ranks (``tiered.node_tier``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import ckptio
+from ckptio.tiers import replication
+from tests.helpers import tiered
+
+
+def big_on_node0(mesh_shape, step: int, empty: bool = False) -> dict:
+    """``tiered.state`` and a 256 KiB tensor only node 0's ranks hold (their fast-tier files are larger)."""
+    value = tiered.state(mesh_shape, step, empty)
+    rank = dist.get_rank()
+    if rank < 2:
+        value[f"extra.rank{rank}"] = torch.zeros(64 << 10) if empty else torch.full((64 << 10,), float(step + rank))
+    return value
+
+
+def save_and_count(run: str, tier_base: str, mesh_shape, steps, options, config: dict) -> dict:
+    """Save ``steps`` with ``config``; this rank's fast-tier files of the last step (name -> size) and the
+    bytes it sent to partners."""
+    tiered.save_steps(run, tier_base, mesh_shape, steps, options, config)
+    return {"sent": replication.bytes_sent(), "files": _own_files(run, tier_base, steps[-1], options)}
+
+
+def _own_files(run: str, tier_base: str, step: int, options) -> dict[str, int]:
+    folder = tiered.local_step_folder(run, tier_base, step, options)
+    suffix = f"-r{dist.get_rank():05d}.ckio"
+    names = [n for n in os.listdir(folder) if n.endswith(suffix) or n.endswith(suffix + ".held.json")]
+    return {n: os.path.getsize(os.path.join(folder, n)) for n in names}
+
+
+def save_with_a_full_partner(run: str, tier_base: str, options, config: dict) -> list[str]:
+    """Node 1's ranks can keep no file over 128 KiB (as a full disk would refuse them): their own files fit,
+    node 0's larger copies do not. Step 1 drains, step 2's drain is cut off. The warnings this rank logged."""
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ckptio").addHandler(handler)
+    if dist.get_rank() >= 2:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (128 << 10, resource.RLIM_INFINITY))
+    for step, drain in ((1, {}), (2, {"drain_bandwidth": 1, "drain_timeout_s": 0.5})):
+        writer = tiered.tiered_writer(run, step, tier_base, options, {**config, **drain})
+        dcp.save(big_on_node0((2, 2), step), storage_writer=writer)
+        try:
+            ckptio.wait_for_uploads()
+        except ckptio.DrainError:
+            pass
+    return records
+
+
+def restart_big(run: str, tier_base: str, options) -> tuple:
+    """``tiered.restart`` of ``big_on_node0`` saves: the URL, what differs, the bytes each source served."""
+    tier = tiered.node_tier(tier_base)
+    url = ckptio.latest(run, local_tier=tier, storage_options=options)
+    step = int(url.rsplit("-", 1)[1])
+    value = big_on_node0((2, 2), 0, empty=True)
+    reader = ckptio.Reader(url, storage_options=options, local_tier=tier)
+    dcp.load(value, storage_reader=reader)
+    ckptio.wait_for_uploads()
+    bad = tiered.problems(value, step)
+    rank = dist.get_rank()
+    if rank < 2 and not torch.equal(value[f"extra.rank{rank}"], torch.full((64 << 10,), float(step + rank))):
+        bad.append(f"extra.rank{rank}")
+    return url, bad, reader.bytes_read
+
+
+def save_then_lose_node1(run: str, tier_base: str, mesh_shape, options, config: dict) -> str:
+    """Save step 1 (drained), then step 2, after which node 1's ranks are killed (SIGKILL) as their copies
+    and drain start; what ``wait_for_uploads`` raised on node 0."""
+    tiered.save_steps(run, tier_base, mesh_shape, [1], options, config)
+    dcp.save(tiered.state(mesh_shape, 2), storage_writer=tiered.tiered_writer(run, 2, tier_base, options, config))
+    if dist.get_rank() >= 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        ckptio.wait_for_uploads()
+    except ckptio.DrainError as exc:
+        return str(exc)
+    return "drained"
+
+
+def save_cut_off_and_count(run: str, tier_base: str, mesh_shape, options, config: dict) -> tuple:
+    """``tiered.save_with_a_cut_off_drain`` (steps 1 and 2); what it raised, the bytes this rank sent to
+    partners and its own fast-tier files of both steps (name -> size)."""
+    raised = tiered.save_with_a_cut_off_drain(run, tier_base, mesh_shape, options, config)
+    own = {**_own_files(run, tier_base, 1, options), **_own_files(run, tier_base, 2, options)}
+    return raised, replication.bytes_sent(), own

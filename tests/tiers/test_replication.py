@@ -1,0 +1,146 @@
+"""The fast tier copied to partner nodes (``local_tier_copies``): four gloo ranks on two simulated nodes
+of two ranks, each node with its own fast-tier folder (``tiered.node_tier``), the durable tier on moto S3.
+A lost node's ranks restart from the copies other nodes hold, fetched over the process group; a damaged,
+missing or refused copy is read from another source; a full partner keeps fewer copies."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+
+import pytest
+
+from ckptio.tiers.nodes import NodeMap
+from ckptio.tools.cli import main as cli_main
+from tests.conftest import s3_objects
+from tests.helpers import replicated, tiered
+from tests.helpers.harness import run_ranks, spawn
+
+
+def _node_files(tier_base: str, node: int, step: str) -> list[str]:
+    root = os.path.join(tier_base, f"node{node}")
+    (run,) = os.listdir(root)
+    return sorted(os.listdir(os.path.join(root, run, step)))
+
+
+def _ranks_held(names: list[str]) -> list[int]:
+    """The ranks whose data file and index a node's folder holds."""
+    return sorted(int(n[-10:-5]) for n in names if n.endswith(".ckio") and n + ".held.json" in names)
+
+
+@pytest.mark.parametrize("copies", [2, 3])
+@pytest.mark.parametrize("layout", [[2] * 8, [3, 1, 2, 2, 4], [1, 1], [2, 2, 2]])
+def test_the_partner_rule_keeps_a_copy_through_the_loss_of_any_copies_minus_one_nodes(layout, copies):
+    node_of_rank = [f"n{node}" for node, count in enumerate(layout) for _ in range(count)]
+    nodes = NodeMap(node_of_rank)
+    kept = min(copies, len(layout))
+    holders = {
+        r: {nodes.node_index[r], *(nodes.node_index[p] for p in nodes.partners(r, copies))} for r in nodes.node_index
+    }
+    assert all(len(on) == kept for on in holders.values())  # every copy on its own node
+    for lost in itertools.combinations(range(len(layout)), kept - 1):
+        assert all(on - set(lost) for on in holders.values()), lost
+    for rank in nodes.node_index:  # sources and partners are the two ends of the same rule
+        assert nodes.sources(rank, copies) == [r for r in nodes.node_index if rank in nodes.partners(r, copies)]
+    if len(set(layout)) == 1:  # even nodes: each rank sends and receives copies-1 files' worth
+        assert all(len(nodes.sources(r, copies)) == kept - 1 for r in nodes.node_index)
+
+
+@pytest.mark.parametrize("mode, codec", [("all_ranks", "raw"), ("replica_group", "zstd")])
+def test_a_node_lost_before_its_drain_finished_restarts_from_its_partner_with_nothing_from_s3(
+    s3, tmp_path, mode, codec, capsys
+):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    config = {"mode": mode, "compression": None if codec == "raw" else "zstd", "local_tier_copies": 2}
+    saved = spawn(4, replicated.save_cut_off_and_count, run, tiers, (1, 4), options, config)
+    assert all("cannot finish within drain_timeout_s" in raised for raised, _, _ in saved)  # every rank's cut off
+    for rank, (_, sent, own) in enumerate(saved):  # (k-1) x each rank's files, nothing more
+        assert sent["file"] == sum(own.values()), (rank, sent, own)
+    for node in (0, 1):
+        names = _node_files(tiers, node, "step-2")
+        assert _ranks_held(names) == [0, 1, 2, 3] and "ckptio.json" in names
+    assert "ckptio.json" not in [k.rsplit("/", 1)[1] for k in s3_objects(options, f"{run}/step-2/")]
+    _inspect_and_gc_show_the_partners_copies(run, os.path.join(tiers, "node0"), options, capsys)
+
+    shutil.rmtree(os.path.join(tiers, "node1"))  # node 1 lost; its replacement's fast tier is empty
+    restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options)
+    assert [r[:2] for r in restarted] == [(f"{run}/step-2", [])] * 4
+    read = [r[2] for r in restarted]
+    assert [r["durable"] for r in read] == [0, 0, 0, 0]
+    assert [r["local"] > 0 for r in read] == [True, True, False, False] and all(r["peer"] > 0 for r in read[2:])
+    assert "ckptio.json" in [k.rsplit("/", 1)[1] for k in s3_objects(options, f"{run}/step-2/")]  # drained behind
+    assert not os.path.exists(os.path.join(tiers, "node1"))  # fetched for the load, in memory: nothing written
+    again = spawn(4, tiered.restart, run, tiers, (1, 4), options)  # committed on S3 now: still from the nodes
+    assert [r[:2] for r in again] == [(f"{run}/step-2", [])] * 4
+    assert [(r[2]["durable"], r[2]["peer"] > 0) for r in again] == [(0, False)] * 2 + [(0, True)] * 2
+
+
+def _inspect_and_gc_show_the_partners_copies(run: str, tier: str, options: dict, capsys) -> None:
+    """Node 0 holds step 1 (drained) and step 2 (not): inspect lists every rank's file there, and gc removes
+    step 1 with the partners' copies in it."""
+    opts = ["--storage-options", json.dumps(options)]
+    assert cli_main(["inspect", f"{run}/step-2", "--local-tier", tier, "--json", *opts]) == 0
+    node = json.loads(capsys.readouterr().out)["tiers"]["node"]
+    assert sorted(f["rank"] for f in node["files"]) == [0, 1, 2, 3] and node["committed_here"]
+    assert cli_main(["gc", run, "--local-tier", tier, "--keep", "1", "--delete", *opts]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step-")]
+    assert "removable  ranks 0,1,2,3;" in lines[0] and "kept       ranks 0,1,2,3;" in lines[1], lines
+    assert sorted(os.listdir(os.path.join(tier, os.listdir(tier)[0]))) == ["step-2"]
+
+
+def test_without_copies_a_lost_node_reads_its_shards_from_s3(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    spawn(4, tiered.save_steps, run, tiers, (1, 4), [1], options, {"mode": "all_ranks"})
+    shutil.rmtree(os.path.join(tiers, "node1"))
+    restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options)
+    assert [r[:2] for r in restarted] == [(f"{run}/step-1", [])] * 4
+    read = [r[2] for r in restarted]
+    assert [r["durable"] > 0 for r in read] == [False, False, True, True]
+
+
+def test_a_damaged_or_missing_partner_copy_is_read_from_s3(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    spawn(4, tiered.save_steps, run, tiers, (1, 4), [1], options, {"mode": "all_ranks", "local_tier_copies": 2})
+    folder = os.path.join(tiers, "node0", os.listdir(os.path.join(tiers, "node0"))[0], "step-1")
+    (of_rank2,) = [n for n in os.listdir(folder) if n.endswith("-r00002.ckio")]
+    (of_rank3,) = [n for n in os.listdir(folder) if n.endswith("-r00003.ckio")]
+    tiered.flip_a_byte(os.path.join(folder, of_rank2))
+    os.remove(os.path.join(folder, of_rank3))
+    shutil.rmtree(os.path.join(tiers, "node1"))
+    restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options)
+    assert [r[:2] for r in restarted] == [(f"{run}/step-1", [])] * 4
+    assert [r[2]["durable"] > 0 for r in restarted] == [False, False, True, True], [r[2] for r in restarted]
+    assert not os.path.exists(
+        os.path.join(tiers, "node1", os.listdir(os.path.join(tiers, "node0"))[0], "step-1", of_rank2)
+    )
+
+
+def test_a_full_partner_keeps_fewer_copies_with_one_warning_a_save_and_latest_knows(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    warnings = spawn(4, replicated.save_with_a_full_partner, run, tiers, options, {"local_tier_copies": 2})
+    refused = [sum("cannot keep a partner's" in w for w in ws) for ws in warnings]
+    assert refused == [0, 0, 2, 2], warnings  # one a save
+    assert _ranks_held(_node_files(tiers, 1, "step-2")) == [2, 3]  # node 0's copies did not fit
+    assert _ranks_held(_node_files(tiers, 0, "step-2")) == [0, 1, 2, 3]
+    shutil.rmtree(os.path.join(tiers, "node0"))  # step 2's files of node 0 are nowhere else: step 1 it is
+    restarted = spawn(4, replicated.restart_big, run, tiers, options)
+    assert [r[:2] for r in restarted] == [(f"{run}/step-1", [])] * 4
+
+
+@pytest.mark.slow
+def test_a_node_killed_as_its_copies_and_drain_start_restarts_from_a_step_that_loads(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    config = {"mode": "all_ranks", "local_tier_copies": 2, "drain_timeout_s": 3}
+    outcomes = run_ranks(4, replicated.save_then_lose_node1, run, tiers, (1, 4), options, config, timeout=120)
+    assert [status for status, _ in outcomes] == ["ok", "ok", "died", "died"], outcomes
+    shutil.rmtree(os.path.join(tiers, "node1"))
+    restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options)
+    (url,) = {r[0] for r in restarted}
+    assert url in (f"{run}/step-1", f"{run}/step-2") and [r[1] for r in restarted] == [[]] * 4
