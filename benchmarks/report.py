@@ -290,6 +290,22 @@ def tiered_table(rows: list[dict], markdown: bool = False) -> str:
         v = row[field]
         return f"{v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})"
 
+    copied = [
+        ("tiered save copied to the other node (blocking), s", lambda r: seconds(r, "copies_save_s")),
+        ("  copied / not copied", lambda r: ratio(r, "copies_over_tiered")),
+        ("  copied / direct S3", lambda r: ratio(r, "copies_over_direct")),
+        ("  bytes sent / the ranks' fast-tier files", lambda r: f"{r['copy_bytes_over_files']:.3f}x"),
+        ("restart, last node lost, drain cut off (latest + load), s", lambda r: seconds(r, "restart_node_lost_s")),
+        (
+            "  S3 / peer bytes it read",
+            lambda r: f"{r['restart_node_lost_s3_bytes']} / {r['restart_node_lost_peer_bytes']} B",
+        ),
+        ("restart, every node's fast tier (latest + load), s", lambda r: seconds(r, "restart_all_tiers_s")),
+        ("  S3 bytes it read", lambda r: f"{r['restart_all_tiers_s3_bytes']} B"),
+        ("load of the same step from S3, s", lambda r: seconds(r, "load_s3_of_copied_s")),
+        ("  node lost / S3 load", lambda r: ratio(r, "node_lost_restart_over_s3")),
+        ("  every node / S3 load", lambda r: ratio(r, "all_tiers_restart_over_s3")),
+    ]
     lines = [
         ("direct S3 save, s", lambda r: seconds(r, "direct_save_s")),
         ("local-only save (fast tier's disk), s", lambda r: seconds(r, "local_save_s")),
@@ -318,20 +334,7 @@ def tiered_table(rows: list[dict], markdown: bool = False) -> str:
         ("restart load from the fast tier, s", lambda r: seconds(r, "load_fast_s")),
         ("load of the same checkpoint from S3, s", lambda r: seconds(r, "load_s3_s")),
         ("  fast tier / S3", lambda r: ratio(r, "load_fast_over_s3")),
-        ("tiered save copied to the other node (blocking), s", lambda r: seconds(r, "copies_save_s")),
-        ("  copied / not copied", lambda r: ratio(r, "copies_over_tiered")),
-        ("  copied / direct S3", lambda r: ratio(r, "copies_over_direct")),
-        ("  bytes sent / the ranks' fast-tier files", lambda r: f"{r['copy_bytes_over_files']:.3f}x"),
-        ("restart, last node lost, drain cut off (latest + load), s", lambda r: seconds(r, "restart_node_lost_s")),
-        (
-            "  S3 / peer bytes it read",
-            lambda r: f"{r['restart_node_lost_s3_bytes']} / {r['restart_node_lost_peer_bytes']} B",
-        ),
-        ("restart, every node's fast tier (latest + load), s", lambda r: seconds(r, "restart_all_tiers_s")),
-        ("  S3 bytes it read", lambda r: f"{r['restart_all_tiers_s3_bytes']} B"),
-        ("load of the same step from S3, s", lambda r: seconds(r, "load_s3_of_copied_s")),
-        ("  node lost / S3 load", lambda r: ratio(r, "node_lost_restart_over_s3")),
-        ("  every node / S3 load", lambda r: ratio(r, "all_tiers_restart_over_s3")),
+        *(copied if all("copies_save_s" in r for r in rows) else []),  # 2+ nodes: copies, a node lost
         (
             "one rank's tier emptied: S3 bytes / its need",
             lambda r: (

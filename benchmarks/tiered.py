@@ -144,7 +144,10 @@ class _Run:
     def _copied_and_restarted(self, rep: int, state: dict, mesh, specs) -> dict:
         """A tiered save copied to the other node (its blocking time, the bytes sent: (k-1) x this rank's
         files); then one whose drain is cut off, restarted (``latest`` and the load) with the last node's
-        fast tier lost (an empty one in its place), again with every node's, and loaded from S3 alone."""
+        fast tier lost (an empty one in its place), again with every node's, and loaded from S3 alone. Nothing
+        where the ranks are on one node (nothing to copy to)."""
+        if dist.get_world_size() // self.cfg["mesh"][1] < 2:
+            return {}
         url = f"{self.base}/run-copies/step-{rep}"
         sent = replication.bytes_sent()["file"]
         record = {"copies_save_s": self._timed(lambda: dcp.save(state, storage_writer=self._writer(url, self.copied)))}
@@ -365,13 +368,15 @@ def summarize(records: list[dict]) -> list[dict]:
         for r in recs:
             if "repeat" in r:
                 reps[r["repeat"]].append(r)
-        slowest = {field: [max(r[field] for r in reps[k]) for k in sorted(reps)] for field in TIMES}
+        ranks = [r for k in sorted(reps) for r in reps[k]]
+        measured = [field for field in TIMES if all(field in r for r in ranks)]  # copies: with 2+ nodes
+        slowest = {field: [max(r[field] for r in reps[k]) for k in sorted(reps)] for field in measured}
         row: dict = {"target": target, "repeats": len(reps)}
         for field, values in slowest.items():
             row[field] = stats(values)
         for name, top, bottom in RATIOS:
-            row[name] = stats([a / b for a, b in zip(slowest[top], slowest[bottom], strict=True)])
-        ranks = [r for k in sorted(reps) for r in reps[k]]
+            if top in slowest and bottom in slowest:
+                row[name] = stats([a / b for a, b in zip(slowest[top], slowest[bottom], strict=True)])
         row["training_speed_during_drain"] = stats(
             [
                 statistics.mean(r["steps_per_s_during_drain"] / r["steps_per_s_without"] for r in reps[k])
@@ -392,17 +397,20 @@ def summarize(records: list[dict]) -> list[dict]:
         row["emptied_s3_bytes"] = lonely["bytes_read"].get("durable", 0)
         row["emptied_needed_bytes"] = lonely["needed_bytes"]
         row["emptied_others_s3_bytes"] = sum(r["bytes_read"].get("durable", 0) for r in emptied if r is not lonely)
-        row["copy_bytes_over_files"] = sum(r["copy_bytes_sent"] for r in ranks) / max(
-            sum(r["own_fast_tier_bytes"] for r in ranks), 1
-        )
-        for restart in ("node_lost", "all_tiers"):
-            row[f"restart_{restart}_s3_bytes"] = sum(r[f"restart_{restart}_bytes_read"]["durable"] for r in ranks)
-            row[f"restart_{restart}_peer_bytes"] = sum(r[f"restart_{restart}_bytes_read"]["peer"] for r in ranks)
+        if "copies_save_s" in row:
+            row["copy_bytes_over_files"] = sum(r["copy_bytes_sent"] for r in ranks) / max(
+                sum(r["own_fast_tier_bytes"] for r in ranks), 1
+            )
+            for restart in ("node_lost", "all_tiers"):
+                read = [r[f"restart_{restart}_bytes_read"] for r in ranks]
+                row[f"restart_{restart}_s3_bytes"] = sum(b["durable"] for b in read)
+                row[f"restart_{restart}_peer_bytes"] = sum(b["peer"] for b in read)
         checked = ("mismatches", "load_fast_mismatches", "load_s3_mismatches", "load_s3_of_copied_mismatches")
         checked += ("restart_node_lost_mismatches", "restart_all_tiers_mismatches")
         row["bit_exact"] = all(not any(r.get(field) for field in checked) for r in recs)
         row["latest_agreed"] = all(
-            r["latest_is_newest"] and r["restart_node_lost_found"] and r["restart_all_tiers_found"] for r in ranks
+            r["latest_is_newest"] and r.get("restart_node_lost_found", True) and r.get("restart_all_tiers_found", True)
+            for r in ranks
         )
         rows.append(row)
     return rows

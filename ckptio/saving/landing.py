@@ -61,6 +61,9 @@ class DurableLanding:
         w = self.writer
         publish(w._open_store(), document, header.files, superseded, w.config.overwrite)
 
+    def finished(self) -> None:
+        """This rank's part of the commit has ended, committed or not (``Writer.finish``)."""
+
     def commit_fragment(self, name: str, document: bytes, files: dict[str, int], merge: tuple[str, int] | None) -> None:
         """A rank of a save without a coordinator: publish its fragment; rank 0 (``merge``: the save's id
         and rank count) then merges the set once every rank's is there."""

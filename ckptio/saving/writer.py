@@ -252,6 +252,12 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
 
     @paused_gc()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        finally:
+            self._landing.finished()
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._fragment is not None:
             fragments.commit_fragment(self, metadata, results[0])
             metadata.storage_meta = self.storage_meta()

@@ -19,15 +19,13 @@ import dataclasses
 import itertools
 import logging
 import os
-import random
 import shutil
 import threading
 import time
-from collections import deque
 from typing import Any, Callable, Iterable, Iterator
 
 from ckptio.config import StorageConfig
-from ckptio.errors import CheckpointError, CheckpointExistsError, DrainError, StorageError
+from ckptio.errors import CheckpointError, DrainError
 from ckptio.format.codec import checksum
 from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, REFUSED_SUFFIX, own_file_names
@@ -36,8 +34,9 @@ from ckptio.saving.commit import clear_for_fragments, publish, publish_fragment
 from ckptio.saving.merge_once import merge_when_complete
 from ckptio.saving.references import by_sibling, mark_references
 from ckptio.storage import FsspecStore, LocalStore, open_store
-from ckptio.tiers.background import drain_storage_options, lower_this_thread
+from ckptio.tiers.background import drain_storage_options
 from ckptio.tiers.held_index import holds_committed
+from ckptio.tiers.jobs import DrainQueue
 from ckptio.tiers.paths import step_order
 
 log = logging.getLogger(__name__)
@@ -53,8 +52,6 @@ REFUSAL_LISTING_EVERY = 8
 #: before a save began counts as its own. One noted within it by the save before (saves less than this
 #: apart) makes the awaiting ranks raise a DrainError while the coordinator still commits: nothing is lost.
 REFUSAL_CLOCK_SKEW_S = 0.5
-#: Waits between retries of a failed job: doubling, with jitter.
-RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +317,7 @@ class Prune:
     local_run: str
     durable_run: Durable
     keep: int
+    runs_after_failure = True  # an earlier job of its save failed: the node is still tidied
 
     def run(self, deadline: float) -> None:
         try:
@@ -390,104 +388,6 @@ class _Pace:
             )
         if ahead > 0:
             time.sleep(ahead)
-
-
-@dataclasses.dataclass
-class _Queued:
-    save: str  # the durable URL of the save the job belongs to
-    job: Any
-    deadline: float
-
-
-class DrainQueue:
-    """This process's background uploads, run in order by one thread."""
-
-    def __init__(self) -> None:
-        self._jobs: deque[_Queued] = deque()
-        self._cond = threading.Condition()
-        self._busy = False
-        self._failure: DrainError | None = None
-        self._failed_saves: set[str] = set()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, save: str, job: Any, timeout_s: float) -> None:
-        with self._cond:
-            self._jobs.append(_Queued(save, job, time.monotonic() + timeout_s))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="ckptio-drain", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every queued job has finished; raise the first failure since the last raise."""
-        end = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._jobs or self._busy:
-                left = None if end is None else end - time.monotonic()
-                if left is not None and left <= 0:
-                    raise DrainError(f"background uploads still running after {timeout} s ({len(self._jobs)} queued)")
-                self._cond.wait(left)
-        self.raise_failure()
-
-    def raise_failure(self) -> None:
-        with self._cond:
-            failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
-
-    @property
-    def pending(self) -> int:
-        with self._cond:
-            return len(self._jobs) + self._busy
-
-    def _run(self) -> None:
-        lower_this_thread()
-        while True:
-            with self._cond:
-                while not self._jobs:
-                    self._cond.wait()
-                queued = self._jobs.popleft()
-                self._busy = True
-            try:
-                if queued.save not in self._failed_saves or isinstance(queued.job, Prune):
-                    _run_with_retries(queued)
-            except Exception as exc:  # noqa: BLE001 - kept for wait_for_uploads / the next save
-                failure = _as_drain_error(exc, queued.save)
-                log.error("ckptio: %s", failure)
-                with self._cond:
-                    self._failed_saves.add(queued.save)
-                    self._failure = self._failure or failure
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
-
-
-def _as_drain_error(exc: Exception, save: str) -> DrainError:
-    if isinstance(exc, DrainError):
-        return exc
-    failure = DrainError(
-        f"background upload to {save.partition('#')[0]} failed: {type(exc).__name__}: {exc}. The fast-tier copy "
-        "is kept; the durable tier holds its previous checkpoint"
-    )
-    failure.__cause__ = exc
-    return failure
-
-
-def _run_with_retries(queued: _Queued) -> None:
-    wait = RETRY_FIRST_S
-    while True:
-        try:
-            queued.job.run(queued.deadline)
-            return
-        except (DrainError, CheckpointExistsError):
-            raise
-        except (StorageError, OSError) as exc:
-            if time.monotonic() + wait > queued.deadline:
-                raise
-            log.warning("ckptio: background upload to %s failed, retrying in %.1f s: %s", queued.save, wait, exc)
-            time.sleep(wait * random.uniform(0.75, 1.25))
-            wait = min(wait * 2, RETRY_MAX_S)
 
 
 _QUEUE = DrainQueue()

@@ -157,6 +157,11 @@ class TieredLanding(DurableLanding):
             self.drain_key(), self.local_store(), self.durable(), name, document, files, merge, w.config
         )
 
+    def finished(self) -> None:
+        """A commit that failed sends its copies without a document (partners wait for nothing)."""
+        if not self._document.done():
+            self._document.set_result(None)
+
     def local_store(self) -> FsspecStore:
         w = self.writer
         return local_step_store(w.config.local_tier, w.checkpoint_id, w.storage_options, w.storage_config)

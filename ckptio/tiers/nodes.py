@@ -1,12 +1,12 @@
 """Which node a rank runs on, and which nodes keep a copy of each node's fast tier (the partner rule).
 
 A node is named by ``CKPTIO_NODE`` where set, else by torchrun's ``GROUP_RANK`` (the launcher's node
-index), else by the host name. The nodes of a save are ordered by their lowest rank; node ``i``'s
-fast-tier files are copied to the ``copies - 1`` nodes after it on that ring (``i+1``, ``i+2``, ...),
-so each file is on ``copies`` distinct nodes and losing any ``copies - 1`` nodes (any one with
-``copies=2``; any two, a node and its neighbour among them, with ``copies=3``) keeps one. Within a
-partner node, a rank's copy goes to the rank with the same local index (modulo the node's rank count),
-so the copying spreads over the node's ranks as the files do.
+index), else by ``LOCAL_WORLD_SIZE`` (ranks per node), else by the host name. The nodes of a save are
+ordered by their lowest rank; node ``i``'s fast-tier files are copied to the ``copies - 1`` nodes after it
+on that ring (``i+1``, ``i+2``, ...), so each file is on ``copies`` distinct nodes and losing any
+``copies - 1`` nodes (any one with ``copies=2``; any two, a node and its neighbour among them, with
+``copies=3``) keeps one. Within a partner node, a rank's copy goes to the rank with the same local index
+(modulo the node's rank count), so the copying spreads over the node's ranks as the files do.
 """
 
 from __future__ import annotations
@@ -15,14 +15,23 @@ import os
 import socket
 from typing import Sequence
 
+import torch.distributed as dist
+
 
 def this_node() -> str:
-    """This process's node: ``CKPTIO_NODE``, else ``node-<GROUP_RANK>`` (torchrun), else the host name."""
+    """This process's node: ``CKPTIO_NODE``; else ``node-<GROUP_RANK>`` (torchrun's node index); else, with
+    ``LOCAL_WORLD_SIZE`` (ranks per node, numbered node by node), ``node-<rank // LOCAL_WORLD_SIZE>``; else
+    the host name."""
     explicit = os.environ.get("CKPTIO_NODE")
     if explicit:
         return explicit
     group_rank = os.environ.get("GROUP_RANK")
-    return f"node-{group_rank}" if group_rank is not None else socket.gethostname()
+    if group_rank is not None:
+        return f"node-{group_rank}"
+    per_node = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if per_node.isdigit() and int(per_node) > 0 and dist.is_initialized():
+        return f"node-{dist.get_rank() // int(per_node)}"
+    return socket.gethostname()
 
 
 class NodeMap:

@@ -14,7 +14,7 @@ Every rank of a replicated save sends exactly one offer (possibly empty) to each
 one from each source, in save order. The copying starts once every rank of the save has committed it on
 its node (a barrier of the group after each rank's commit: it runs behind the save, not beside its
 writes); a rank whose save did not commit offers its files without a document (the next save, and the
-process's exit, settle a commit still awaited; the save's ``drain_timeout_s`` bounds the wait). A
+process's exit, settle a commit still awaited; ``DOCUMENT_WAIT_S`` bounds the wait). A
 partner that cannot store a copy (a full disk) takes the bytes and drops them, with one warning a save:
 the save has succeeded, with fewer copies. A failure is logged, never raised: the durable tier still
 gets every file from its drain.
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ckptio.format.codec import checksum
-from ckptio.tiers.drain import DrainQueue
 from ckptio.tiers.held_index import HeldIndex, index_damage
+from ckptio.tiers.jobs import DrainQueue
 from ckptio.tiers.nodes import NodeMap, this_node
 from ckptio.tiers.paths import HELD_SUFFIX
 from ckptio.torch_seam import enclosing_save_wrapper
@@ -53,6 +53,11 @@ PIECE_BYTES = 8 << 20
 #: How long one send or receive of the replication group may wait (a rank's document waits for its
 #: save's commit; a dead peer ends a wait at once: its connection closes).
 GROUP_TIMEOUT_S = 4 * 3600.0
+
+#: How long a rank's copying waits for its save to commit on the node (all ranks' writes, then the
+#: coordinator's metadata: seconds, minutes for the largest jobs); a save whose commit never comes (another
+#: rank failed, so torch never called this one's finish) is copied without its document after it.
+DOCUMENT_WAIT_S = 600.0
 
 _groups: dict[tuple[int, ...], tuple[Any, NodeMap]] = {}
 _sent = {"file": 0, "other": 0}
@@ -145,7 +150,7 @@ class Replicate:
     def _exchange(self, deadline: float) -> None:
         names = self.files.result()
         try:
-            document = self.document.result(timeout=max(0.0, deadline - time.monotonic()))
+            document = self.document.result(timeout=max(0.0, min(DOCUMENT_WAIT_S, deadline - time.monotonic())))
         except FutureTimeout:
             document = None
         # Every rank has committed this save on its node (or given up on it): the copying runs behind the
@@ -170,20 +175,26 @@ class Replicate:
 def move_files(group: Any, folder: str, outgoing: dict[int, list[tuple[str, int]]], incoming: dict[int, Any]) -> None:
     """Send each group rank of ``outgoing`` its files (name, size) from ``folder``, piece by piece, and
     take each source's pieces into its ``Arrivals`` (``incoming``). Each round posts its sends before its
-    receives, so ranks that send to each other never wait on each other."""
+    receives, so ranks that send to each other never wait on each other; a round's sends are awaited
+    after the next round's are posted (the next piece is read while this one travels: two pieces per
+    destination in memory at most)."""
     streams = {to: _Pieces(folder, files) for to, files in outgoing.items()}
     rounds = max([0, *(s.count for s in streams.values()), *(a.count for a in incoming.values())])
+    in_flight: list[_Sent] = []
     for _ in range(rounds):
         sends = []
         for to, stream in streams.items():
             piece = stream.next()
             if piece is not None:
                 sends.append(_isend(group, *piece, to, "file"))
+        for work in in_flight:
+            work.wait()
+        in_flight = sends
         for source, arrivals in incoming.items():
             if arrivals.expecting:
                 arrivals.take(*_recv(group, source, getattr(arrivals, "buffer_for", None)))
-        for work in sends:
-            work.wait()
+    for work in in_flight:
+        work.wait()
 
 
 def _exchange(link: Link, value: dict, raw: bytes = b"") -> dict[int, tuple[dict, tuple[bytes, bool]]]:

@@ -90,9 +90,9 @@ def save_then_lose_node1(run: str, tier_base: str, mesh_shape, options, config: 
     return "drained"
 
 
-def save_cut_off_and_count(run: str, tier_base: str, mesh_shape, options, config: dict) -> tuple:
+def save_cut_off_and_count(run: str, tier_base: str, mesh_shape, options, config: dict, collectives: bool) -> tuple:
     """``tiered.save_with_a_cut_off_drain`` (steps 1 and 2); what it raised, the bytes this rank sent to
     partners and its own fast-tier files of both steps (name -> size)."""
-    raised = tiered.save_with_a_cut_off_drain(run, tier_base, mesh_shape, options, config)
+    raised = tiered.save_with_a_cut_off_drain(run, tier_base, mesh_shape, options, config, collectives)
     own = {**_own_files(run, tier_base, 1, options), **_own_files(run, tier_base, 2, options)}
     return raised, replication.bytes_sent(), own

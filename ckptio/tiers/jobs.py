@@ -1,0 +1,123 @@
+"""A queue of background jobs run in order by one thread per queue, below the training's priority: the
+drain's (``drain.py``) and the copies to partner nodes (``replication.py``).
+
+A job has ``run(deadline)``. One failing with a storage error is retried with backoff until its deadline;
+one that still fails becomes the queue's failure, which ``wait()`` and ``raise_failure()`` raise once, and
+the rest of that save's jobs are skipped (those with ``runs_after_failure`` still run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from ckptio.errors import CheckpointExistsError, DrainError, StorageError
+from ckptio.tiers.background import lower_this_thread
+
+log = logging.getLogger(__name__)
+
+#: Waits between retries of a failed job: doubling, with jitter.
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0
+
+
+@dataclasses.dataclass
+class _Queued:
+    save: str  # the durable URL of the save the job belongs to
+    job: Any
+    deadline: float
+
+
+class DrainQueue:
+    """This process's background uploads, run in order by one thread."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[_Queued] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._failure: DrainError | None = None
+        self._failed_saves: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, save: str, job: Any, timeout_s: float) -> None:
+        with self._cond:
+            self._jobs.append(_Queued(save, job, time.monotonic() + timeout_s))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="ckptio-drain", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued job has finished; raise the first failure since the last raise."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._jobs or self._busy:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    raise DrainError(f"background uploads still running after {timeout} s ({len(self._jobs)} queued)")
+                self._cond.wait(left)
+        self.raise_failure()
+
+    def raise_failure(self) -> None:
+        with self._cond:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._jobs) + self._busy
+
+    def _run(self) -> None:
+        lower_this_thread()
+        while True:
+            with self._cond:
+                while not self._jobs:
+                    self._cond.wait()
+                queued = self._jobs.popleft()
+                self._busy = True
+            try:
+                if queued.save not in self._failed_saves or getattr(queued.job, "runs_after_failure", False):
+                    _run_with_retries(queued)
+            except Exception as exc:  # noqa: BLE001 - kept for wait_for_uploads / the next save
+                failure = _as_drain_error(exc, queued.save)
+                log.error("ckptio: %s", failure)
+                with self._cond:
+                    self._failed_saves.add(queued.save)
+                    self._failure = self._failure or failure
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+
+def _as_drain_error(exc: Exception, save: str) -> DrainError:
+    if isinstance(exc, DrainError):
+        return exc
+    failure = DrainError(
+        f"background upload to {save.partition('#')[0]} failed: {type(exc).__name__}: {exc}. The fast-tier copy "
+        "is kept; the durable tier holds its previous checkpoint"
+    )
+    failure.__cause__ = exc
+    return failure
+
+
+def _run_with_retries(queued: _Queued) -> None:
+    wait = RETRY_FIRST_S
+    while True:
+        try:
+            queued.job.run(queued.deadline)
+            return
+        except (DrainError, CheckpointExistsError):
+            raise
+        except (StorageError, OSError) as exc:
+            if time.monotonic() + wait > queued.deadline:
+                raise
+            log.warning("ckptio: background upload to %s failed, retrying in %.1f s: %s", queued.save, wait, exc)
+            time.sleep(wait * random.uniform(0.75, 1.25))
+            wait = min(wait * 2, RETRY_MAX_S)
