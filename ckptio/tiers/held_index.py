@@ -178,17 +178,6 @@ def local_copies(local: FsspecStore, manifest: Manifest) -> LocalCopies:
     return found
 
 
-def add_copy(found: LocalCopies, index: HeldIndex, size: int, manifest: Manifest) -> bool:
-    """Add a copy of ``index.file`` (``size`` bytes) held elsewhere than the node's folder (fetched from
-    another node) to ``found``, as ``local_copies`` adds the node's; whether it holds any of ``manifest``."""
-    if size != index.local_bytes:
-        return False
-    before = (len(found.files), len(found.relocated))
-    _add(found, index, manifest)
-    found.sizes.pop(index.file, None)  # not the node's: never offered to others as the node's copy
-    return (len(found.files), len(found.relocated)) != before
-
-
 def _add(found: LocalCopies, index: HeldIndex, manifest: Manifest) -> bool:
     """Add what ``index`` holds of ``manifest``; whether it is a whole copy of its part (False: some of it
     is no copy; an index of another save is ignored)."""

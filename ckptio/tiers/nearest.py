@@ -22,7 +22,7 @@ from ckptio.storage import FsspecStore
 from ckptio.tiers.drain import load_ended
 from ckptio.tiers.held_index import LocalCopies, local_copies
 from ckptio.tiers.paths import local_step_store
-from ckptio.tiers.peers import fetch_from_peers
+from ckptio.tiers.peers import FetchedFile, fetch_from_peers, needed_items
 from ckptio.tiers.reading import TieredSource, tiered_metadata_bytes
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class NearestTierReads(DurableReads):
         super().__init__(reader)
         self.copies = LocalCopies()
         self.group: Any = DIRECT  # the load's process group, once its metadata is read over it
-        self.fetched: dict[str, memoryview] = {}  # copies fetched from other nodes for this load
+        self.fetched: dict[str, FetchedFile] = {}  # what this load fetched from other nodes
 
     def metadata_bytes(self, read_durable: Callable[[], bytes], group: Any) -> bytes | None:
         self.group = group
@@ -63,23 +63,24 @@ class NearestTierReads(DurableReads):
 
     def _read(self, plan: LoadPlan, planner: LoadPlanner, local: FsspecStore, durable: Any) -> None:
         r = self.reader
-        pairs = [(read_item, r.item_for(read_item)) for read_item in plan.items]
-        lacking = {item.file for _, item in pairs if item.file and item.file not in self.copies.local_files}
-        self.fetched = fetch_from_peers(self.group, local, self.copies, lacking, r.manifest)
+        items = [r.item_for(read_item) for read_item in plan.items]
+        lacking = needed_items(items, self.copies.local_files, r.manifest.files)
+        self.fetched = fetch_from_peers(self.group, local, self.copies, r.manifest, lacking)
         while True:
             pairs = [(read_item, r.item_for(read_item)) for read_item in plan.items]
             names = self.copies.local_files
-            reads_durable = any(item.file and item.file not in names for _, item in pairs)
+            nearer = names | set(self.fetched)
+            reads_durable = any(item.file and item.file not in nearer for _, item in pairs)
             source = TieredSource(local, durable, names, reads_durable, self.fetched)
             try:
                 r.deliver(source, r.prepare(pairs, planner, places=False), planner)
                 break
             except CorruptCheckpointError as exc:
-                if exc.file not in names:
+                if exc.file not in names and exc.file not in self.fetched:
                     raise
                 log.warning(
-                    "ckptio: the fast-tier copy %s failed its check (%s); reading it from %s instead",
-                    local.describe(exc.file),
+                    "ckptio: the copy %s failed its check (%s); reading it from %s instead",
+                    source.describe(exc.file),
                     exc,
                     durable.url,
                 )

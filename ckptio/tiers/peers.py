@@ -1,152 +1,176 @@
-"""A tiered load's reads from other nodes: files a rank's load needs that its node does not hold are
-fetched, whole with their held index, from a node that does (its own copy, or a partner's copy:
-``replication.py``), over the load's process group, before the load reads. They are kept in memory
-for this load (a replacement node restarts without writing them first: the restart waits for nothing
-but the network) and stand in for the checkpoint's files exactly as a node's own copy does: each piece
-is checked on arrival, the file against its held index, the index against the checkpoint's records
-(``held_index.add_copy``), and every block again as the load reads it.
+"""A tiered load's reads from other nodes: the bytes a rank's load needs of files its node does not hold
+are fetched from a node that holds them (its own copy, or a partner's copy: ``replication.py``), over
+the load's process group, before the load reads. Only the byte ranges of the items the rank reads travel
+(a resharded restart does not pull whole files), into memory: a replacement node restarts without
+writing anything first. Each piece is checked on arrival (its CRC32C), and every block again as the load
+reads it, against the checkpoint's records, as from any tier; a copy that fails is read from the durable
+tier instead (``nearest.py``).
 
-Which files: those the rank's plan reads from that its node lacks. Each is sent by a holder on another
-node (spread over the holders); a file no node holds is read from the durable tier. A replacement node
-holds its ranks' copies again after their next save.
+Which files: the checkpoint's data files a rank's plan reads from that its node lacks, each range from a
+rank of another node that holds the file whole (spread over those ranks); a file no node holds is read
+from the durable tier. A replacement node holds its ranks' copies again after their next save.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any
+import bisect
+import itertools
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
-from ckptio.format.codec import checksum
 from ckptio.format.records import Manifest
 from ckptio.loading.read_once import DIRECT
-from ckptio.storage import FsspecStore
-from ckptio.tiers.held_index import HeldIndex, LocalCopies, add_copy, blocks_of
+from ckptio.storage import FsspecStore, ReadRequest
+from ckptio.tiers.held_index import LocalCopies
 from ckptio.tiers.nodes import this_node
-from ckptio.tiers.paths import HELD_SUFFIX
-from ckptio.tiers.replication import move_files
+from ckptio.tiers.replication import move_files, pieces_of
 
-log = logging.getLogger(__name__)
+
+class FetchedFile:
+    """Byte ranges of one data file, received from another node; what is not held reads as zeros (the gap
+    bytes a merged read skips; a block missing would fail its CRC32C, never pass)."""
+
+    def __init__(self, size: int, ranges: list[tuple[int, torch.Tensor]]):
+        self.size = size
+        self.ranges = sorted(ranges, key=lambda r: r[0])
+        self.starts = [offset for offset, _ in self.ranges]
+
+    def read_into(self, request: ReadRequest) -> int:
+        """Fill ``request``'s buffers; the bytes it covers of the file."""
+        at = request.offset
+        for buffer in request.buffers:
+            out = buffer.cast("B")
+            out[:] = bytes(len(out))
+            for offset, data in self._overlapping(at, at + len(out)):
+                lo, hi = max(at, offset), min(at + len(out), offset + len(data))
+                out[lo - at : hi - at] = memoryview(data.numpy())[lo - offset : hi - offset]
+            at += len(out)
+        return min(at, self.size) - request.offset
+
+    def _overlapping(self, start: int, end: int) -> Iterable[tuple[int, torch.Tensor]]:
+        first = max(0, bisect.bisect_right(self.starts, start) - 1)
+        for offset, data in self.ranges[first:]:
+            if offset >= end:
+                break
+            if offset + len(data) > start:
+                yield offset, data
 
 
 def fetch_from_peers(
-    group: Any, local: FsspecStore, copies: LocalCopies, needed: set[str], manifest: Manifest
-) -> dict[str, memoryview]:
-    """Fetch ``needed`` (file names this rank reads, not on its node) from other nodes; every rank of
-    ``group`` calls it (each sends what others need of its node's copies). Returns the files received and
-    checked, by name, and adds them to ``copies`` (none without a process group)."""
+    group: Any, local: FsspecStore, copies: LocalCopies, manifest: Manifest, needed: dict[str, list]
+) -> dict[str, FetchedFile]:
+    """Fetch ``needed`` (file -> ``(offset, length)`` of each stored item this rank reads from a data file
+    its node lacks) from other nodes; every rank of ``group`` calls it, and serves what others need of its
+    node's copies: a data file it holds whole, or an item it holds as a replica in another file. The files
+    received, by name (none without a process group)."""
     if group is DIRECT or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {}
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    offered = {name: [size, _index_size(local, name)] for name, size in copies.sizes.items()}
-    view = (this_node(), sorted(needed), {name: sizes for name, sizes in offered.items() if sizes[1] is not None})
-    views: list = [None] * world
-    dist.all_gather_object(views, view, group=group)
-    outgoing: dict[int, list[tuple[str, int]]] = {}
-    receiving: dict[int, list[tuple[str, int]]] = {}
-    for receiver, holder, name in _plan(views):
-        size, index_size = views[holder][2][name]
-        files = [(name, size), (name + HELD_SUFFIX, index_size)]
-        if holder == rank:
-            outgoing.setdefault(receiver, []).extend(files)
+    needs: list = [None] * world
+    dist.all_gather_object(needs, (this_node(), needed), group=group)
+    where = _served_here(copies, manifest)
+    mine = {
+        receiver: [(name, offset) for name, spans in wanted.items() for offset, _ in spans if (name, offset) in where]
+        for receiver, (node, wanted) in enumerate(needs)
+        if node != needs[rank][0]
+    }
+    offers: list = [None] * world
+    dist.all_gather_object(offers, mine, group=group)
+    outgoing: dict[int, list[tuple[str, int, int]]] = {}
+    receiving: dict[int, list[tuple[str, int, int]]] = {}
+    for receiver, server, name, offset, length in _plan(needs, offers):
+        if server == rank:
+            outgoing.setdefault(receiver, []).append((*where[(name, offset)], length))
         if receiver == rank:
-            receiving.setdefault(holder, []).extend(files)
-    incoming = {holder: _InMemory(files, holder) for holder, files in receiving.items()}
+            receiving.setdefault(server, []).append((name, offset, length))
+    incoming = {server: _Stream(segments) for server, segments in receiving.items()}
     move_files(group, local.root, outgoing, incoming)
-    fetched = {}
-    for arrivals in incoming.values():
-        for name, data in arrivals.checked().items():
-            if add_copy(copies, HeldIndex.decode(arrivals.index_bytes(name)), len(data), manifest):
-                fetched[name] = data
-    return fetched
+    fetched: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for stream in incoming.values():
+        for name, offset, data in stream.whole():
+            fetched.setdefault(name, []).append((offset, data))
+    return {name: FetchedFile(manifest.files[name], ranges) for name, ranges in fetched.items()}
 
 
-def _plan(views: list) -> list[tuple[int, int, str]]:
-    """``(receiving rank, sending rank, file)`` of each fetch: a file a rank needs and its node lacks, from
-    a rank of another node that holds it (spread over them)."""
-    fetches = []
-    for receiver, (node, needed, _) in enumerate(views):
-        for name in needed:
-            if any(n == node and name in held for n, _, held in views):
-                continue  # the node holds it
-            holders = [r for r, (n, _, held) in enumerate(views) if n != node and name in held]
-            if holders:
-                fetches.append((receiver, holders[len(fetches) % len(holders)], name))
-    return fetches
+def _served_here(copies: LocalCopies, manifest: Manifest) -> dict[tuple[str, int], tuple[str, int]]:
+    """``(data file, offset)`` of the checkpoint's stored items this node holds -> ``(fast-tier file,
+    offset)`` where it holds them: in a copy of the data file itself, or relocated (a replica)."""
+    where = {}
+    per_rank = [record for copies_of_key in manifest.per_rank.values() for record in copies_of_key.values()]
+    for key, record in itertools.chain(manifest.items.items(), ((None, record) for record in per_rank)):
+        if record.inline is not None or not record.file:
+            continue
+        if record.file in copies.files:
+            where[(record.file, record.offset)] = (record.file, record.offset)
+        elif key in copies.relocated:
+            moved = copies.relocated[key]
+            where[(record.file, record.offset)] = (moved.file, moved.offset)
+    return where
 
 
-def _index_size(local: FsspecStore, name: str) -> int | None:
-    try:
-        return local.size(name + HELD_SUFFIX)
-    except Exception:  # noqa: BLE001 - a cache: a copy whose index cannot be sized is not offered
-        return None
+def needed_items(items: Iterable[Any], local: set[str], data_files: dict[str, int]) -> dict[str, list]:
+    """``file -> [(offset, length), ...]`` (in order) of the stored items a load reads from the
+    checkpoint's data files ``data_files`` that are not among ``local`` (the node's)."""
+    spans: dict[str, set[tuple[int, int]]] = {}
+    for item in items:
+        if item.inline is None and item.file in data_files and item.file not in local and item.stored_bytes:
+            spans.setdefault(item.file, set()).add((item.offset, item.stored_bytes))
+    return {name: sorted(pairs) for name, pairs in spans.items()}
 
 
-class _InMemory:
-    """A holder's files arriving piece by piece (``replication.move_files``), received in place into one
-    buffer per file."""
+def _plan(needs: list, offers: list) -> list[tuple[int, int, str, int, int]]:
+    """``(receiving rank, serving rank, file, offset, length)`` of each item fetched: each item a rank
+    needs, from one of the ranks of other nodes that offered it (spread over them, in turn)."""
+    servers: dict[tuple[int, str, int], list[int]] = {}
+    for server, offered in enumerate(offers):
+        for receiver, items in offered.items():
+            for name, offset in items:
+                servers.setdefault((receiver, name, offset), []).append(server)
+    plan = []
+    for receiver, (_, wanted) in enumerate(needs):
+        for name in sorted(wanted):
+            for offset, length in wanted[name]:
+                ranks = servers.get((receiver, name, offset))
+                if ranks:
+                    plan.append((receiver, ranks[len(plan) % len(ranks)], name, offset, length))
+    return plan
 
-    def __init__(self, files: list[tuple[str, int]], source: int):
-        self.files, self.source = files, source
-        self.count = sum(-(-size // _piece_bytes()) for _, size in files)
-        self.received = {name: torch.empty(size, dtype=torch.uint8) for name, size in files}
-        self._broken: set[str] = set()
-        self._at, self._written = 0, 0
+
+class _Stream:
+    """A server's items (``(file, offset, length)``) arriving as one stream of pieces
+    (``replication.move_files``), received in place into one buffer; an item in a piece that fails its
+    CRC32C is dropped."""
+
+    def __init__(self, segments: list[tuple[str, int, int]]):
+        self.segments = segments
+        total = sum(length for _, _, length in segments)
+        self.count = pieces_of(total)
+        self.buffer = torch.empty(total, dtype=torch.uint8)
+        self.starts = list(itertools.accumulate((length for _, _, length in segments), initial=0))
+        self._filled = 0
+        self._broken: list[tuple[int, int]] = []
 
     @property
     def expecting(self) -> bool:
-        return self._at < len(self.files)
+        return self._filled < len(self.buffer)
 
     def buffer_for(self, length: int) -> torch.Tensor:
-        """Where the next piece (``length`` bytes) lands: its place in its file's buffer."""
-        name, size = self.files[self._at]
-        if self._written + length > size:
-            return torch.empty(length, dtype=torch.uint8)  # a peer out of step: take it, and fail the check
-        return self.received[name][self._written : self._written + length]
+        if self._filled + length > len(self.buffer):
+            return torch.empty(length, dtype=torch.uint8)  # a peer out of step: taken, and dropped
+        return self.buffer[self._filled : self._filled + length]
 
     def take(self, data: memoryview, whole: bool) -> None:
-        name, size = self.files[self._at]
-        if not whole or self._written + len(data) > size:
-            self._broken.add(name)
-        self._written += len(data)
-        if self._written >= size:
-            self._at, self._written = self._at + 1, 0
+        if not whole or self._filled + len(data) > len(self.buffer):
+            self._broken.append((self._filled, self._filled + len(data)))
+        self._filled += len(data)
 
-    def checked(self) -> dict[str, memoryview]:
-        """The data files that arrived whole and hold every block their index lists."""
-        out = {}
-        for name, _ in self.files:
-            if name.endswith(HELD_SUFFIX) or name in self._broken or name + HELD_SUFFIX in self._broken:
-                continue
-            try:
-                index = HeldIndex.decode(self.index_bytes(name))
-                data = memoryview(self.received[name].numpy())
-                problem = None if index.file == name else f"its index describes {index.file}"
-                problem = problem or _damage(data, index)
-            except (ValueError, KeyError, TypeError) as exc:
-                problem = f"its index cannot be read: {exc}"
-            if problem:
-                log.warning("ckptio: the copy of %s fetched from rank %d is damaged (%s)", name, self.source, problem)
-                continue
-            out[name] = data
+    def whole(self) -> list[tuple[str, int, torch.Tensor]]:
+        """The items that arrived whole."""
+        out = []
+        for (name, offset, length), start in zip(self.segments, self.starts, strict=False):
+            end = start + length
+            if end <= self._filled and not any(lo < end and start < hi for lo, hi in self._broken):
+                out.append((name, offset, self.buffer[start:end]))
         return out
-
-    def index_bytes(self, name: str) -> bytes:
-        return self.received[name + HELD_SUFFIX].numpy().tobytes()
-
-
-def _damage(data: memoryview, index: HeldIndex) -> str | None:
-    if len(data) != index.local_bytes:
-        return f"it holds {len(data)} bytes, its index records {index.local_bytes}"
-    for offset, length, crc in blocks_of(index):
-        if offset + length > len(data) or checksum(data[offset : offset + length]) != crc:
-            return f"the block at byte {offset} fails its CRC32C"
-    return None
-
-
-def _piece_bytes() -> int:
-    from ckptio.tiers.replication import PIECE_BYTES
-
-    return PIECE_BYTES

@@ -102,8 +102,8 @@ def committed_durable(read_durable: Callable[[], T]) -> T | None:
 
 class TieredSource:
     """A byte source (``loading.sources.ByteSource``) reading the files named in ``local_names`` from
-    the fast tier, those of ``fetched`` (copies fetched from other nodes for this load: ``peers.py``)
-    from memory, and every other one from the durable tier, counting the bytes each serves."""
+    the fast tier, those of ``fetched`` (ranges fetched from other nodes for this load:
+    ``peers.FetchedFile``) from memory, and every other one from the durable tier, counting the bytes each serves."""
 
     def __init__(
         self,
@@ -111,7 +111,7 @@ class TieredSource:
         durable: FsspecStore,
         local_names: set[str],
         reads_durable: bool,
-        fetched: dict[str, memoryview] | None = None,
+        fetched: dict[str, Any] | None = None,
     ):
         self.local, self.durable, self.local_names, self.fetched = local, durable, set(local_names), fetched or {}
         self.url = durable.url
@@ -128,7 +128,7 @@ class TieredSource:
         counts = [0] * len(requests)
         for i, request in enumerate(requests):
             if self._tier(request.name) == "peer":
-                counts[i] = _copy_out(self.fetched[request.name], request)
+                counts[i] = self.fetched[request.name].read_into(request)
                 self.bytes_read["peer"] += counts[i]
         for tier, store in (("local", self.local), ("durable", self.durable)):
             picked = [i for i, r in enumerate(requests) if self._tier(r.name) == tier]
@@ -140,24 +140,14 @@ class TieredSource:
 
     def describe(self, name: str) -> str:
         if self._tier(name) == "peer":
-            return f"{self.durable.describe(name)} (the copy fetched from another node)"
+            return f"{self.durable.describe(name)} (as fetched from another node)"
         return self._store(name).describe(name)
 
     def size(self, name: str) -> int:
-        return len(self.fetched[name]) if self._tier(name) == "peer" else self._store(name).size(name)
+        return self.fetched[name].size if self._tier(name) == "peer" else self._store(name).size(name)
 
     def exists(self, name: str) -> bool:
         return self._tier(name) == "peer" or self._store(name).exists(name)
 
     def _store(self, name: str) -> FsspecStore:
         return self.local if self._tier(name) == "local" else self.durable
-
-
-def _copy_out(data: memoryview, request: ReadRequest) -> int:
-    """Fill ``request``'s buffers from ``data`` (a file in memory); the bytes copied."""
-    at = request.offset
-    for buffer in request.buffers:
-        chunk = data[at : at + len(buffer)]
-        buffer.cast("B")[: len(chunk)] = chunk
-        at += len(chunk)
-    return at - request.offset

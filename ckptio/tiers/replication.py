@@ -1,6 +1,6 @@
 """Copies of each rank's fast-tier files on partner nodes (``WriterConfig.local_tier_copies``).
 
-After a rank's fast-tier files are written, a background job sends them, and then the document that
+After a rank's fast-tier files are written, a background job sends them, with the document that
 commits them on the node (``ckptio.json`` on the coordinator, a fragment on a rank of a save without
 one), to its partner ranks (``nodes.py``); each partner writes them into its own node's folder of the
 same step, where they are a copy like the node's own (loads, ``ckptio.latest``, resumed drains and
@@ -130,8 +130,9 @@ def _warn_few_nodes(nodes: int, copies: int) -> None:
 @dataclasses.dataclass
 class Replicate:
     """Send this rank's fast-tier files of a save (``files``: their names in ``folder``, known once the
-    rank has written them) and then its node document to its partners; receive its sources' into
-    ``folder``, this node's folder of the same step."""
+    rank has written them) and its node document to its partners; receive its sources' into ``folder``,
+    this node's folder of the same step. Nothing before the offers may fail without a word to the partners
+    (they would take the next save's offer for this one's): a file gone since is offered as absent."""
 
     link: Link
     url: str
@@ -157,7 +158,7 @@ class Replicate:
         # save, never beside its writes.
         dist.barrier(group=self.link.group)
         name, raw = document if document else (None, b"")
-        sizes = [(n, size) for n in names if (size := os.path.getsize(os.path.join(self.folder, n)))]
+        sizes = [(n, size) for n in names if (size := _size(os.path.join(self.folder, n)))]
         offers = _exchange(self.link, {"url": self.url, "files": sizes, "document": name}, raw)
         arrivals = {}
         for source, (theirs, _) in offers.items():
@@ -165,19 +166,31 @@ class Replicate:
                 log.warning(
                     "ckptio: rank %d of the replication group offered %r for %s", source, theirs.get("url"), self.url
                 )
-            arrivals[source] = Arrivals(self.folder, theirs["files"], source, keep=theirs.get("url") == self.url)
-        move_files(self.link.group, self.folder, {p: sizes for p in self.link.partners}, arrivals)
+            arrivals[source] = _Arrivals(self.folder, theirs["files"], source, keep=theirs.get("url") == self.url)
+        whole = [(name, 0, size) for name, size in sizes]
+        move_files(self.link.group, self.folder, {p: whole for p in self.link.partners}, arrivals)
         for source, (theirs, (raw, whole)) in offers.items():
             if whole and arrivals[source].keep:
                 _put_document(self.folder, theirs.get("document"), raw, arrivals[source])
 
 
-def move_files(group: Any, folder: str, outgoing: dict[int, list[tuple[str, int]]], incoming: dict[int, Any]) -> None:
-    """Send each group rank of ``outgoing`` its files (name, size) from ``folder``, piece by piece, and
-    take each source's pieces into its ``Arrivals`` (``incoming``). Each round posts its sends before its
-    receives, so ranks that send to each other never wait on each other; a round's sends are awaited
-    after the next round's are posted (the next piece is read while this one travels: two pieces per
-    destination in memory at most)."""
+def _size(path: str) -> int:
+    """The file's size; 0 (not offered) when it is gone (an overwrite or a prune since the save)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def move_files(
+    group: Any, folder: str, outgoing: dict[int, list[tuple[str, int, int]]], incoming: dict[int, Any]
+) -> None:
+    """Send each group rank of ``outgoing`` its byte ranges (file, offset, length) of files in ``folder``,
+    piece by piece, and
+    take each source's pieces into its arrivals (``incoming``: ``take``, ``expecting``, and ``buffer_for``
+    where pieces are received in place). Each round posts its sends before its receives, so ranks that
+    send to each other never wait on each other; a round's sends are awaited after the next round's are
+    posted (the next piece is read while this one travels: two pieces per destination in memory at most)."""
     streams = {to: _Pieces(folder, files) for to, files in outgoing.items()}
     rounds = max([0, *(s.count for s in streams.values()), *(a.count for a in incoming.values())])
     in_flight: list[_Sent] = []
@@ -253,47 +266,72 @@ def _recv(group: Any, source: int, into: Callable[[int], torch.Tensor] | None = 
 
 
 class _Pieces:
-    """This rank's files (name, size), piece by piece with each piece's CRC32C. A file that cannot be read
-    as it was offered is sent as pieces that fail their check, so the partner stays in step and drops it."""
+    """Byte ranges of this rank's files (``(name, offset, length)``) as one stream, sent in pieces of
+    ``PIECE_BYTES`` (a piece may span ranges: many small ones travel together), each with its CRC32C. A
+    range that cannot be read as it was offered is sent as zeros in a piece that fails its check, so the
+    receiver stays in step and drops what that piece held."""
 
-    def __init__(self, folder: str, files: list[tuple[str, int]]):
-        self.folder, self.files = folder, files
-        self.count = sum(_pieces_of(size) for _, size in files)
+    def __init__(self, folder: str, segments: list[tuple[str, int, int]]):
+        self.folder, self.segments = folder, segments
+        self.count = pieces_of(sum(length for _, _, length in segments))
         self._walk = self._pieces()
 
     def _pieces(self) -> Iterator[tuple[torch.Tensor, int]]:
-        for name, size in self.files:
-            lengths = [min(PIECE_BYTES, size - at) for at in range(0, size, PIECE_BYTES)]
-            try:
-                with open(os.path.join(self.folder, name), "rb", buffering=0) as f:
-                    for length in lengths:
-                        piece = torch.empty(length, dtype=torch.uint8)
-                        if f.readinto(memoryview(piece.numpy())) != length:
-                            raise OSError(f"{name} ended before its {size} bytes")
-                        yield piece, checksum(memoryview(piece.numpy()))
-                        lengths = lengths[1:]
-            except OSError as exc:
-                log.warning("ckptio: cannot send the fast-tier file %s to partner nodes: %s", name, exc)
-                for length in lengths:
-                    yield torch.zeros(length, dtype=torch.uint8), checksum(b"x")  # any CRC but zeros': refused
+        left = sum(length for _, _, length in self.segments)
+        piece, filled, unread = None, 0, False
+        for name, offset, length in self.segments:
+            handle = self._open(name, offset)
+            at = 0
+            while at < length:
+                if piece is None:
+                    piece, filled, unread = torch.empty(min(PIECE_BYTES, left), dtype=torch.uint8), 0, False
+                n = min(length - at, len(piece) - filled)
+                view = memoryview(piece.numpy())[filled : filled + n]
+                if not _read_exactly(handle, view):
+                    view[:] = bytes(n)
+                    unread = True
+                at, filled, left = at + n, filled + n, left - n
+                if filled == len(piece):
+                    yield piece, checksum(b"x") if unread else checksum(memoryview(piece.numpy()))
+                    piece = None
+            if handle is not None:
+                handle.close()
+
+    def _open(self, name: str, offset: int) -> Any:
+        try:
+            handle = open(os.path.join(self.folder, name), "rb", buffering=0)
+            handle.seek(offset)
+            return handle
+        except OSError as exc:
+            log.warning("ckptio: cannot send the fast-tier file %s to another node: %s", name, exc)
+            return None
 
     def next(self) -> tuple[torch.Tensor, int] | None:
         return next(self._walk, None)
 
 
-def _pieces_of(size: int) -> int:
+def _read_exactly(handle: Any, view: memoryview) -> bool:
+    try:
+        return handle is not None and handle.readinto(view) == len(view)
+    except OSError as exc:
+        log.warning("ckptio: cannot read a fast-tier file to send it to another node: %s", exc)
+        return False
+
+
+def pieces_of(size: int) -> int:
+    """How many pieces a stream of ``size`` bytes travels in."""
     return -(-size // PIECE_BYTES)
 
 
-class Arrivals:
+class _Arrivals:
     """A source's files arriving piece by piece: each written beside its final name, checked against its
     held index once whole and renamed into place; a file that cannot be stored, or fails a check, is taken
     and dropped."""
 
-    def __init__(self, folder: str, files: list, source: int, keep: bool, synced: bool = True):
-        self.folder, self.source, self.keep, self.synced = folder, source, keep, synced
-        self.files = [(str(name), int(size)) for name, size in files]
-        self.count = sum(_pieces_of(size) for _, size in self.files)
+    def __init__(self, folder: str, files: list, source: int, keep: bool):
+        self.folder, self.source, self.keep = folder, source, keep
+        self.files = [(str(name), int(size)) for name, size in files if int(size) > 0]
+        self.count = pieces_of(sum(size for _, size in self.files))
         self.done: list[str] = []
         self._at, self._written, self._handle, self._dropping = 0, 0, None, False
 
@@ -302,7 +340,15 @@ class Arrivals:
         return self._at < len(self.files)
 
     def take(self, data: memoryview, whole: bool) -> None:
-        name, size = self.files[self._at]
+        """A piece of the stream: the parts of the files it holds (``whole``: it passed its CRC32C)."""
+        at = 0
+        while at < len(data) and self.expecting:
+            name, size = self.files[self._at]
+            n = min(size - self._written, len(data) - at)
+            self._take_part(name, size, data[at : at + n], whole)
+            at += n
+
+    def _take_part(self, name: str, size: int, data: memoryview, whole: bool) -> None:
         if self._written == 0:
             self._dropping = not (self.keep and _safe_name(name))
             self._handle = None if self._dropping else self._open(name)
@@ -343,8 +389,7 @@ class Arrivals:
         handle, self._handle = self._handle, None
         try:
             handle.flush()
-            if self.synced:
-                os.fsync(handle.fileno())
+            os.fsync(handle.fileno())
             handle.close()
             if name.endswith(HELD_SUFFIX) and name[: -len(HELD_SUFFIX)] not in self.done:
                 _remove(self._partial(name))  # its data file was dropped (and said so): the index goes too
@@ -381,7 +426,7 @@ class Arrivals:
         return os.path.join(self.folder, f"{name}.partial-{os.getpid()}")
 
 
-def _put_document(folder: str, name: str | None, raw: bytes | None, arrivals: Arrivals) -> None:
+def _put_document(folder: str, name: str | None, raw: bytes | None, arrivals: _Arrivals) -> None:
     """The source's node document, kept only with every file it sent (a document without its files
     would make the node count a copy it does not hold)."""
     if not name or raw is None or not _safe_name(name) or len(arrivals.done) != len(arrivals.files):

@@ -98,6 +98,19 @@ def _inspect_and_gc_show_the_partners_copies(run: str, tier: str, options: dict,
     assert sorted(os.listdir(os.path.join(tier, os.listdir(tier)[0]))) == ["step-2"]
 
 
+def test_a_node_lost_then_a_restart_on_another_mesh_reads_its_items_from_the_other_node(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    config = {"mode": "replica_group", "local_tier_copies": 2}
+    spawn(4, tiered.save_with_a_cut_off_drain, run, tiers, (2, 2), options, config)
+    shutil.rmtree(os.path.join(tiers, "node1"))
+    restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options)  # resharded: each rank a quarter
+    assert [r[:2] for r in restarted] == [(f"{run}/step-2", [])] * 4
+    assert [(r[2]["durable"], r[2]["local"] > 0, r[2]["peer"] > 0) for r in restarted] == (
+        [(0, True, False)] * 2 + [(0, False, True)] * 2
+    )
+
+
 def test_without_copies_a_lost_node_reads_its_shards_from_s3(s3, tmp_path):
     base, options = s3
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
