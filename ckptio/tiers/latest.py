@@ -10,8 +10,9 @@ loadable now, which it is when
   queued in the background (the lowest rank holding each missing file uploads it, the rank holding
   the metadata commits); or
 - every data file of the checkpoint is on some node's fast tier (its own node's, or a partner's copy:
-  ``WriterConfig.local_tier_copies``) and the job has a process group: it loads from the nodes (a rank
-  fetches what its node lacks from a node that holds it, ``peers.py``), the drain behind it as above; or
+  ``WriterConfig.local_tier_copies``) or already uploaded, and the job has a process group: it loads
+  from there (a rank fetches what its node lacks from a node that holds it, ``peers.py``), the drain
+  behind it as above; or
 - every data file missing from the durable tier survives on some node's fast tier: those ranks upload
   them now, the durable checkpoint commits, then every rank loads (replaced nodes read the durable
   tier).
@@ -167,7 +168,8 @@ def _resume(
         uploader[name] = next((rank for rank, (_, files) in enumerate(reports) if name in files), None)
     restarts_locally = group.size == manifest.header.world_size and all(own for own, _ in reports)
     held = {name for _, files in reports for name in files}
-    on_the_nodes = group.on and all(name in held for name in own_file_names(manifest.files))
+    not_uploaded = set(missing)
+    on_the_nodes = group.on and all(name in held or name not in not_uploaded for name in own_file_names(manifest.files))
     every_file_survives = all(rank is not None for rank in uploader.values())
     if not (restarts_locally or on_the_nodes or every_file_survives):
         return False
