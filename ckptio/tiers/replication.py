@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from ckptio.errors import DrainError
 from ckptio.format.codec import checksum
 from ckptio.tiers.held_index import HeldIndex, index_damage
 from ckptio.tiers.jobs import DrainQueue
@@ -68,11 +69,10 @@ _lock = threading.Lock()
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """This rank's part in a replicated save: its group (made for replication), rank there, the ranks
-    that receive its files and those whose files it receives."""
+    """This rank's part in a replicated save: its group (made for replication), and the ranks there that
+    receive its files and those whose files it receives."""
 
     group: Any
-    rank: int
     partners: tuple[int, ...]
     sources: tuple[int, ...]
 
@@ -103,7 +103,7 @@ def link_of_save(members: tuple[int, ...] | None, copies: int) -> Link | None:
     if len(nodes.nodes) < 2:
         return None
     rank = dist.get_rank(group)
-    return Link(group, rank, tuple(nodes.partners(rank, copies)), tuple(nodes.sources(rank, copies)))
+    return Link(group, tuple(nodes.partners(rank, copies)), tuple(nodes.sources(rank, copies)))
 
 
 def save_members(fragment_members: tuple[int, ...] | None, alone: bool) -> tuple[int, ...] | None:
@@ -518,9 +518,17 @@ def wait_for_copies(timeout: float | None = None) -> None:
     _QUEUE.wait(timeout)
 
 
+#: How long a process that exits waits for its copies to partner nodes (a peer that stopped answering
+#: must not hold it: the drain still uploads every file).
+EXIT_WAIT_S = 60.0
+
+
 @atexit.register
 def _copy_at_exit() -> None:
     settle_documents()
     if _QUEUE.pending:
-        log.warning("ckptio: waiting for %d copy job(s) to partner nodes before exiting", _QUEUE.pending)
-        _QUEUE.wait()
+        log.warning("ckptio: waiting up to %.0f s for %d copy job(s) to partner nodes", EXIT_WAIT_S, _QUEUE.pending)
+        try:
+            _QUEUE.wait(EXIT_WAIT_S)
+        except DrainError as exc:
+            log.warning("ckptio: exiting with copies to partner nodes unfinished: %s", exc)

@@ -25,9 +25,11 @@ def flip_a_byte(path: str, bit: int = 0x10) -> None:
 
 def node_tier(tier_base: str) -> str:
     """This rank's simulated node (two ranks a node): its fast tier, under ``tier_base``; the rank is
-    placed there (``CKPTIO_NODE``) so that replication tells the nodes apart."""
+    placed there (``CKPTIO_NODE``, unless the test set ``LOCAL_WORLD_SIZE`` as a launcher would) so that
+    replication tells the nodes apart."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    os.environ["CKPTIO_NODE"] = f"node{rank // 2}"
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        os.environ["CKPTIO_NODE"] = f"node{rank // 2}"
     return os.path.join(tier_base, f"node{rank // 2}")
 
 

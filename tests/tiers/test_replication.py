@@ -9,10 +9,11 @@ import itertools
 import json
 import os
 import shutil
+import socket
 
 import pytest
 
-from ckptio.tiers.nodes import NodeMap
+from ckptio.tiers.nodes import NodeMap, this_node
 from ckptio.tools.cli import main as cli_main
 from tests.conftest import s3_objects
 from tests.helpers import replicated, tiered
@@ -102,13 +103,25 @@ def test_a_node_lost_then_a_restart_on_another_mesh_reads_its_items_from_the_oth
     base, options = s3
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
     config = {"mode": "replica_group", "local_tier_copies": 2}
-    spawn(4, tiered.save_with_a_cut_off_drain, run, tiers, (2, 2), options, config)
+    launcher = {"LOCAL_WORLD_SIZE": "2"}  # the nodes as a launcher tells them (ranks numbered node by node)
+    spawn(4, tiered.save_with_a_cut_off_drain, run, tiers, (2, 2), options, config, env=launcher)
+    assert _ranks_held(_node_files(tiers, 1, "step-2")) == [0, 1, 2, 3]
     shutil.rmtree(os.path.join(tiers, "node1"))
-    restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options)  # resharded: each rank a quarter
+    restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options, env=launcher)  # resharded: a quarter each
     assert [r[:2] for r in restarted] == [(f"{run}/step-2", [])] * 4
     assert [(r[2]["durable"], r[2]["local"] > 0, r[2]["peer"] > 0) for r in restarted] == (
         [(0, True, False)] * 2 + [(0, False, True)] * 2
     )
+
+
+def test_a_node_is_named_by_ckptio_node_then_by_the_launcher_then_by_the_host(monkeypatch):
+    monkeypatch.setenv("CKPTIO_NODE", "rack1-n3")
+    monkeypatch.setenv("GROUP_RANK", "2")
+    assert this_node() == "rack1-n3"
+    monkeypatch.delenv("CKPTIO_NODE")
+    assert this_node() == "node-2"
+    monkeypatch.delenv("GROUP_RANK")
+    assert this_node() == socket.gethostname()
 
 
 def test_without_copies_a_lost_node_reads_its_shards_from_s3(s3, tmp_path):
