@@ -1,14 +1,15 @@
 """A tiered load's reads from other nodes: the bytes a rank's load needs of files its node does not hold
 are fetched from a node that holds them (its own copy, or a partner's copy: ``replication.py``), over
-the load's process group, before the load reads. Only the byte ranges of the items the rank reads travel
-(a resharded restart does not pull whole files), into memory: a replacement node restarts without
-writing anything first. Each piece is checked on arrival (its CRC32C), and every block again as the load
-reads it, against the checkpoint's records, as from any tier; a copy that fails is read from the durable
-tier instead (``nearest.py``).
+the load's process group, before the load reads. Only the stored items the rank reads travel (a
+resharded restart does not pull whole files), into memory: a replacement node restarts without writing
+anything first. Every block is checked as the load reads it, against the checkpoint's records, as from
+any tier (the pieces carry no CRC32C of their own: that would check the same bytes twice more); a copy
+that fails is read from the durable tier instead (``nearest.py``).
 
-Which files: the checkpoint's data files a rank's plan reads from that its node lacks, each range from a
-rank of another node that holds the file whole (spread over those ranks); a file no node holds is read
-from the durable tier. A replacement node holds its ranks' copies again after their next save.
+Which items: those a rank's plan reads from the checkpoint's data files its node lacks, each sent by a
+rank of another node that holds it, in a copy of its data file or as a replica in another rank's file
+(spread over the ranks that offer it); an item no node holds is read from the durable tier. A replacement
+node holds its ranks' copies again after their next save.
 """
 
 from __future__ import annotations
@@ -42,10 +43,13 @@ class FetchedFile:
         at = request.offset
         for buffer in request.buffers:
             out = buffer.cast("B")
-            out[:] = bytes(len(out))
+            filled = 0  # of ``out``, in order
             for offset, data in self._overlapping(at, at + len(out)):
                 lo, hi = max(at, offset), min(at + len(out), offset + len(data))
+                out[filled : lo - at] = bytes(max(0, lo - at - filled))
                 out[lo - at : hi - at] = memoryview(data.numpy())[lo - offset : hi - offset]
+                filled = hi - at
+            out[filled:] = bytes(len(out) - filled)
             at += len(out)
         return min(at, self.size) - request.offset
 
@@ -88,7 +92,7 @@ def fetch_from_peers(
         if receiver == rank:
             receiving.setdefault(server, []).append((name, offset, length))
     incoming = {server: _Stream(segments) for server, segments in receiving.items()}
-    move_files(group, local.root, outgoing, incoming)
+    move_files(group, local.root, outgoing, incoming, checked=False)  # the load checks every block it reads
     fetched: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for stream in incoming.values():
         for name, offset, data in stream.whole():

@@ -183,15 +183,20 @@ def _size(path: str) -> int:
 
 
 def move_files(
-    group: Any, folder: str, outgoing: dict[int, list[tuple[str, int, int]]], incoming: dict[int, Any]
+    group: Any,
+    folder: str,
+    outgoing: dict[int, list[tuple[str, int, int]]],
+    incoming: dict[int, Any],
+    checked: bool = True,
 ) -> None:
     """Send each group rank of ``outgoing`` its byte ranges (file, offset, length) of files in ``folder``,
     piece by piece, and
     take each source's pieces into its arrivals (``incoming``: ``take``, ``expecting``, and ``buffer_for``
     where pieces are received in place). Each round posts its sends before its receives, so ranks that
     send to each other never wait on each other; a round's sends are awaited after the next round's are
-    posted (the next piece is read while this one travels: two pieces per destination in memory at most)."""
-    streams = {to: _Pieces(folder, files) for to, files in outgoing.items()}
+    posted (the next piece is read while this one travels: two pieces per destination in memory at most).
+    ``checked=False``: pieces carry no CRC32C (what receives them checks every block it uses anyway)."""
+    streams = {to: _Pieces(folder, files, checked) for to, files in outgoing.items()}
     rounds = max([0, *(s.count for s in streams.values()), *(a.count for a in incoming.values())])
     in_flight: list[_Sent] = []
     for _ in range(rounds):
@@ -205,7 +210,7 @@ def move_files(
         in_flight = sends
         for source, arrivals in incoming.items():
             if arrivals.expecting:
-                arrivals.take(*_recv(group, source, getattr(arrivals, "buffer_for", None)))
+                arrivals.take(*_recv(group, source, getattr(arrivals, "buffer_for", None), checked))
     for work in in_flight:
         work.wait()
 
@@ -252,9 +257,11 @@ class _Sent:
             work.wait()
 
 
-def _recv(group: Any, source: int, into: Callable[[int], torch.Tensor] | None = None) -> tuple[memoryview, bool]:
+def _recv(
+    group: Any, source: int, into: Callable[[int], torch.Tensor] | None = None, checked: bool = True
+) -> tuple[memoryview, bool]:
     """A message from group rank ``source`` (its bytes, received in place into ``into(length)`` where given),
-    and whether it matches its CRC32C."""
+    and whether it matches its CRC32C (``checked``; else taken as whole)."""
     head = torch.zeros(2, dtype=torch.int64)
     dist.recv(head, group=group, group_src=source)
     length, crc = int(head[0]), int(head[1])
@@ -262,7 +269,7 @@ def _recv(group: Any, source: int, into: Callable[[int], torch.Tensor] | None = 
     if length:
         dist.recv(body, group=group, group_src=source)
     data = memoryview(body.numpy())
-    return data, checksum(data) == crc
+    return data, not checked or checksum(data) == crc
 
 
 class _Pieces:
@@ -271,8 +278,8 @@ class _Pieces:
     range that cannot be read as it was offered is sent as zeros in a piece that fails its check, so the
     receiver stays in step and drops what that piece held."""
 
-    def __init__(self, folder: str, segments: list[tuple[str, int, int]]):
-        self.folder, self.segments = folder, segments
+    def __init__(self, folder: str, segments: list[tuple[str, int, int]], checked: bool = True):
+        self.folder, self.segments, self.checked = folder, segments, checked
         self.count = pieces_of(sum(length for _, _, length in segments))
         self._walk = self._pieces()
 
@@ -292,10 +299,13 @@ class _Pieces:
                     unread = True
                 at, filled, left = at + n, filled + n, left - n
                 if filled == len(piece):
-                    yield piece, checksum(b"x") if unread else checksum(memoryview(piece.numpy()))
+                    yield piece, checksum(b"x") if unread else self._crc(piece)
                     piece = None
             if handle is not None:
                 handle.close()
+
+    def _crc(self, piece: torch.Tensor) -> int:
+        return checksum(memoryview(piece.numpy())) if self.checked else 0
 
     def _open(self, name: str, offset: int) -> Any:
         try:
