@@ -296,11 +296,13 @@ def tiered_table(rows: list[dict], markdown: bool = False) -> str:
         ("  copied / direct S3", lambda r: ratio(r, "copies_over_direct")),
         ("  bytes sent / the ranks' fast-tier files", lambda r: f"{r['copy_bytes_over_files']:.3f}x"),
         ("restart, last node lost, drain cut off (latest + load), s", lambda r: seconds(r, "restart_node_lost_s")),
+        ("  of which ckptio.latest, s", lambda r: seconds(r, "restart_node_lost_latest_s")),
         (
             "  S3 / peer bytes it read",
             lambda r: f"{r['restart_node_lost_s3_bytes']} / {r['restart_node_lost_peer_bytes']} B",
         ),
         ("restart, every node's fast tier (latest + load), s", lambda r: seconds(r, "restart_all_tiers_s")),
+        ("  of which ckptio.latest, s", lambda r: seconds(r, "restart_all_tiers_latest_s")),
         ("  S3 bytes it read", lambda r: f"{r['restart_all_tiers_s3_bytes']} B"),
         ("load of the same step from S3, s", lambda r: seconds(r, "load_s3_of_copied_s")),
         ("  node lost / S3 load", lambda r: ratio(r, "node_lost_restart_over_s3")),

@@ -339,7 +339,9 @@ TIMES = (
     "load_s3_s",
     "copies_save_s",
     "restart_node_lost_s",
+    "restart_node_lost_latest_s",
     "restart_all_tiers_s",
+    "restart_all_tiers_latest_s",
     "load_s3_of_copied_s",
 )
 #: (name, numerator, denominator): ratios per repeat of the slowest ranks' times, then their median.
