@@ -33,9 +33,11 @@ class _Queued:
 
 
 class DrainQueue:
-    """This process's background uploads, run in order by one thread."""
+    """Background jobs of this process (its uploads, or its copies to partner nodes), run in order by one
+    thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "ckptio-drain", what: str = "background uploads") -> None:
+        self.name, self.what = name, what  # its thread's name; what its jobs are, in words
         self._jobs: deque[_Queued] = deque()
         self._cond = threading.Condition()
         self._busy = False
@@ -47,7 +49,7 @@ class DrainQueue:
         with self._cond:
             self._jobs.append(_Queued(save, job, time.monotonic() + timeout_s))
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="ckptio-drain", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
             self._cond.notify_all()
 
@@ -58,7 +60,7 @@ class DrainQueue:
             while self._jobs or self._busy:
                 left = None if end is None else end - time.monotonic()
                 if left is not None and left <= 0:
-                    raise DrainError(f"background uploads still running after {timeout} s ({len(self._jobs)} queued)")
+                    raise DrainError(f"{self.what} still running after {timeout} s ({len(self._jobs)} queued)")
                 self._cond.wait(left)
         self.raise_failure()
 

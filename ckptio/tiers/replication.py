@@ -515,7 +515,7 @@ def resolved(value: Any) -> Future:
     return future
 
 
-_QUEUE = DrainQueue()
+_QUEUE = DrainQueue("ckptio-copies", "copies to partner nodes")
 
 
 def replication_queue() -> DrainQueue:
