@@ -90,6 +90,8 @@ class _Run:
         dcp.save(state, storage_writer=self._writer(f"{self.base}/warmup/run/step-0", self.tiered))
         self._async_blocking(state, self._writer(f"{self.base}/warmup/direct-async"))
         self._async_blocking(state, self._writer(f"{self.base}/warmup/run/step-1", self.tiered))
+        if self._nodes() > 1:  # the first copied save makes the group the copies travel over
+            dcp.save(state, storage_writer=self._writer(f"{self.base}/warmup/run/step-2", self.copied))
         ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)
         self._remove_on_rank0(f"{self.base}/warmup", self.options)
 
@@ -146,7 +148,7 @@ class _Run:
         files); then one whose drain is cut off, restarted (``latest`` and the load) with the last node's
         fast tier lost (an empty one in its place), again with every node's, and loaded from S3 alone. Nothing
         where the ranks are on one node (nothing to copy to)."""
-        if dist.get_world_size() // self.cfg["mesh"][1] < 2:
+        if self._nodes() < 2:
             return {}
         url = f"{self.base}/run-copies/step-{rep}"
         sent = replication.bytes_sent()["file"]
@@ -162,7 +164,7 @@ class _Run:
             ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)
         except ckptio.DrainError:
             pass  # as meant: nothing of it is on S3
-        last_node = (dist.get_world_size() - 1) // self.cfg["mesh"][1]
+        last_node = self._nodes() - 1
         lost = self.rank // self.cfg["mesh"][1] == last_node
         empty = os.path.join(self.cfg["tiered_fast_base"], f"replaced-{rep}")
         record |= self._restart(lost_run, "node_lost", mesh, specs, empty if lost else self.node_tier)
@@ -172,6 +174,9 @@ class _Run:
         self._forget(url, f"{lost_run}/step-1")
         self._remove_on_rank0(empty, None)
         return record
+
+    def _nodes(self) -> int:
+        return dist.get_world_size() // self.cfg["mesh"][1]
 
     def _restart(self, run: str, name: str, mesh, specs, tier: str) -> dict:
         loaded = workload.build_state(mesh, specs, self.cfg["data"], self.rank, empty=True)
