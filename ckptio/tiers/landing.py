@@ -4,9 +4,11 @@ there at once; the durable part uploaded, and the checkpoint committed on the du
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from concurrent.futures import Future
+from typing import Iterator
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
@@ -70,12 +72,17 @@ class TieredLanding(DurableLanding):
         """Everything this rank holds on the fast tier, its durable part's upload queued; straight to the
         durable tier when the fast tier is full. With ``local_tier_copies``, its files' copying to partner
         nodes is queued too, whatever happens here (each partner expects one offer per save)."""
+        with self._copied_to_partners(file):
+            return self._write(file, durable_items, replicas, planner, objects, inline_limit)
+
+    @contextlib.contextmanager
+    def _copied_to_partners(self, file: str) -> Iterator[None]:
+        """Queue this rank's copies of the save once its files are written (none if writing them failed)."""
         job = self._replication_job()
         written: list[str] = []
         try:
-            records = self._write(file, durable_items, replicas, planner, objects, inline_limit)
-            written = self._files_here(file)
-            return records
+            yield
+            written = self._files_here(file) if job is not None else []
         finally:
             if job is not None:
                 job.files.set_result(written)
@@ -104,14 +111,8 @@ class TieredLanding(DurableLanding):
         return [name for name in names if os.path.exists(local.path(name))]
 
     def _write(
-        self,
-        file: str,
-        durable_items: dict[MetadataIndex, WriteItem],
-        replicas: dict[MetadataIndex, WriteItem],
-        planner: SavePlanner,
-        objects: dict[MetadataIndex, memoryview],
-        inline_limit: int,
-    ) -> dict[MetadataIndex, StoredItem]:
+        self, file: str, durable_items: dict, replicas: dict, planner: SavePlanner, objects: dict, inline_limit: int
+    ) -> dict:
         w, alone = self.writer, self.writer._fragment is not None
         if alone:
             name = fragment_name(w.rank, w._fragment.ranks)

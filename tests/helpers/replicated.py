@@ -81,18 +81,12 @@ def save_then_lose_node1(run: str, tier_base: str, mesh_shape, options, config: 
     and drain start; what ``wait_for_uploads`` raised on node 0."""
     tiered.save_steps(run, tier_base, mesh_shape, [1], options, config)
     dcp.save(tiered.state(mesh_shape, 2), storage_writer=tiered.tiered_writer(run, 2, tier_base, options, config))
-    if dist.get_rank() >= 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        ckptio.wait_for_uploads()
-    except ckptio.DrainError as exc:
-        return str(exc)
-    return "drained"
+    return tiered.killed_or_drained(2, 3)
 
 
 def save_cut_off_and_count(run: str, tier_base: str, mesh_shape, options, config: dict, collectives: bool) -> tuple:
-    """``tiered.save_with_a_cut_off_drain`` (steps 1 and 2); what it raised, the bytes this rank sent to
+    """``tiered.save_with_a_stalled_drain`` (steps 1 and 2); what it raised, the bytes this rank sent to
     partners and its own fast-tier files of both steps (name -> size)."""
-    raised = tiered.save_with_a_cut_off_drain(run, tier_base, mesh_shape, options, config, collectives)
+    raised = tiered.save_with_a_stalled_drain(run, tier_base, mesh_shape, options, collectives, config)
     own = {**_own_files(run, tier_base, 1, options), **_own_files(run, tier_base, 2, options)}
     return raised, replication.bytes_sent(), own

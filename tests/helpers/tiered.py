@@ -67,26 +67,14 @@ def save_steps(
     return dist.get_rank()
 
 
-def save_with_a_stalled_drain(run: str, tier_base: str, mesh_shape, options, collectives: bool) -> str:
-    """Save step 1 (drained), then step 2 with a drain that cannot finish; what ``wait_for_uploads`` raised."""
-    save_steps(run, tier_base, mesh_shape, [1], options, collectives=collectives)
-    stalled = {"drain_bandwidth": 1, "drain_timeout_s": 0.5}
-    writer = tiered_writer(run, 2, tier_base, options, stalled)
-    dcp.save(state(mesh_shape, 2), storage_writer=writer, use_collectives=collectives)
-    try:
-        ckptio.wait_for_uploads()
-    except ckptio.DrainError as exc:
-        return str(exc)
-    return "drained"
-
-
-def save_with_a_cut_off_drain(
-    run: str, tier_base: str, mesh_shape, options, config: dict, collectives: bool = True
+def save_with_a_stalled_drain(
+    run: str, tier_base: str, mesh_shape, options, collectives: bool = True, config: dict | None = None
 ) -> str:
-    """Save step 1 (drained), then step 2, whose drain cannot finish (as if the job died during it): with
-    ``config`` both; what ``wait_for_uploads`` raised after step 2."""
+    """Save step 1 (drained), then step 2 with a drain that cannot finish (as if the job died during it),
+    both with ``config``; what ``wait_for_uploads`` raised after step 2."""
     save_steps(run, tier_base, mesh_shape, [1], options, config, collectives)
-    writer = tiered_writer(run, 2, tier_base, options, {**config, "drain_bandwidth": 1, "drain_timeout_s": 0.5})
+    stalled = {**(config or {}), "drain_bandwidth": 1, "drain_timeout_s": 0.5}
+    writer = tiered_writer(run, 2, tier_base, options, stalled)
     dcp.save(state(mesh_shape, 2), storage_writer=writer, use_collectives=collectives)
     try:
         ckptio.wait_for_uploads()
@@ -100,12 +88,13 @@ def save_then_die(run: str, tier_base: str, mesh_shape, options, victim: int, co
     starts; the other ranks' drains time out. Returns what ``wait_for_uploads`` raised."""
     save_steps(run, tier_base, mesh_shape, [1], options, {"mode": config.get("mode", "all_ranks")})
     dcp.save(state(mesh_shape, 2), storage_writer=tiered_writer(run, 2, tier_base, options, config))
-    return _killed_or_drained(victim)
+    return killed_or_drained(victim)
 
 
-def _killed_or_drained(victim: int) -> str:
-    """Rank ``victim`` killed (SIGKILL) as its drain starts; on the others, what ``wait_for_uploads`` raised."""
-    if dist.get_rank() == victim:
+def killed_or_drained(*victims: int) -> str:
+    """Ranks ``victims`` killed (SIGKILL) as their drains start; on the others, what ``wait_for_uploads``
+    raised."""
+    if dist.get_rank() in victims:
         os.kill(os.getpid(), signal.SIGKILL)
     try:
         ckptio.wait_for_uploads()
@@ -155,7 +144,7 @@ def save_incremental_then_die(run: str, tier_base: str, options, victim: int) ->
     ckptio.wait_for_uploads()
     slow = {**config, "drain_bandwidth": 500, "drain_timeout_s": 3}
     dcp.save(combinations.state(_ROW, 2), storage_writer=tiered_writer(run, 2, tier_base, options, slow))
-    return _killed_or_drained(victim)
+    return killed_or_drained(victim)
 
 
 def killed_during_incremental_save(run: str, tier_base: str, options, victim: int) -> str:

@@ -104,7 +104,7 @@ def test_a_node_lost_then_a_restart_on_another_mesh_reads_its_items_from_the_oth
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
     config = {"mode": "replica_group", "local_tier_copies": 2}
     launcher = {"LOCAL_WORLD_SIZE": "2"}  # the nodes as a launcher tells them (ranks numbered node by node)
-    spawn(4, tiered.save_with_a_cut_off_drain, run, tiers, (2, 2), options, config, env=launcher)
+    spawn(4, tiered.save_with_a_stalled_drain, run, tiers, (2, 2), options, True, config, env=launcher)
     assert _ranks_held(_node_files(tiers, 1, "step-2")) == [0, 1, 2, 3]
     shutil.rmtree(os.path.join(tiers, "node1"))
     restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options, env=launcher)  # resharded: a quarter each
