@@ -39,8 +39,9 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ckptio.errors import DrainError
+from ckptio.errors import DrainError, StorageError
 from ckptio.format.codec import checksum
+from ckptio.storage import open_store
 from ckptio.tiers.held_index import HeldIndex, index_damage
 from ckptio.tiers.jobs import DrainQueue
 from ckptio.tiers.nodes import NodeMap, this_node
@@ -167,8 +168,8 @@ class Replicate:
                     "ckptio: rank %d of the replication group offered %r for %s", source, theirs.get("url"), self.url
                 )
             arrivals[source] = _Arrivals(self.folder, theirs["files"], source, keep=theirs.get("url") == self.url)
-        whole = [(name, 0, size) for name, size in sizes]
-        move_files(self.link.group, self.folder, {p: whole for p in self.link.partners}, arrivals)
+        segments = [(file, 0, size) for file, size in sizes]
+        move_files(self.link.group, self.folder, {p: segments for p in self.link.partners}, arrivals)
         for source, (theirs, (raw, whole)) in offers.items():
             if whole and arrivals[source].keep:
                 _put_document(self.folder, theirs.get("document"), raw, arrivals[source])
@@ -441,16 +442,11 @@ def _put_document(folder: str, name: str | None, raw: bytes | None, arrivals: _A
     would make the node count a copy it does not hold)."""
     if not name or raw is None or not _safe_name(name) or len(arrivals.done) != len(arrivals.files):
         return
-    path = os.path.join(folder, name)
+    store = open_store(folder)
     try:
-        os.makedirs(folder, exist_ok=True)
-        with open(path + f".partial-{os.getpid()}", "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + f".partial-{os.getpid()}", path)
-    except OSError as exc:
-        _remove(path + f".partial-{os.getpid()}")
+        store.prepare_directory()
+        store.put_atomic(name, raw)
+    except (OSError, StorageError) as exc:
         _warn_not_kept(folder, str(exc))
 
 
