@@ -28,6 +28,11 @@ from ckptio.tiers.held_index import LocalCopies
 from ckptio.tiers.nodes import this_node
 from ckptio.tiers.replication import move_files, pieces_of
 
+#: Bytes sent as one message of a fetch: received in place, sent from the mapped file where a piece is
+#: one run of a file's bytes (larger messages than a copy's: 64 MiB moved in 0.07 s instead of 0.10 s
+#: as 8 MiB pieces, two streams on 2 cores).
+FETCH_PIECE_BYTES = 32 << 20
+
 
 class FetchedFile:
     """Byte ranges of one data file, received from another node; what is not held reads as zeros (the gap
@@ -92,7 +97,8 @@ def fetch_from_peers(
         if receiver == rank:
             receiving.setdefault(server, []).append((name, offset, length))
     incoming = {server: _Stream(segments) for server, segments in receiving.items()}
-    move_files(group, local.root, outgoing, incoming, checked=False)  # the load checks every block it reads
+    # no CRC32C of the pieces: the load checks every block it reads
+    move_files(group, local.root, outgoing, incoming, checked=False, piece_bytes=FETCH_PIECE_BYTES)
     fetched: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for stream in incoming.values():
         for name, offset, data in stream.whole():
@@ -152,7 +158,7 @@ class _Stream:
     def __init__(self, segments: list[tuple[str, int, int]]):
         self.segments = segments
         total = sum(length for _, _, length in segments)
-        self.count = pieces_of(total)
+        self.count = pieces_of(total, FETCH_PIECE_BYTES)
         self.buffer = torch.empty(total, dtype=torch.uint8)
         self.starts = list(itertools.accumulate((length for _, _, length in segments), initial=0))
         self._filled = 0

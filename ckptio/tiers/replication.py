@@ -28,6 +28,7 @@ import datetime
 import functools
 import json
 import logging
+import mmap
 import os
 import sys
 import threading
@@ -189,15 +190,17 @@ def move_files(
     outgoing: dict[int, list[tuple[str, int, int]]],
     incoming: dict[int, Any],
     checked: bool = True,
+    piece_bytes: int = PIECE_BYTES,
 ) -> None:
     """Send each group rank of ``outgoing`` its byte ranges (file, offset, length) of files in ``folder``,
     piece by piece, and
     take each source's pieces into its arrivals (``incoming``: ``take``, ``expecting``, and ``buffer_for``
     where pieces are received in place). Each round posts its sends before its receives, so ranks that
     send to each other never wait on each other; a round's sends are awaited after the next round's are
-    posted (the next piece is read while this one travels: two pieces per destination in memory at most).
-    ``checked=False``: pieces carry no CRC32C (what receives them checks every block it uses anyway)."""
-    streams = {to: _Pieces(folder, files, checked) for to, files in outgoing.items()}
+    posted (the next piece is gathered while this one travels: two pieces per destination in memory at
+    most). ``checked=False``: pieces carry no CRC32C (what receives them checks every block it uses anyway).
+    ``piece_bytes``: the pieces' size, which every arrivals' ``count`` was computed with."""
+    streams = {to: _Pieces(folder, files, checked, piece_bytes) for to, files in outgoing.items()}
     rounds = max([0, *(s.count for s in streams.values()), *(a.count for a in incoming.values())])
     in_flight: list[_Sent] = []
     for _ in range(rounds):
@@ -275,63 +278,81 @@ def _recv(
 
 class _Pieces:
     """Byte ranges of this rank's files (``(name, offset, length)``) as one stream, sent in pieces of
-    ``PIECE_BYTES`` (a piece may span ranges: many small ones travel together), each with its CRC32C. A
-    range that cannot be read as it was offered is sent as zeros in a piece that fails its check, so the
-    receiver stays in step and drops what that piece held."""
+    ``piece_bytes`` (a piece may span ranges: many small ones travel together), each with its CRC32C. A
+    piece within one run of a file's bytes is sent from the mapped file as it is (no copy); one that spans
+    runs is gathered into a buffer. A range that cannot be read as it was offered is sent as zeros in a
+    piece that fails its check, so the receiver stays in step and drops what that piece held."""
 
-    def __init__(self, folder: str, segments: list[tuple[str, int, int]], checked: bool = True):
-        self.folder, self.segments, self.checked = folder, segments, checked
-        self.count = pieces_of(sum(length for _, _, length in segments))
+    def __init__(
+        self, folder: str, segments: list[tuple[str, int, int]], checked: bool = True, piece_bytes: int = PIECE_BYTES
+    ):
+        self.folder, self.checked, self.piece_bytes = folder, checked, piece_bytes
+        self.runs = _runs(segments)
+        self.count = pieces_of(sum(length for _, _, length in segments), piece_bytes)
         self._walk = self._pieces()
 
     def _pieces(self) -> Iterator[tuple[torch.Tensor, int]]:
-        left = sum(length for _, _, length in self.segments)
+        left = sum(length for _, _, length in self.runs)
         piece, filled, unread = None, 0, False
-        for name, offset, length in self.segments:
-            handle = self._open(name, offset)
+        for name, offset, length in self.runs:
+            mapped = self._mapped(name, offset + length)
             at = 0
             while at < length:
                 if piece is None:
-                    piece, filled, unread = torch.empty(min(PIECE_BYTES, left), dtype=torch.uint8), 0, False
+                    want = min(self.piece_bytes, left)
+                    if mapped is not None and length - at >= want:  # a whole piece in this run: sent as it is
+                        view = mapped[offset + at : offset + at + want]
+                        at, left = at + want, left - want
+                        yield view, self._crc(view)
+                        continue
+                    piece, filled, unread = torch.empty(want, dtype=torch.uint8), 0, False
                 n = min(length - at, len(piece) - filled)
-                view = memoryview(piece.numpy())[filled : filled + n]
-                if not _read_exactly(handle, view):
-                    view[:] = bytes(n)
+                if mapped is None:
+                    piece[filled : filled + n] = 0
                     unread = True
+                else:
+                    piece[filled : filled + n] = mapped[offset + at : offset + at + n]
                 at, filled, left = at + n, filled + n, left - n
                 if filled == len(piece):
                     yield piece, checksum(b"x") if unread else self._crc(piece)
                     piece = None
-            if handle is not None:
-                handle.close()
 
     def _crc(self, piece: torch.Tensor) -> int:
         return checksum(memoryview(piece.numpy())) if self.checked else 0
 
-    def _open(self, name: str, offset: int) -> Any:
+    def _mapped(self, name: str, end: int) -> torch.Tensor | None:
+        """The file, mapped (copy on write: the tensor is writable, the file never written), or ``None``
+        where it cannot be read up to ``end``."""
+        path = os.path.join(self.folder, name)
         try:
-            handle = open(os.path.join(self.folder, name), "rb", buffering=0)
-            handle.seek(offset)
-            return handle
-        except OSError as exc:
-            log.warning("ckptio: cannot send the fast-tier file %s to another node: %s", name, exc)
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < end:
+                    raise OSError(f"it holds {size} bytes, {end} were offered")
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError) as exc:
+            log.warning("ckptio: cannot send the fast-tier file %s to another node: %s", path, exc)
             return None
+        return torch.frombuffer(mapped, dtype=torch.uint8)
 
     def next(self) -> tuple[torch.Tensor, int] | None:
         return next(self._walk, None)
 
 
-def _read_exactly(handle: Any, view: memoryview) -> bool:
-    try:
-        return handle is not None and handle.readinto(view) == len(view)
-    except OSError as exc:
-        log.warning("ckptio: cannot read a fast-tier file to send it to another node: %s", exc)
-        return False
+def _runs(segments: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """``segments`` with each range that continues the one before it in the same file joined to it."""
+    runs: list[tuple[str, int, int]] = []
+    for name, offset, length in segments:
+        if runs and runs[-1][0] == name and runs[-1][1] + runs[-1][2] == offset:
+            runs[-1] = (name, runs[-1][1], runs[-1][2] + length)
+        elif length:
+            runs.append((name, offset, length))
+    return runs
 
 
-def pieces_of(size: int) -> int:
+def pieces_of(size: int, piece_bytes: int = PIECE_BYTES) -> int:
     """How many pieces a stream of ``size`` bytes travels in."""
-    return -(-size // PIECE_BYTES)
+    return -(-size // piece_bytes)
 
 
 class _Arrivals:

@@ -12,8 +12,12 @@ import shutil
 import socket
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from ckptio.format.codec import checksum
 from ckptio.tiers.nodes import NodeMap, this_node
+from ckptio.tiers.replication import _Pieces, pieces_of
 from ckptio.tools.cli import main as cli_main
 from tests.conftest import s3_objects
 from tests.helpers import replicated, tiered
@@ -47,6 +51,50 @@ def test_the_partner_rule_keeps_a_copy_through_the_loss_of_any_copies_minus_one_
         assert nodes.sources(rank, copies) == [r for r in nodes.node_index if rank in nodes.partners(r, copies)]
     if len(set(layout)) == 1:  # even nodes: each rank sends and receives copies-1 files' worth
         assert all(len(nodes.sources(r, copies)) == kept - 1 for r in nodes.node_index)
+
+
+_FILES = {"a": bytes(range(256)) * 3, "b": bytes(reversed(range(256))) * 2}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b", "gone"]), st.integers(0, 700), st.integers(0, 300)).filter(
+            lambda s: s[0] == "gone" or s[1] + s[2] <= len(_FILES[s[0]])
+        ),
+        max_size=8,
+    ),
+    st.integers(1, 400),
+    st.booleans(),
+)
+def test_a_stream_of_byte_ranges_travels_in_pieces_that_hold_exactly_those_bytes(
+    tmp_path_factory, segments, piece_bytes, checked
+):
+    folder = tmp_path_factory.mktemp("pieces")
+    for name, data in _FILES.items():
+        (folder / name).write_bytes(data)
+    stream = _Pieces(str(folder), segments, checked, piece_bytes)
+    pieces = list(iter(stream.next, None))
+    total = sum(length for _, _, length in segments)
+    assert len(pieces) == stream.count == pieces_of(total, piece_bytes)
+    assert [len(p) for p, _ in pieces][:-1] == [piece_bytes] * (len(pieces) - 1)
+    sent = b"".join(bytes(p.numpy()) for p, _ in pieces)
+    meant = (_FILES.get(name, bytes(offset + length))[offset : offset + length] for name, offset, length in segments)
+    assert sent == b"".join(meant)
+    at = 0
+    for piece, crc in pieces:  # a piece holding bytes of a file that cannot be read fails its check
+        unread = any(n == "gone" and o < at + len(piece) and at < o + length for n, o, length in _placed(segments))
+        assert (crc == checksum(memoryview(piece.numpy()))) == (checked and not unread)
+        at += len(piece)
+
+
+def _placed(segments):
+    """Each segment with its start in the stream (in place of its file offset)."""
+    at = 0
+    for name, _, length in segments:
+        if length:
+            yield name, at, length
+        at += length
 
 
 @pytest.mark.parametrize(
