@@ -56,19 +56,20 @@ def read_on(read: Callable[[], T], group: Any, source: int) -> T:
     on every rank of the group (which all call this)."""
     box: list = [None]
     if dist.get_rank(group) == source:
-        box[0] = _outcome(read)
+        box[0] = outcome(read)
     dist.broadcast_object_list(box, group=group, group_src=source)
-    return _result(box[0])
+    return result(box[0])
 
 
 def _each_reads(read: Callable[[], T], group: Any) -> T:
     """Every rank reads; if any failed, every rank raises the lowest failing rank's error."""
-    outcome = _outcome(read)
-    fail_together(None if outcome[0] else outcome[1], group)
-    return _result(outcome)
+    mine = outcome(read)
+    fail_together(None if mine[0] else mine[1], group)
+    return result(mine)
 
 
-def _outcome(read: Callable[[], T]) -> tuple[bool, Any]:
+def outcome(read: Callable[[], T]) -> tuple[bool, Any]:
+    """``(True, read())``, or ``(False, the error)`` as a ``CheckpointError`` (that ``result`` raises)."""
     try:
         return True, read()
     except CheckpointError as exc:
@@ -77,8 +78,9 @@ def _outcome(read: Callable[[], T]) -> tuple[bool, Any]:
         return False, CheckpointError(f"rank {dist.get_rank()} failed reading: {type(exc).__name__}: {exc}")
 
 
-def _result(outcome: tuple[bool, Any]) -> Any:
-    ok, value = outcome
+def result(of: tuple[bool, Any]) -> Any:
+    """The value of an ``outcome``, or its error raised."""
+    ok, value = of
     if not ok:
         raise value
     return value

@@ -22,6 +22,8 @@ A step whose files are lost on both tiers is passed over for the next older one.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import time
@@ -35,7 +37,7 @@ from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, own_file_names, parse_data_file_name
 from ckptio.format.records import Manifest
 from ckptio.loading.fragment_set import complete_set, fragments_in
-from ckptio.loading.read_once import read_on
+from ckptio.loading.read_once import outcome, read_on, result
 from ckptio.loading.together import fail_together
 from ckptio.storage import FsspecStore, open_store
 from ckptio.tiers.drain import (
@@ -84,51 +86,75 @@ def latest(
     options = dict(storage_options or {})
     config = storage_config if storage_config is not None else StorageConfig.from_environment()
     group = _Group(process_group)
-    newest = group.one_rank(lambda: _newest_durable(run, options, config))
+    find_durable = functools.partial(_durable_steps, run, options, config)
     if local_tier is None:
+        newest = group.one_rank(find_durable).newest
         return f"{run}/{newest}" if newest else None
     local_run = local_run_path(local_tier, run, options)
-    views = group.all(_local_steps(local_run, newer_than=newest))
-    for step in sorted({s for view in views for s in view}, key=step_order, reverse=True):
-        holders = [rank for rank, view in enumerate(views) if view.get(step) == METADATA_NAME]
-        fragments = any(view.get(step) == FRAGMENTS for view in views)
-        if (holders or fragments) and _resume(group, run, step, holders, local_run, options, config):
+    durable, everyones = group.first_and_all(find_durable, _local_steps(local_run))
+    newer = [{s: held for s, held in view.items() if durable.is_older(s)} for view in everyones]
+    for step in sorted({s for view in newer for s in view}, key=step_order, reverse=True):
+        holders = [rank for rank, view in enumerate(newer) if view.get(step) == METADATA_NAME]
+        fragments = any(view.get(step) == FRAGMENTS for view in newer)
+        if (holders or fragments) and _resume(group, run, step, holders, local_run, durable, options, config):
             return f"{run}/{step}"
-    return f"{run}/{newest}" if newest else None
+    return f"{run}/{durable.newest}" if durable.newest else None
 
 
-def _newest_durable(run: str, options: dict[str, Any], config: StorageConfig) -> str | None:
+@dataclasses.dataclass
+class _DurableSteps:
+    """The durable tier's newest committed step of a run, and what it held of each newer step it saw."""
+
+    newest: str | None
+    listed: set[str]  # the run's step folders
+    sizes: dict[str, dict[str, int]]  # step -> file -> size, of the steps newer than ``newest``
+
+    def is_older(self, step: str) -> bool:
+        """Whether ``newest`` is older than ``step`` (or there is none)."""
+        return self.newest is None or step_order(step) > step_order(self.newest)
+
+    def files_of(self, step: str) -> dict[str, int] | None:
+        """What the durable tier holds of ``step`` (name -> size), as listed; ``None`` when not listed."""
+        return {} if step not in self.listed else self.sizes.get(step)
+
+
+def _durable_steps(run: str, options: dict[str, Any], config: StorageConfig) -> _DurableSteps:
     store = open_store(run, options, config)
-    for step in sorted(store.list_names() or [], key=step_order, reverse=True):
+    steps = store.list_names() or []
+    found = _DurableSteps(None, set(steps), {})
+    for step in sorted(steps, key=step_order, reverse=True):
         step_store = open_store(f"{run}/{step}", options, config)
         try:
             step_store.read(METADATA_NAME)
-            return step
+            found.newest = step
+            return found
         except FileNotFoundError:
             pass
         except CheckpointError:
             continue
+        sizes = step_store.list_sizes() or {}
         try:  # saved without a coordinator: committed once every rank's fragment is there
-            if complete_set(step_store):
-                return step
+            if complete_set(step_store, list(sizes)):
+                found.newest = step
+                return found
         except CheckpointError:
             continue
-    return None
+        found.sizes[step] = sizes  # what a resumed drain of this step need not upload again
+    return found
 
 
 #: What a node holds of a step's metadata (``_local_steps``): fragments of a save without a coordinator.
 FRAGMENTS = "fragments"
 
 
-def _local_steps(local_run: str, newer_than: str | None) -> dict[str, str | None]:
-    """This node's fast-tier steps newer than ``newer_than`` -> what it holds of their metadata:
-    ``ckptio.json``, ``FRAGMENTS``, or ``None``."""
+def _local_steps(local_run: str) -> dict[str, str | None]:
+    """This node's fast-tier steps -> what it holds of their metadata: ``ckptio.json``, ``FRAGMENTS``, or
+    ``None``."""
     try:
         entries = [e for e in os.scandir(local_run) if e.is_dir()]
     except FileNotFoundError:
         return {}
-    floor = step_order(newer_than) if newer_than else None
-    return {e.name: _metadata_held(e.path) for e in entries if floor is None or step_order(e.name) > floor}
+    return {e.name: _metadata_held(e.path) for e in entries}
 
 
 def _metadata_held(folder: str) -> str | None:
@@ -143,6 +169,7 @@ def _resume(
     step: str,
     holders: list[int],
     local_run: str,
+    durable_steps: _DurableSteps,
     options: dict[str, Any],
     config: StorageConfig,
 ) -> bool:
@@ -158,10 +185,11 @@ def _resume(
             return False
     holder = holders[0] if holders else 0
     manifest = decode_metadata(document, local.describe(METADATA_NAME))
-    copies = _checked(local, manifest, group)
-    reports = group.all((group.rank in copies.complete_ranks, sorted(copies.files)))
+    copies, reports = _checked(local, manifest, group)
     durable = Durable(f"{run}/{step}", options, config)
-    present = group.one_rank(lambda: open_store(durable.url, options, config).list_sizes() or {})
+    present = durable_steps.files_of(step)
+    if present is None:
+        present = group.one_rank(lambda: open_store(durable.url, options, config).list_sizes() or {})
     missing = sorted(name for name in own_file_names(manifest.files) if present.get(name) != manifest.files[name])
     uploader = {}
     for name in missing:
@@ -198,31 +226,38 @@ def _resume(
     return True
 
 
-def _checked(local: FsspecStore, manifest: Manifest, group: "_Group") -> LocalCopies:
+def _checked(local: FsspecStore, manifest: Manifest, group: "_Group") -> tuple[LocalCopies, list]:
     """What this node holds of ``manifest``, each file's blocks checked against their CRC32Cs as a load
-    would (a copy damaged after its save is no copy: a restart from it would fail on every rank). Each
-    node's copy of a file is checked once: by the rank its name gives, where that rank is on the node and
-    holds it, else by the node's lowest rank that does; a damaged copy is dropped on its node alone."""
+    would (a copy damaged after its save is no copy: a restart from it would fail on every rank), and each
+    rank's report of its node: whether it holds its own saving rank's whole copy, and the data files held
+    whole. Each node's copy of a file is checked once: by the rank its name gives, where that rank is on
+    the node and holds it, else by the node's lowest rank that does; a damaged copy is dropped on its node
+    alone."""
     copies = local_copies(local, manifest)
     node = this_node()
     views = group.all((node, sorted({*copies.files, *copies.sizes})))
-    found = {}
+    found = []
     for name in views[group.rank][1]:
         holders = [rank for rank, (on, view) in enumerate(views) if on == node and name in view]
         own = parse_data_file_name(name).rank
         if (own if own in holders else holders[0]) == group.rank:
             problem = damaged_blocks(local, name, manifest, copies)
             if problem:
-                found[name] = problem
+                found.append(name)
                 log.warning("ckptio: the fast-tier copy %s is damaged (%s): not a copy", local.describe(name), problem)
-    for rank, names in enumerate(group.all(sorted(found))):
-        if views[rank][0] != node:
-            continue
-        for name in names:
-            copies.files.discard(name)
-            copies.relocated = {key: item for key, item in copies.relocated.items() if item.file != name}
-            copies.complete_ranks.discard(parse_data_file_name(name).rank)
-    return copies
+    everyones = group.all((group.rank in copies.complete_ranks, sorted(copies.files), found))
+    damaged = {on: set() for on, _ in views}
+    for (on, _), (_, _, names) in zip(views, everyones, strict=True):
+        damaged[on].update(names)
+    for name in damaged[node]:
+        copies.files.discard(name)
+        copies.relocated = {key: item for key, item in copies.relocated.items() if item.file != name}
+        copies.complete_ranks.discard(parse_data_file_name(name).rank)
+    reports = []
+    for rank, ((on, _), (own, files, _)) in enumerate(zip(views, everyones, strict=True)):
+        lost = damaged[on]
+        reports.append((own and rank not in {parse_data_file_name(n).rank for n in lost}, sorted(set(files) - lost)))
+    return copies, reports
 
 
 class _Group:
@@ -237,6 +272,14 @@ class _Group:
     def one_rank(self, fn: Callable[[], T], source: int = 0) -> T:
         """``fn()`` on ``source``; its value or its error on every rank."""
         return read_on(fn, self.group, source) if self.on else fn()
+
+    def first_and_all(self, fn: Callable[[], T], value: Any) -> tuple[T, list]:
+        """``fn()`` on the first rank (its value, or its error raised on every rank) and every rank's
+        ``value``, in one exchange."""
+        if not self.on:
+            return fn(), [value]
+        everyones = self.all((outcome(fn) if self.rank == 0 else None, value))
+        return result(everyones[0][0]), [value for _, value in everyones]
 
     def all(self, value: T) -> list[T]:
         if not self.on:

@@ -35,13 +35,17 @@ def tiered_metadata_bytes(local: FsspecStore, read_durable: Callable[[], bytes],
     committed there, ``ckptio.json`` from the lowest rank whose fast tier holds it, or the merge of the
     fragments the nodes hold. Every rank gets the bytes or the error."""
     alone = group is direct or not dist.is_initialized() or dist.get_world_size(group) == 1
-    committed = committed_durable(read_durable) if alone else read_on(lambda: committed_durable(read_durable), group, 0)
-    if committed is not None:
-        return committed
     has_local = local.exists(METADATA_NAME)
+
+    def committed_or_held() -> bytes | None:
+        committed = committed_durable(read_durable)
+        return local.read(METADATA_NAME) if committed is None and has_local else committed
+
+    # the first rank answers for all where it can (committed, or held on its node: one exchange)
+    first = committed_or_held() if alone else read_on(committed_or_held, group, 0)
+    if first is not None:
+        return first
     if alone:
-        if has_local:
-            return local.read(METADATA_NAME)
         return node_fragments_metadata(local, 0, lambda value: [value], lambda fn: fn()) or read_durable()
     flags: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(flags, has_local, group=group)
