@@ -240,7 +240,7 @@ class CachedBlocks:
                 while done < len(buffer):
                     source = self._find(request.name, at + done)
                     n = min(len(buffer) - done, len(source))
-                    if _address(source) != _address(buffer[done:]):  # not exchanged into its place already
+                    if memory_address(source) != memory_address(buffer[done:]):  # not exchanged into its place already
                         buffer[done : done + n] = source[:n]
                     done += n
                 at += len(buffer)
@@ -282,7 +282,7 @@ def load_shared(
     """Run the rounds of ``plan`` on this rank: read its segments (checked against ``items``' records
     when it verifies), exchange, then deliver its shared ``(stored key, read item, item)`` triples from
     the bytes held: ``items.prepare`` first gives the places where stored bytes may land unchanged,
-    which segments are read and received straight into (``_Placements``), and ``items.deliver`` then
+    which segments are read and received straight into (``Placements``), and ``items.deliver`` then
     reads from the held bytes (``CachedBlocks``). ``failure``: what already went wrong on this rank (it
     still takes part in the first agreement, so every rank raises instead of waiting)."""
     rank, group = dist.get_rank(), exchange_group()
@@ -295,7 +295,7 @@ def load_shared(
         if failure is None:
             try:
                 prepared = items.prepare(mine, planner, places=True)
-                exchange = _Exchange(segments, rank, _Placements(prepared.places))
+                exchange = _Exchange(segments, rank, Placements(prepared.places))
                 _read_segments(store, exchange.own, items)
             except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
                 failure = exc
@@ -323,7 +323,7 @@ def _read_segments(store: ByteSource, own: dict[Segment, memoryview], items: Ite
             verify_block(item, b, [data[lo:hi]], f"key {s.index.fqn!r} in {s.file}")
 
 
-class _Placements:
+class Placements:
     """Where this rank wants stored bytes to land unchanged: a segment that lies wholly inside one
     ``(file, offset, memory)`` place is read or received into that part of its memory (a destination
     tensor), not into a buffer (fresh memory costs a page fault per page, which on the bench's VM
@@ -337,13 +337,17 @@ class _Placements:
         self._starts = {file: [start for start, _ in found] for file, found in self._runs.items()}
 
     def __call__(self, segment: Segment) -> memoryview | None:
-        at = bisect.bisect_right(self._starts.get(segment.file, []), segment.start) - 1
+        return self.find(segment.file, segment.start, segment.end)
+
+    def find(self, file: str, start: int, end: int) -> memoryview | None:
+        """The memory bytes ``start:end`` of ``file`` land in unchanged, or ``None``."""
+        at = bisect.bisect_right(self._starts.get(file, []), start) - 1
         if at < 0:
             return None
-        start, dest = self._runs[segment.file][at]
-        if segment.end > start + len(dest):
+        first, dest = self._runs[file][at]
+        if end > first + len(dest):
             return None
-        return dest[segment.start - start : segment.end - start]
+        return dest[start - first : end - first]
 
 
 class _Exchange:
@@ -381,10 +385,10 @@ class _Exchange:
             for tag, message in enumerate(_messages(segments)):
                 buffer, views = self._incoming(message)
                 held.update(views)
-                pending.append(dist.irecv(_as_tensor(buffer), peer, group, tag))
+                pending.append(dist.irecv(as_tensor(buffer), peer, group, tag))
         for peer, segments in to_peer.items():
             for tag, message in enumerate(_messages(segments)):
-                pending.append(dist.isend(_as_tensor(self._outgoing(message)), peer, group, tag))
+                pending.append(dist.isend(as_tensor(self._outgoing(message)), peer, group, tag))
         for work in pending:
             work.wait()
         return held
@@ -416,11 +420,11 @@ def _messages(sent: list[Segment]) -> list[list[Segment]]:
     return ([small] if small else []) + [[s] for s in sent if s.size >= SHARED_READ_MESSAGE_BYTES]
 
 
-def _as_tensor(buffer: memoryview) -> torch.Tensor:
+def as_tensor(buffer: memoryview) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8))
 
 
-def _address(view: memoryview) -> int:
+def memory_address(view: memoryview) -> int:
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 

@@ -22,7 +22,7 @@ from ckptio.storage import FsspecStore
 from ckptio.tiers.drain import load_ended
 from ckptio.tiers.held_index import LocalCopies, local_copies
 from ckptio.tiers.paths import local_step_store
-from ckptio.tiers.peers import FetchedFile, fetch_from_peers, needed_items
+from ckptio.tiers.peers import FetchedFile, fetch_from_peers, gather_needs, needed_items
 from ckptio.tiers.reading import TieredSource, tiered_metadata_bytes
 
 log = logging.getLogger(__name__)
@@ -56,16 +56,27 @@ class NearestTierReads(DurableReads):
         local, durable = self.local_store(), byte_source(r._open_store(), r.manifest)
         r.bytes_read = {"local": 0, "peer": 0, "durable": 0}
         try:
-            self._read(plan, planner, local, durable)
+            pairs = [(read_item, r.item_for(read_item)) for read_item in plan.items]
+            lacking = needed_items([item for _, item in pairs], self.copies.local_files, r.manifest.files)
+            needs = gather_needs(self.group, lacking)
+            # where this rank fetches, its destinations first: what lands unchanged is received into place
+            prepared, failure = None, None
+            try:
+                prepared = r.prepare(pairs, planner, places=bool(lacking))
+            except Exception as exc:  # noqa: BLE001 - raised once this rank has served the others
+                failure = exc
+            if needs is not None:
+                places = prepared.places if prepared else []
+                self.fetched = fetch_from_peers(self.group, needs, local, self.copies, r.manifest, places)
+            if failure is not None:
+                raise failure
+            self._read(plan, planner, local, durable, prepared)
         finally:
             load_ended()  # a drain ckptio.latest resumed behind this restart goes now
         return True
 
-    def _read(self, plan: LoadPlan, planner: LoadPlanner, local: FsspecStore, durable: Any) -> None:
+    def _read(self, plan: LoadPlan, planner: LoadPlanner, local: FsspecStore, durable: Any, prepared: Any) -> None:
         r = self.reader
-        items = [r.item_for(read_item) for read_item in plan.items]
-        lacking = needed_items(items, self.copies.local_files, r.manifest.files)
-        self.fetched = fetch_from_peers(self.group, local, self.copies, r.manifest, lacking)
         while True:
             pairs = [(read_item, r.item_for(read_item)) for read_item in plan.items]
             names = self.copies.local_files
@@ -73,7 +84,7 @@ class NearestTierReads(DurableReads):
             reads_durable = any(item.file and item.file not in nearer for _, item in pairs)
             source = TieredSource(local, durable, names, reads_durable, self.fetched)
             try:
-                r.deliver(source, r.prepare(pairs, planner, places=False), planner)
+                r.deliver(source, prepared or r.prepare(pairs, planner, places=False), planner)
                 break
             except CorruptCheckpointError as exc:
                 if exc.file not in names and exc.file not in self.fetched:
@@ -85,6 +96,7 @@ class NearestTierReads(DurableReads):
                     durable.url,
                 )
                 self._drop(exc.file)
+                prepared = None  # delivered in part: prepared again
             finally:
                 for tier, count in source.bytes_read.items():
                     r.bytes_read[tier] += count

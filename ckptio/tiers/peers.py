@@ -2,9 +2,12 @@
 are fetched from a node that holds them (its own copy, or a partner's copy: ``replication.py``), over
 the load's process group, before the load reads. Only the stored items the rank reads travel (a
 resharded restart does not pull whole files), into memory: a replacement node restarts without writing
-anything first. Every block is checked as the load reads it, against the checkpoint's records, as from
-any tier (the pieces carry no CRC32C of their own: that would check the same bytes twice more); a copy
-that fails is read from the durable tier instead (``nearest.py``).
+anything first. An item of at least ``ALONE_BYTES`` travels in messages of its own, received straight into
+the tensor it loads into where its stored bytes land there unchanged (raw, read whole); smaller ones travel
+together into one buffer (fresh memory costs a page fault per page: receiving 64 MiB into a new buffer took
+twice as long as into memory in use). Every block is checked as the load reads it, against the
+checkpoint's records, as from any tier (the pieces carry no CRC32C of their own: that would check the same
+bytes twice more); a copy that fails is read from the durable tier instead (``nearest.py``).
 
 Which items: those a rank's plan reads from the checkpoint's data files its node lacks, each sent by a
 rank of another node that holds it, in a copy of its data file or as a replica in another rank's file
@@ -23,15 +26,18 @@ import torch.distributed as dist
 
 from ckptio.format.records import Manifest
 from ckptio.loading.read_once import DIRECT
+from ckptio.loading.shared_reads import Placements, as_tensor, memory_address
 from ckptio.storage import FsspecStore, ReadRequest
 from ckptio.tiers.held_index import LocalCopies
 from ckptio.tiers.nodes import this_node
-from ckptio.tiers.replication import move_files, pieces_of
+from ckptio.tiers.replication import fixed_pieces, move_files
 
-#: Bytes sent as one message of a fetch: received in place, sent from the mapped file where a piece is
-#: one run of a file's bytes (larger messages than a copy's: 64 MiB moved in 0.07 s instead of 0.10 s
-#: as 8 MiB pieces, two streams on 2 cores).
+#: Bytes sent as one message of a fetch at most, from the mapped file where a piece is one run of a
+#: file's bytes (larger messages than a copy's: 64 MiB moved in 0.07 s instead of 0.10 s as 8 MiB
+#: pieces, two streams on 2 cores).
 FETCH_PIECE_BYTES = 32 << 20
+#: An item at least this large travels in messages of its own (received into its place, if it has one).
+ALONE_BYTES = 1 << 20
 
 
 class FetchedFile:
@@ -52,7 +58,8 @@ class FetchedFile:
             for offset, data in self._overlapping(at, at + len(out)):
                 lo, hi = max(at, offset), min(at + len(out), offset + len(data))
                 out[filled : lo - at] = bytes(max(0, lo - at - filled))
-                out[lo - at : hi - at] = memoryview(data.numpy())[lo - offset : hi - offset]
+                if memory_address(out[lo - at : hi - at]) != data.data_ptr() + lo - offset:  # not received in place
+                    out[lo - at : hi - at] = memoryview(data.numpy())[lo - offset : hi - offset]
                 filled = hi - at
             out[filled:] = bytes(len(out) - filled)
             at += len(out)
@@ -67,20 +74,30 @@ class FetchedFile:
                 yield offset, data
 
 
-def fetch_from_peers(
-    group: Any, local: FsspecStore, copies: LocalCopies, manifest: Manifest, needed: dict[str, list]
-) -> dict[str, FetchedFile]:
-    """Fetch ``needed`` (file -> ``(offset, length)`` of each stored item this rank reads from a data file
-    its node lacks) from other nodes; every rank of ``group`` calls it, and serves what others need of its
-    node's copies: a data file it holds whole, or an item it holds as a replica in another file. The files
-    received, by name (none without a process group)."""
+def gather_needs(group: Any, needed: dict[str, list]) -> list | None:
+    """Every rank's node and ``needed`` (file -> ``(offset, length)`` of each stored item it reads from a
+    data file its node lacks); every rank of ``group`` calls it. ``None`` on every rank where no rank needs
+    anything (the usual restart) or there is no process group: then nothing is fetched."""
     if group is DIRECT or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return {}
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    needs: list = [None] * world
+        return None
+    needs: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(needs, (this_node(), needed), group=group)
-    if not any(wanted for _, wanted in needs):  # every node holds what its ranks read (the usual restart)
-        return {}
+    return needs if any(wanted for _, wanted in needs) else None
+
+
+def fetch_from_peers(
+    group: Any,
+    needs: list,
+    local: FsspecStore,
+    copies: LocalCopies,
+    manifest: Manifest,
+    places: list[tuple[str, int, memoryview]] = (),
+) -> dict[str, FetchedFile]:
+    """Fetch what this rank ``needs`` (``gather_needs``) from other nodes, an item lying wholly in one of
+    the ``places`` (``(file, offset, memory)``: where stored bytes land unchanged) into it; every rank of
+    ``group`` calls it, and serves what others need of its node's copies: a data file it holds whole, or an
+    item it holds as a replica in another file. The files received, by name."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     where = _served_here(copies, manifest)
     mine = {
         receiver: [(name, offset) for name, spans in wanted.items() for offset, _ in spans if (name, offset) in where]
@@ -96,9 +113,10 @@ def fetch_from_peers(
             outgoing.setdefault(receiver, []).append((*where[(name, offset)], length))
         if receiver == rank:
             receiving.setdefault(server, []).append((name, offset, length))
-    incoming = {server: _Stream(segments) for server, segments in receiving.items()}
+    placed = Placements(list(places))
+    incoming = {server: _Stream(segments, placed) for server, segments in receiving.items()}
     # no CRC32C of the pieces: the load checks every block it reads
-    move_files(group, local.root, outgoing, incoming, checked=False, piece_bytes=FETCH_PIECE_BYTES)
+    move_files(group, local.root, outgoing, incoming, checked=False, pieces=fetch_pieces)
     fetched: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for stream in incoming.values():
         for name, offset, data in stream.whole():
@@ -150,39 +168,87 @@ def _plan(needs: list, offers: list) -> list[tuple[int, int, str, int, int]]:
     return plan
 
 
-class _Stream:
-    """A server's items (``(file, offset, length)``) arriving as one stream of pieces
-    (``replication.move_files``), received in place into one buffer; an item in a piece that fails its
-    CRC32C is dropped."""
+def fetch_pieces(lengths: list[int]) -> list[int]:
+    """The messages a fetch's stream of items of ``lengths`` travels in: each item of at least
+    ``ALONE_BYTES`` in its own (pieces of ``FETCH_PIECE_BYTES``), the others together, in order."""
+    pieces, together = [], 0
+    for length in lengths:
+        if length >= ALONE_BYTES or together + length > FETCH_PIECE_BYTES:
+            pieces += [together] if together else []
+            together = 0
+        if length >= ALONE_BYTES:
+            pieces += fixed_pieces([length], FETCH_PIECE_BYTES)
+        else:
+            together += length
+    return pieces + ([together] if together else [])
 
-    def __init__(self, segments: list[tuple[str, int, int]]):
+
+class _Stream:
+    """A server's items (``(file, offset, length)``) arriving as one stream of messages (``fetch_pieces``,
+    ``replication.move_files``), each received in place: an item travelling alone into the memory
+    ``placed`` gives it (its destination tensor), every other one into one buffer; an item in a message that
+    arrived out of step is dropped."""
+
+    def __init__(self, segments: list[tuple[str, int, int]], placed: Placements):
         self.segments = segments
-        total = sum(length for _, _, length in segments)
-        self.count = pieces_of(total, FETCH_PIECE_BYTES)
-        self.buffer = torch.empty(total, dtype=torch.uint8)
-        self.starts = list(itertools.accumulate((length for _, _, length in segments), initial=0))
-        self._filled = 0
+        lengths = [length for _, _, length in segments]
+        self.sizes = fetch_pieces(lengths)
+        self.count = len(self.sizes)
+        places = [placed.find(n, at, at + length) if length >= ALONE_BYTES else None for n, at, length in segments]
+        buffer = torch.empty(sum(n for n, p in zip(lengths, places, strict=True) if p is None), dtype=torch.uint8)
+        self.memory = []  # each item's
+        at = 0
+        for length, place in zip(lengths, places, strict=True):
+            if place is None:
+                self.memory.append(buffer[at : at + length])
+                at += length
+            else:
+                self.memory.append(as_tensor(place))
+        self.starts = list(itertools.accumulate(lengths, initial=0))
+        self.total = self.starts[-1]
+        self._messages = self._message_memory(buffer)
+        self._filled, self._received = 0, 0
         self._broken: list[tuple[int, int]] = []
+
+    def _message_memory(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The memory each message is received into: part of one item's, or of the buffer (items that
+        travel together lie next to each other in it)."""
+        out, item, into = [], 0, 0  # the item the next message starts in, and how far into it
+        for size in self.sizes:
+            memory = self.memory[item]
+            if len(memory) - into >= size:
+                out.append(memory[into : into + size])
+            else:  # items travelling together: consecutive in the buffer
+                start = memory.data_ptr() - buffer.data_ptr() + into
+                out.append(buffer[start : start + size])
+            into += size
+            while item < len(self.memory) and into >= len(self.memory[item]):
+                into -= len(self.memory[item])
+                item += 1
+        return out
 
     @property
     def expecting(self) -> bool:
-        return self._filled < len(self.buffer)
+        return self._filled < self.total
 
     def buffer_for(self, length: int) -> torch.Tensor:
-        if self._filled + length > len(self.buffer):
-            return torch.empty(length, dtype=torch.uint8)  # a peer out of step: taken, and dropped
-        return self.buffer[self._filled : self._filled + length]
+        index = self._received
+        if index < len(self._messages) and len(self._messages[index]) == length:
+            return self._messages[index]
+        return torch.empty(length, dtype=torch.uint8)  # a peer out of step: taken, and dropped
 
     def take(self, data: memoryview, whole: bool) -> None:
-        if not whole or self._filled + len(data) > len(self.buffer):
-            self._broken.append((self._filled, self._filled + len(data)))
+        index, self._received = self._received, self._received + 1
+        expected = index < len(self._messages) and memory_address(data) == self._messages[index].data_ptr()
+        if not whole or not expected:
+            self._broken.append((self._filled, self.total))
         self._filled += len(data)
 
     def whole(self) -> list[tuple[str, int, torch.Tensor]]:
         """The items that arrived whole."""
         out = []
-        for (name, offset, length), start in zip(self.segments, self.starts, strict=False):
+        for (name, offset, length), start, memory in zip(self.segments, self.starts[:-1], self.memory, strict=True):
             end = start + length
             if end <= self._filled and not any(lo < end and start < hi for lo, hi in self._broken):
-                out.append((name, offset, self.buffer[start:end]))
+                out.append((name, offset, memory))
         return out

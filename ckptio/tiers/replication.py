@@ -184,13 +184,19 @@ def _size(path: str) -> int:
         return 0
 
 
+def fixed_pieces(lengths: list[int], piece_bytes: int = PIECE_BYTES) -> list[int]:
+    """The pieces a stream of ranges of ``lengths`` travels in: ``piece_bytes`` each, the last one shorter."""
+    total = sum(lengths)
+    return [min(piece_bytes, total - at) for at in range(0, total, piece_bytes)]
+
+
 def move_files(
     group: Any,
     folder: str,
     outgoing: dict[int, list[tuple[str, int, int]]],
     incoming: dict[int, Any],
     checked: bool = True,
-    piece_bytes: int = PIECE_BYTES,
+    pieces: Callable[[list[int]], list[int]] = fixed_pieces,
 ) -> None:
     """Send each group rank of ``outgoing`` its byte ranges (file, offset, length) of files in ``folder``,
     piece by piece, and
@@ -199,8 +205,9 @@ def move_files(
     send to each other never wait on each other; a round's sends are awaited after the next round's are
     posted (the next piece is gathered while this one travels: two pieces per destination in memory at
     most). ``checked=False``: pieces carry no CRC32C (what receives them checks every block it uses anyway).
-    ``piece_bytes``: the pieces' size, which every arrivals' ``count`` was computed with."""
-    streams = {to: _Pieces(folder, files, checked, piece_bytes) for to, files in outgoing.items()}
+    ``pieces``: the sizes of the pieces a stream of ranges of these lengths travels in (the rule every
+    arrivals' ``count`` was computed with)."""
+    streams = {to: _Pieces(folder, files, checked, pieces([n for _, _, n in files])) for to, files in outgoing.items()}
     rounds = max([0, *(s.count for s in streams.values()), *(a.count for a in incoming.values())])
     in_flight: list[_Sent] = []
     for _ in range(rounds):
@@ -277,32 +284,32 @@ def _recv(
 
 
 class _Pieces:
-    """Byte ranges of this rank's files (``(name, offset, length)``) as one stream, sent in pieces of
-    ``piece_bytes`` (a piece may span ranges: many small ones travel together), each with its CRC32C. A
+    """Byte ranges of this rank's files (``(name, offset, length)``) as one stream, sent in pieces of the
+    ``sizes`` given (a piece may span ranges: many small ones travel together), each with its CRC32C. A
     piece within one run of a file's bytes is sent from the mapped file as it is (no copy); one that spans
     runs is gathered into a buffer. A range that cannot be read as it was offered is sent as zeros in a
     piece that fails its check, so the receiver stays in step and drops what that piece held."""
 
-    def __init__(
-        self, folder: str, segments: list[tuple[str, int, int]], checked: bool = True, piece_bytes: int = PIECE_BYTES
-    ):
-        self.folder, self.checked, self.piece_bytes = folder, checked, piece_bytes
+    def __init__(self, folder: str, segments: list[tuple[str, int, int]], checked: bool, sizes: list[int]):
+        if sum(sizes) != sum(length for _, _, length in segments):
+            raise ValueError(f"pieces of {sum(sizes)} bytes for ranges of {sum(length for _, _, length in segments)}")
+        self.folder, self.checked, self.sizes = folder, checked, sizes
         self.runs = _runs(segments)
-        self.count = pieces_of(sum(length for _, _, length in segments), piece_bytes)
+        self.count = len(sizes)
         self._walk = self._pieces()
 
     def _pieces(self) -> Iterator[tuple[torch.Tensor, int]]:
-        left = sum(length for _, _, length in self.runs)
+        sizes = iter(self.sizes)
         piece, filled, unread = None, 0, False
         for name, offset, length in self.runs:
             mapped = self._mapped(name, offset + length)
             at = 0
             while at < length:
                 if piece is None:
-                    want = min(self.piece_bytes, left)
+                    want = next(sizes)
                     if mapped is not None and length - at >= want:  # a whole piece in this run: sent as it is
                         view = mapped[offset + at : offset + at + want]
-                        at, left = at + want, left - want
+                        at += want
                         yield view, self._crc(view)
                         continue
                     piece, filled, unread = torch.empty(want, dtype=torch.uint8), 0, False
@@ -312,7 +319,7 @@ class _Pieces:
                     unread = True
                 else:
                     piece[filled : filled + n] = mapped[offset + at : offset + at + n]
-                at, filled, left = at + n, filled + n, left - n
+                at, filled = at + n, filled + n
                 if filled == len(piece):
                     yield piece, checksum(b"x") if unread else self._crc(piece)
                     piece = None
@@ -350,11 +357,6 @@ def _runs(segments: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     return runs
 
 
-def pieces_of(size: int, piece_bytes: int = PIECE_BYTES) -> int:
-    """How many pieces a stream of ``size`` bytes travels in."""
-    return -(-size // piece_bytes)
-
-
 class _Arrivals:
     """A source's files arriving piece by piece: each written beside its final name, checked against its
     held index once whole and renamed into place; a file that cannot be stored, or fails a check, is taken
@@ -363,7 +365,7 @@ class _Arrivals:
     def __init__(self, folder: str, files: list, source: int, keep: bool):
         self.folder, self.source, self.keep = folder, source, keep
         self.files = [(str(name), int(size)) for name, size in files if int(size) > 0]
-        self.count = pieces_of(sum(size for _, size in self.files))
+        self.count = len(fixed_pieces([size for _, size in self.files]))
         self.done: list[str] = []
         self._at, self._written, self._handle, self._dropping = 0, 0, None, False
 

@@ -12,12 +12,16 @@ import shutil
 import socket
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptio.format.codec import checksum
+from ckptio.loading.shared_reads import Placements
+from ckptio.storage import ReadRequest
 from ckptio.tiers.nodes import NodeMap, this_node
-from ckptio.tiers.replication import _Pieces, pieces_of
+from ckptio.tiers.peers import ALONE_BYTES, FETCH_PIECE_BYTES, FetchedFile, _Stream, fetch_pieces
+from ckptio.tiers.replication import _Pieces, fixed_pieces
 from ckptio.tools.cli import main as cli_main
 from tests.conftest import s3_objects
 from tests.helpers import replicated, tiered
@@ -73,11 +77,11 @@ def test_a_stream_of_byte_ranges_travels_in_pieces_that_hold_exactly_those_bytes
     folder = tmp_path_factory.mktemp("pieces")
     for name, data in _FILES.items():
         (folder / name).write_bytes(data)
-    stream = _Pieces(str(folder), segments, checked, piece_bytes)
+    sizes = fixed_pieces([length for _, _, length in segments], piece_bytes)
+    stream = _Pieces(str(folder), segments, checked, sizes)
     pieces = list(iter(stream.next, None))
-    total = sum(length for _, _, length in segments)
-    assert len(pieces) == stream.count == pieces_of(total, piece_bytes)
-    assert [len(p) for p, _ in pieces][:-1] == [piece_bytes] * (len(pieces) - 1)
+    assert [len(p) for p, _ in pieces] == sizes
+    assert sizes[:-1] == [piece_bytes] * (len(sizes) - 1)
     sent = b"".join(bytes(p.numpy()) for p, _ in pieces)
     meant = (_FILES.get(name, bytes(offset + length))[offset : offset + length] for name, offset, length in segments)
     assert sent == b"".join(meant)
@@ -86,6 +90,54 @@ def test_a_stream_of_byte_ranges_travels_in_pieces_that_hold_exactly_those_bytes
         unread = any(n == "gone" and o < at + len(piece) and at < o + length for n, o, length in _placed(segments))
         assert (crc == checksum(memoryview(piece.numpy()))) == (checked and not unread)
         at += len(piece)
+
+
+@given(st.lists(st.integers(1, 3 * FETCH_PIECE_BYTES), max_size=12))
+def test_a_fetch_sends_each_large_item_in_messages_of_its_own_and_the_small_ones_together(lengths):
+    pieces = fetch_pieces(lengths)
+    assert sum(pieces) == sum(lengths) and all(0 < p <= FETCH_PIECE_BYTES for p in pieces)
+    bounds = set(itertools.accumulate(pieces, initial=0))
+    starts = list(itertools.accumulate(lengths, initial=0))
+    for length, start in zip(lengths, starts, strict=False):
+        if length >= ALONE_BYTES:  # its own messages: they start and end with it
+            assert start in bounds and start + length in bounds
+        else:  # never split
+            assert not any(start < b < start + length for b in bounds)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([1, 100, ALONE_BYTES - 1, ALONE_BYTES, 3 << 20]), st.booleans()), max_size=6),
+    st.one_of(st.none(), st.integers(0, 5)),
+)
+def test_a_fetched_stream_lands_each_item_in_its_place_or_a_buffer_and_reads_back_exact(items, out_of_step):
+    segments, places, at = [], {}, 0
+    for length, placed in items:
+        segments.append(("f", at, length))
+        if placed:
+            places[at] = memoryview(torch.zeros(length, dtype=torch.uint8).numpy())
+        at += length + 7  # items apart in the file
+    data = torch.randint(0, 256, (at,), dtype=torch.uint8)
+    stream = _Stream(segments, Placements([("f", start, dest) for start, dest in places.items()]))
+    sent = b"".join(bytes(data[o : o + n].numpy()) for _, o, n in segments)
+    k = 0
+    for index, size in enumerate(stream.sizes):  # what move_files does with each message; one of the wrong size
+        memory = stream.buffer_for(size + (index == out_of_step))
+        memory[:size] = torch.frombuffer(bytearray(sent[k : k + size]), dtype=torch.uint8)
+        stream.take(memoryview(memory.numpy()), True)
+        k += size
+    broken = sum(stream.sizes[:out_of_step]) if out_of_step is not None else k  # nothing from there on is kept
+    starts = itertools.accumulate((n for _, _, n in segments), initial=0)
+    kept = [(o, n) for (_, o, n), first in zip(segments, starts, strict=False) if first + n <= broken]
+    arrived = stream.whole()
+    assert [(o, len(memory)) for _, o, memory in arrived] == kept
+    fetched = FetchedFile(at, [(o, memory) for _, o, memory in arrived])
+    for (_, o, memory), (_, n) in zip(arrived, kept, strict=True):
+        if o in places and n >= ALONE_BYTES:  # received into its place: read back without a copy
+            assert memory.data_ptr() == torch.frombuffer(places[o], dtype=torch.uint8).data_ptr()
+        out = places.get(o, memoryview(bytearray(n)))
+        fetched.read_into(ReadRequest("f", o, (out,)))
+        assert bytes(out) == bytes(data[o : o + n].numpy())
 
 
 def _placed(segments):
