@@ -297,6 +297,7 @@ class _Pieces:
         self.runs = _runs(segments)
         self.count = len(sizes)
         self._walk = self._pieces()
+        self._maps: dict[str, torch.Tensor | None] = {}  # each file mapped once
 
     def _pieces(self) -> Iterator[tuple[torch.Tensor, int]]:
         sizes = iter(self.sizes)
@@ -330,17 +331,20 @@ class _Pieces:
     def _mapped(self, name: str, end: int) -> torch.Tensor | None:
         """The file, mapped (copy on write: the tensor is writable, the file never written), or ``None``
         where it cannot be read up to ``end``."""
-        path = os.path.join(self.folder, name)
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < end:
-                    raise OSError(f"it holds {size} bytes, {end} were offered")
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        except (OSError, ValueError) as exc:
-            log.warning("ckptio: cannot send the fast-tier file %s to another node: %s", path, exc)
+        if name not in self._maps:
+            path = os.path.join(self.folder, name)
+            try:
+                with open(path, "rb") as f:
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._maps[name] = torch.frombuffer(mapped, dtype=torch.uint8)
+            except (OSError, ValueError) as exc:  # gone, or empty
+                log.warning("ckptio: cannot send the fast-tier file %s to another node: %s", path, exc)
+                self._maps[name] = None
+        mapped = self._maps[name]
+        if mapped is not None and len(mapped) < end:
+            log.warning("ckptio: the fast-tier file %s holds %d bytes, %d were offered", name, len(mapped), end)
             return None
-        return torch.frombuffer(mapped, dtype=torch.uint8)
+        return mapped
 
     def next(self) -> tuple[torch.Tensor, int] | None:
         return next(self._walk, None)
