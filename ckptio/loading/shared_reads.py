@@ -421,10 +421,12 @@ def _messages(sent: list[Segment]) -> list[list[Segment]]:
 
 
 def as_tensor(buffer: memoryview) -> torch.Tensor:
+    """``buffer``'s bytes as a uint8 tensor over the same memory (what gloo sends from and receives into)."""
     return torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8))
 
 
 def memory_address(view: memoryview) -> int:
+    """Where ``view``'s first byte lies in memory (0 when empty): bytes received in place are not copied."""
     return np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
 
 
