@@ -145,6 +145,15 @@ class LocalCopies:
         """Every file name a load reads from the fast tier."""
         return self.files | {record.file for record in self.relocated.values()}
 
+    def drop(self, file: str) -> None:
+        """Hold nothing of fast-tier file ``file`` (a damaged copy): neither it nor the replicas in it, and
+        its saving rank is no longer complete here."""
+        self.files.discard(file)
+        self.relocated = {key: item for key, item in self.relocated.items() if item.file != file}
+        parsed = parse_data_file_name(file)
+        if parsed is not None:
+            self.complete_ranks.discard(parsed.rank)
+
 
 def local_copies(local: FsspecStore, manifest: Manifest) -> LocalCopies:
     """What ``local`` (a node's fast-tier folder of the checkpoint) holds of ``manifest``'s items. A rank

@@ -250,13 +250,11 @@ def _checked(local: FsspecStore, manifest: Manifest, group: "_Group") -> tuple[L
     for (on, _), (_, _, names) in zip(views, everyones, strict=True):
         damaged[on].update(names)
     for name in damaged[node]:
-        copies.files.discard(name)
-        copies.relocated = {key: item for key, item in copies.relocated.items() if item.file != name}
-        copies.complete_ranks.discard(parse_data_file_name(name).rank)
+        copies.drop(name)
+    incomplete = {on: {parse_data_file_name(name).rank for name in names} for on, names in damaged.items()}
     reports = []
     for rank, ((on, _), (own, files, _)) in enumerate(zip(views, everyones, strict=True)):
-        lost = damaged[on]
-        reports.append((own and rank not in {parse_data_file_name(n).rank for n in lost}, sorted(set(files) - lost)))
+        reports.append((own and rank not in incomplete[on], sorted(set(files) - damaged[on])))
     return copies, reports
 
 

@@ -111,8 +111,7 @@ class NearestTierReads(DurableReads):
 
     def _drop(self, name: str) -> None:
         self.fetched.pop(name, None)
-        self.copies.files.discard(name)
-        self.copies.relocated = {key: item for key, item in self.copies.relocated.items() if item.file != name}
+        self.copies.drop(name)
 
     def local_store(self) -> FsspecStore:
         r = self.reader
