@@ -37,6 +37,8 @@ from ckptio.tiers.replication import fixed_pieces, move_files
 #: pieces, two streams on 2 cores).
 FETCH_PIECE_BYTES = 32 << 20
 #: An item at least this large travels in messages of its own (received into its place, if it has one).
+#: Shared reads send alone from 256 KiB (``SHARED_READ_MESSAGE_BYTES``): their messages are posted at once,
+#: while each message here is a round of ``move_files`` (a head, then the bytes, received in turn).
 ALONE_BYTES = 1 << 20
 
 
@@ -91,7 +93,7 @@ def fetch_from_peers(
     local: FsspecStore,
     copies: LocalCopies,
     manifest: Manifest,
-    places: list[tuple[str, int, memoryview]] = (),
+    places: list[tuple[str, int, memoryview]],
 ) -> dict[str, FetchedFile]:
     """Fetch what this rank ``needs`` (``gather_needs``) from other nodes, an item lying wholly in one of
     the ``places`` (``(file, offset, memory)``: where stored bytes land unchanged) into it; every rank of
@@ -113,7 +115,7 @@ def fetch_from_peers(
             outgoing.setdefault(receiver, []).append((*where[(name, offset)], length))
         if receiver == rank:
             receiving.setdefault(server, []).append((name, offset, length))
-    placed = Placements(list(places))
+    placed = Placements(places)
     incoming = {server: _Stream(segments, placed) for server, segments in receiving.items()}
     # no CRC32C of the pieces: the load checks every block it reads
     move_files(group, local.root, outgoing, incoming, checked=False, pieces=fetch_pieces)
