@@ -1,7 +1,7 @@
 """ckptio: a PyTorch Distributed Checkpoint writer and reader for S3 and shared filesystems."""
 
 from ckptio.api import load, save, unwrap
-from ckptio.config import StorageConfig, WriterConfig
+from ckptio.config import StorageConfig, Tuning, WriterConfig
 from ckptio.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -49,6 +49,7 @@ __all__ = [
     "SavePlanner",
     "Stager",
     "StorageConfig",
+    "Tuning",
     "StorageError",
     "UnsafeObjectError",
     "Writer",

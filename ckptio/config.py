@@ -1,10 +1,14 @@
-"""Every tunable of ckptio, with its default, in one place.
+"""Every setting of ckptio, with its default, in one place.
 
-User settings are the fields of ``WriterConfig``. Precedence, lowest to highest: the defaults
-below, then the values given to ``WriterConfig(...)`` or ``WriterConfig.from_dict(...)``, then
-``CKPTIO_<FIELD>`` environment variables (e.g. ``CKPTIO_MODE=replica_group``), so an operator
-can change a job's behaviour without touching its code. Every override is logged at INFO level.
-The storage layer gets only its part, as a ``StorageConfig``.
+A job's decisions are the fields of ``WriterConfig``; how bytes move to and from the store is a
+``StorageConfig`` (``WriterConfig.storage_config``, ``Reader(storage_config=...)``); measured internals
+are a ``Tuning`` (``WriterConfig.tuning``, ``Reader(tuning=...)``), settable to test and measure.
+
+Precedence, the same for all three and on every reader and writer, lowest to highest: the defaults
+below, then the values given (as arguments or by ``WriterConfig.from_dict(...)``), then the
+``CKPTIO_<FIELD>`` environment variables (``CKPTIO_MODE=replica_group``, ``CKPTIO_PART_SIZE=67108864``,
+``CKPTIO_MAX_BLOCK_SIZE=65536``), so an operator can change a job's behaviour without touching its code.
+Every override by the environment is logged at INFO level.
 
 Internal constants (module-level, below) are not overridable; they are listed here so that
 every bound ckptio works within is in one place.
@@ -12,9 +16,11 @@ every bound ckptio works within is in one place.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
+import warnings
 from typing import Any, Mapping
 
 import torch
@@ -43,7 +49,7 @@ DECODE_TASK_BYTES = 1 * MiB
 #: neither touch another nor exceed it as they are, box_reads._read_pieces).
 MAX_REQUEST_BYTES = 32 * MiB
 #: Loads: two reads of one file at most this many bytes apart become one request, the gap read and
-#: dropped (ranges.plan_requests; safetensors boxes too), unless WriterConfig.read_gap_bytes says
+#: dropped (ranges.plan_requests; safetensors boxes too), unless StorageConfig.read_gap_bytes says
 #: otherwise. Local files: 0 (a pread costs microseconds, and nothing is read that the load does
 #: not need). Remote stores: 8 MiB, the ranged GET size AWS recommends for S3; fewer requests also
 #: keep thousands of ranks loading at once under S3's per-prefix request rate (503 SlowDown). On the
@@ -60,8 +66,7 @@ REMOTE_REQUEST_COST_BYTES = REMOTE_READ_GAP_BYTES
 #: A local data file's writeback starts after every this many bytes written (``storage/writeback.py``),
 #: so its final fsync waits for the tail, not the whole file (measured: 1.3x the write+fsync bandwidth).
 WRITEBACK_BYTES = 8 << 20
-#: Shared reads (Reader(dedup_reads=...)): stored bytes exchanged per round, so a rank holds at most
-#: this much received data at a time (one stored item larger than it makes a round of its own).
+#: Shared reads (Reader(dedup_reads=...)): Tuning.dedup_round_bytes's default.
 SHARED_READ_ROUND_BYTES = 256 * MiB
 #: Shared reads: a segment at least this large travels between two ranks as a message of its own,
 #: straight from and into the memory each holds it in; smaller ones travel together, copied in and
@@ -119,17 +124,24 @@ def cpu_threads(max_concurrency: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StorageConfig:
-    """What the storage layer needs to know, on saves and loads alike (see ``WriterConfig`` for each
-    field): a ``Reader``'s setting. ``StorageConfig.from_environment(...)`` applies the
-    ``CKPTIO_<FIELD>`` variables over the values given, as ``WriterConfig`` does::
+    """How bytes move to and from the store, on saves and loads alike: ``WriterConfig.storage_config``
+    and ``Reader(storage_config=...)``, one spelling of each field for both::
 
+        ckptio.WriterConfig(storage_config=ckptio.StorageConfig(part_size=64 << 20))
         ckptio.Reader(url, storage_config=ckptio.StorageConfig(read_gap_bytes=0, max_concurrency=16))
     """
 
+    #: Object stores: objects larger than this go up as multipart uploads of this part size.
     part_size: int = 32 * MiB
+    #: Parallel requests per rank (multipart parts on write, ranged GETs on read), and threads per
+    #: rank that compress, decompress and checksum blocks (at most one per core this process may use).
     max_concurrency: int = 8
+    #: Attempts per request for retryable storage errors (503 SlowDown, 500, timeouts, resets).
     retry_attempts: int = 8
+    #: Upper bound in seconds on the time spent retrying one request.
     retry_deadline_s: float = 120.0
+    #: Loads: reads of one file at most this many bytes apart become one request, the bytes between
+    #: them read and dropped. ``None``: the backend's own (LOCAL_READ_GAP_BYTES, REMOTE_READ_GAP_BYTES).
     read_gap_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -147,20 +159,79 @@ class StorageConfig:
     @classmethod
     def from_environment(cls, **values: Any) -> "StorageConfig":
         """``values`` over the defaults, the ``CKPTIO_<FIELD>`` environment variables over both."""
-        for name, value in _environment_values(cls).items():
-            log.info("ckptio: %s=%r from the environment overrides %r", name, value, values.get(name))
-            values[name] = value
-        return cls(**values)
+        return _with_environment(cls, values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Measured internals of saves and loads: each default was measured (the reason is beside it) and
+    is what every job should use. They are settable to test and to measure, not to configure a job:
+    ``WriterConfig(tuning=Tuning(max_block_size=64 << 10))``, ``Reader(url, tuning=...)``."""
+
+    #: Largest unit of checksumming, compression and ranged reads, in bytes (a multiple of 64).
+    #: Items are cut into about 64 blocks (at least 4 KiB each) up to this size, so a resharded
+    #: load reads little beyond what it needs while the metadata stays small.
+    max_block_size: int = 256 << 10
+    #: zstd level. 1, not zstd's usual 3: on fp32 weights it was 1.8x faster here for a 2.14x
+    #: instead of 2.17x ratio.
+    compression_level: int = 1
+    #: A rank whose only items are its own per-rank state, at most this many bytes, hands them
+    #: to the coordinator to store inside ckptio.json instead of creating a tiny object (0: never).
+    inline_limit: int = 64 << 10
+    #: Loads with shared reads: stored bytes exchanged per round, so a rank holds at most this much
+    #: received data at a time (one stored item larger than it makes a round of its own).
+    dedup_round_bytes: int = SHARED_READ_ROUND_BYTES
+    #: A chain of incremental saves is this many saves long at most; the next save is a full one.
+    incremental_max_depth: int = 8
+    #: An incremental save whose base referenced less than this share of its stored bytes is a full one.
+    incremental_min_fraction: float = 0.1
+    #: Background uploads: how long one may take, retries and waiting for the other ranks' uploads
+    #: included, before it fails (raised by ``ckptio.wait_for_uploads()`` or the next save).
+    drain_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not is_block_size(self.max_block_size):
+            raise ValueError(
+                f"max_block_size must be a positive multiple of 64 bytes up to {MAX_BLOCK_SIZE_LIMIT}, "
+                f"got {self.max_block_size}"
+            )
+        if not 1 <= self.compression_level <= 22:
+            raise ValueError(f"compression_level must be within 1..22, got {self.compression_level}")
+        if self.inline_limit < 0:
+            raise ValueError(f"inline_limit must be >= 0, got {self.inline_limit}")
+        if self.dedup_round_bytes < 1:
+            raise ValueError(f"dedup_round_bytes must be positive, got {self.dedup_round_bytes}")
+        if self.incremental_max_depth < 1:
+            raise ValueError(f"incremental_max_depth must be at least 1, got {self.incremental_max_depth}")
+        if not 0 <= self.incremental_min_fraction < 1:
+            raise ValueError(f"incremental_min_fraction must be within [0, 1), got {self.incremental_min_fraction}")
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
+
+    @classmethod
+    def from_environment(cls, **values: Any) -> "Tuning":
+        """``values`` over the defaults, the ``CKPTIO_<FIELD>`` environment variables over both."""
+        return _with_environment(cls, values)
+
+
+#: Names WriterConfig had before 1.0 for fields of its nested configs: accepted (as keywords, by
+#: ``from_dict``, as attributes) with a DeprecationWarning until 1.1.
+MOVED_FIELDS = {
+    **{f.name: "storage_config" for f in dataclasses.fields(StorageConfig)},
+    **{f.name: "tuning" for f in dataclasses.fields(Tuning) if f.name != "dedup_round_bytes"},
+}
+_NESTED = {"storage_config": StorageConfig, "tuning": Tuning}
 
 
 @dataclasses.dataclass
 class WriterConfig:
-    """How a checkpoint is written.
+    """What a job decides about how its checkpoints are written; how bytes move is ``storage_config``,
+    measured internals are ``tuning``.
 
     Example::
 
         cfg = WriterConfig(mode="replica_group", compression="zstd")
-        cfg = WriterConfig.from_dict({"mode": "all_ranks", "part_size": 64 << 20})
+        cfg = WriterConfig.from_dict({"mode": "all_ranks", "storage_config": {"part_size": 64 << 20}})
     """
 
     #: ``all_ranks``: every rank writes its own file, replicated data spread evenly.
@@ -169,30 +240,8 @@ class WriterConfig:
     mode: str = "all_ranks"
     #: ``None`` or ``"zstd"``; compression is per block, and a block that does not shrink is kept raw.
     compression: str | None = None
-    #: zstd level. 1, not zstd's usual 3: on fp32 weights it was 1.8x faster here for a 2.14x
-    #: instead of 2.17x ratio.
-    compression_level: int = 1
-    #: Largest unit of checksumming, compression and ranged reads, in bytes (a multiple of 64).
-    #: Items are cut into about 64 blocks (at least 4 KiB each) up to this size, so a resharded
-    #: load reads little beyond what it needs while the metadata stays small.
-    max_block_size: int = 256 << 10
     #: Replace a committed checkpoint; the old one stays loadable until the new one commits.
     overwrite: bool = False
-    #: Object stores: objects larger than this go up as multipart uploads of this part size.
-    part_size: int = 32 * MiB
-    #: Parallel requests per rank (multipart parts on write, ranged GETs on read), and threads per
-    #: rank that compress, decompress and checksum blocks (at most one per core this process may use).
-    max_concurrency: int = 8
-    #: Attempts per request for retryable storage errors (503 SlowDown, 500, timeouts, resets).
-    retry_attempts: int = 8
-    #: Upper bound in seconds on the time spent retrying one request.
-    retry_deadline_s: float = 120.0
-    #: Loads: reads of one file at most this many bytes apart become one request, the bytes between
-    #: them read and dropped. ``None``: the backend's own (LOCAL_READ_GAP_BYTES, REMOTE_READ_GAP_BYTES).
-    read_gap_bytes: int | None = None
-    #: A rank whose only items are its own per-rank state, at most this many bytes, hands them
-    #: to the coordinator to store inside ckptio.json instead of creating a tiny object.
-    inline_limit: int = 64 << 10
     #: What to do when ranks hold different values under one non-tensor key:
     #: ``"error"`` fails the save naming the key and ranks; ``"keep_per_rank"`` stores one value per rank.
     differing_objects: str = "error"
@@ -217,14 +266,11 @@ class WriterConfig:
     #: Background uploads to the durable tier: at most this many bytes per second per process
     #: (``None``: as fast as the store takes them).
     drain_bandwidth: int | None = None
-    #: Background uploads: how long one may take, retries and waiting for the other ranks' uploads
-    #: included, before it fails (raised by ``ckptio.wait_for_uploads()`` or the next save).
-    drain_timeout_s: float = 3600.0
     #: Data files under key prefixes that spread them over an object store's partitions:
     #: ``"hash"``: ``<url>/<xx>/data-....ckio``, xx two hex digits of the file name's SHA-256, so ranks
     #: writing at once reach up to 256 prefixes (S3 serves ~3,500 PUTs/s per partition; thousands of
-    #: ranks in one prefix draw 503 SlowDown). Recorded in the metadata (format version 5): every reader
-    #: and tool finds the files, and the checkpoint is still one URL. ``None``: all files at the URL.
+    #: ranks in one prefix draw 503 SlowDown). Recorded in the metadata: every reader and tool finds the
+    #: files, and the checkpoint is still one URL. ``None``: all files at the URL.
     key_prefix: str | None = None
     #: ``False``: ``ckptio.save`` (and the torchtitan integration) save with
     #: ``dcp.save(..., use_collectives=False)``: no coordinator, no plan gather, no rank waits for another;
@@ -241,22 +287,25 @@ class WriterConfig:
     #: Any save with this set records the digests, so the first save of a chain (nothing to reference) is
     #: a full one. ``None``: off.
     incremental_from: str | None = None
-    #: A chain of incremental saves is this many saves long at most; the next save is a full one.
-    incremental_max_depth: int = 8
-    #: A save whose base referenced less than this share of its stored bytes is a full one.
-    incremental_min_fraction: float = 0.1
+    #: How bytes move to and from the store (part size, concurrency, retries, read gaps).
+    storage_config: StorageConfig = dataclasses.field(default_factory=StorageConfig)
+    #: Measured internals (block size, zstd level, inline limit, incremental chain bounds, drain timeout).
+    tuning: Tuning = dataclasses.field(default_factory=Tuning)
 
     def __post_init__(self) -> None:
         for name, value in _environment_values(type(self)).items():
             log.info("ckptio: %s=%r from the environment overrides %r", name, value, getattr(self, name))
             setattr(self, name, value)
+        for name, kind in _NESTED.items():
+            setattr(self, name, nested_config(kind, getattr(self, name), name))
         self.validate()
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> "WriterConfig":
-        """Build a config from a mapping (e.g. a ``[checkpoint]`` section of a job's TOML/YAML)."""
+        """Build a config from a mapping (e.g. a ``[checkpoint]`` section of a job's TOML/YAML); the nested
+        configs as mappings of their own (``{"storage_config": {"part_size": ...}}``)."""
         values = dict(values or {})
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} | set(MOVED_FIELDS)
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown ckptio config key(s) {unknown}; valid keys are {sorted(known)}")
@@ -265,13 +314,7 @@ class WriterConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def storage(self) -> StorageConfig:
-        return StorageConfig(
-            self.part_size, self.max_concurrency, self.retry_attempts, self.retry_deadline_s, self.read_gap_bytes
-        )
-
     def validate(self) -> None:
-        self.storage()  # the storage fields' rules are StorageConfig's
         if self.mode not in MODES:
             raise ValueError(f"unknown ckptio mode {self.mode!r}; valid modes are {list(MODES)}")
         if self.compression not in COMPRESSIONS:
@@ -281,13 +324,10 @@ class WriterConfig:
                 f"unknown differing_objects policy {self.differing_objects!r}; "
                 "valid values are ['error', 'keep_per_rank']"
             )
-        if not is_block_size(self.max_block_size):
-            raise ValueError(
-                f"max_block_size must be a positive multiple of 64 bytes up to {MAX_BLOCK_SIZE_LIMIT}, "
-                f"got {self.max_block_size}"
-            )
-        if self.inline_limit < 0:
-            raise ValueError(f"inline_limit must be >= 0, got {self.inline_limit}")
+        for name, kind in _NESTED.items():
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
+            kind(**dataclasses.asdict(getattr(self, name)))  # its rules, on fields set after it was made
         if self.local_tier is not None and not isinstance(self.local_tier, str | os.PathLike):
             raise ValueError(f"local_tier must be a local path or None, got {self.local_tier!r}")
         if self.local_tier is not None and "://" in os.fspath(self.local_tier):
@@ -308,8 +348,6 @@ class WriterConfig:
             raise ValueError(
                 f"drain_bandwidth must be None or a positive number of bytes/s, got {self.drain_bandwidth}"
             )
-        if not self.drain_timeout_s > 0:
-            raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
         if self.key_prefix not in KEY_PREFIXES:
             raise ValueError(f"unknown key_prefix {self.key_prefix!r}; valid values are {list(KEY_PREFIXES)}")
         if isinstance(self.incremental_from, os.PathLike):
@@ -318,12 +356,72 @@ class WriterConfig:
             raise ValueError(
                 f"incremental_from must be a checkpoint URL, 'previous' or None, got {self.incremental_from!r}"
             )
-        if self.incremental_max_depth < 1:
-            raise ValueError(f"incremental_max_depth must be at least 1, got {self.incremental_max_depth}")
-        if not 0 <= self.incremental_min_fraction < 1:
-            raise ValueError(f"incremental_min_fraction must be within [0, 1), got {self.incremental_min_fraction}")
-        if not 1 <= self.compression_level <= 22:
-            raise ValueError(f"compression_level must be within 1..22, got {self.compression_level}")
+
+    def __getattr__(self, name: str) -> Any:  # only reached for names that are not fields
+        if name not in MOVED_FIELDS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        _warn_moved(name)
+        return getattr(self.__dict__[MOVED_FIELDS[name]], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in MOVED_FIELDS:  # checked with the other fields when the save starts (``validate``)
+            _warn_moved(name)
+            nested = copy.copy(getattr(self, MOVED_FIELDS[name]))
+            object.__setattr__(nested, name, value)
+            name, value = MOVED_FIELDS[name], nested
+        super().__setattr__(name, value)
+
+
+def _accept_moved_keywords(init: Any) -> Any:
+    """``WriterConfig(part_size=...)`` and the other pre-1.0 names, applied to the nested config given (or
+    the default), so ``dataclasses.replace(config, part_size=...)`` works as well."""
+
+    def __init__(self: WriterConfig, *args: Any, **values: Any) -> None:
+        for name in [name for name in values if name in MOVED_FIELDS]:
+            _warn_moved(name, stacklevel=3)
+            group = MOVED_FIELDS[name]
+            nested = nested_config(_NESTED[group], values.get(group), group)
+            values[group] = dataclasses.replace(nested, **{name: values.pop(name)})
+        init(self, *args, **values)
+
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+WriterConfig.__init__ = _accept_moved_keywords(WriterConfig.__init__)  # type: ignore[method-assign]
+
+
+def _warn_moved(name: str, stacklevel: int = 3) -> None:
+    group = MOVED_FIELDS[name]
+    warnings.warn(
+        f"WriterConfig.{name} is now WriterConfig.{group}.{name} (WriterConfig({group}={_NESTED[group].__name__}"
+        f"({name}=...))); the old name goes in ckptio 1.1",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def nested_config(kind: type, value: Any, name: str) -> Any:
+    """A nested config given as an instance, a mapping or ``None`` (the defaults), with the environment's
+    ``CKPTIO_<FIELD>`` variables over it."""
+    if value is None:
+        value = {}
+    elif isinstance(value, kind):
+        value = dataclasses.asdict(value)
+    elif not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be a {kind.__name__} or a mapping of its fields, got {value!r}")
+    known = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown {name} key(s) {unknown}; valid keys are {sorted(known)}")
+    return kind.from_environment(**value)
+
+
+def _with_environment(kind: type, values: dict[str, Any]) -> Any:
+    for name, value in _environment_values(kind).items():
+        log.info("ckptio: %s=%r from the environment overrides %r", name, value, values.get(name))
+        values[name] = value
+    return kind(**values)
 
 
 def _environment_values(config: type) -> dict[str, Any]:
@@ -331,7 +429,7 @@ def _environment_values(config: type) -> dict[str, Any]:
     return {
         field.name: _parse_env(field, os.environ["CKPTIO_" + field.name.upper()])
         for field in dataclasses.fields(config)
-        if "CKPTIO_" + field.name.upper() in os.environ
+        if "CKPTIO_" + field.name.upper() in os.environ and field.name not in ("storage_config", "tuning")
     }
 
 

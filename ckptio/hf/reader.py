@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from ckptio.config import MiB, StorageConfig
+from ckptio.config import MiB, StorageConfig, nested_config
 from ckptio.errors import CheckpointError, CheckpointFormatError, CheckpointNotFoundError, remember_metadata_error
 from ckptio.format.names import METADATA_NAME, Codec, ItemKind, dtype_name
 from ckptio.format.records import StoredItem
@@ -71,8 +72,7 @@ class HFReader(Reader):
 
     ``key_map``: how a file's tensor names become state keys: ``None`` (as they are), a prefix
     (``"model."``: ``layers.0.w`` -> ``model.layers.0.w``), or a function from tensor name to
-    state key (``None`` leaves that tensor out). ``read_gap_bytes``: merge reads of one file this
-    close together (default: the store's, 0 for local files, 1 MiB for object stores).
+    state key (``None`` leaves that tensor out). ``storage_config``, ``dedup_reads``: as ``Reader``'s.
 
     dtypes convert on load as ``Reader``'s do (``conversion.py``: exact widenings, such as a bf16
     file into fp32 parameters), except that rounding (fp32 weights into bf16 parameters, to nearest
@@ -99,9 +99,16 @@ class HFReader(Reader):
     ):
         if not (key_map is None or isinstance(key_map, str) or callable(key_map)):
             raise TypeError(f"key_map must be a prefix string, a function or None, got {type(key_map).__name__}")
-        if read_gap_bytes is not None:  # a shortcut for the storage config's field (validated there)
-            gap_config = StorageConfig.from_environment(read_gap_bytes=read_gap_bytes)
-            storage_config = dataclasses.replace(storage_config or gap_config, read_gap_bytes=read_gap_bytes)
+        if read_gap_bytes is not None:
+            warnings.warn(
+                "HFReader(read_gap_bytes=...) is now HFReader(storage_config=ckptio.StorageConfig(read_gap_bytes="
+                "...)), as on Reader; the old name goes in ckptio 1.1",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            storage_config = dataclasses.replace(
+                nested_config(StorageConfig, storage_config, "storage_config"), read_gap_bytes=read_gap_bytes
+            )
         self.key_map = key_map
         self._entry: str | None = None
         super().__init__(

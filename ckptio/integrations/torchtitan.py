@@ -78,7 +78,8 @@ class CheckpointManager(TorchtitanCheckpointManager):
         one commits. ``False`` fails such a save instead."""
 
         writer_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-        """Further ``ckptio.WriterConfig`` fields by name (``part_size``, ``max_concurrency``, ...)."""
+        """Further ``ckptio.WriterConfig`` fields by name, as ``WriterConfig.from_dict`` takes them
+        (``{"local_tier": ..., "storage_config": {"part_size": ..., "max_concurrency": ...}}``)."""
 
         storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
         """fsspec options for the checkpoint folder (an S3 endpoint, credentials)."""

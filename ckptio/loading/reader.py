@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import uuid
+import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -15,7 +16,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptio.config import SHARED_READ_ROUND_BYTES, StorageConfig
+from ckptio.config import StorageConfig, Tuning, nested_config
 from ckptio.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -54,7 +55,8 @@ class Reader(CheckpointLocation, StorageReader):
     """Load a checkpoint written by ``ckptio.Writer`` on any world size and mesh.
 
     Every block read is checked against its CRC32C unless ``verify=False``. ``storage_config``
-    sets read concurrency, retries and read gaps (default: ``StorageConfig.from_environment()``).
+    sets read concurrency, retries and read gaps, ``tuning`` the measured internals (``config.py``; both
+    with the ``CKPTIO_<FIELD>`` environment variables over the values given).
     A stored dtype loads into a tensor of another only when no value can change (``conversion.py``:
     bf16 into fp32, int32 into int64); ``allow_rounding=True`` also lets floating-point values round
     (fp32 into bf16). Truncation and wrap-around (floats into ints, narrower ints) are always refused.
@@ -91,21 +93,28 @@ class Reader(CheckpointLocation, StorageReader):
         verify: bool = True,
         storage_config: StorageConfig | None = None,
         dedup_reads: bool | str = "auto",
-        dedup_round_bytes: int = SHARED_READ_ROUND_BYTES,
         allow_rounding: bool = False,
         local_tier: str | os.PathLike | None = None,
+        tuning: Tuning | None = None,
+        dedup_round_bytes: int | None = None,
     ):
         super().__init__()
         if dedup_reads not in (True, False, "auto"):
             raise ValueError(f"dedup_reads must be True, False or 'auto', got {dedup_reads!r}")
-        if dedup_round_bytes < 1:
-            raise ValueError(f"dedup_round_bytes must be positive, got {dedup_round_bytes}")
         self.storage_options = dict(storage_options or {})
         self.verify = verify
         self.dedup_reads = dedup_reads
-        self.dedup_round_bytes = dedup_round_bytes
         self.allow_rounding = allow_rounding
-        self.storage_config = storage_config if storage_config is not None else StorageConfig.from_environment()
+        self.storage_config = nested_config(StorageConfig, storage_config, "storage_config")
+        if dedup_round_bytes is not None:
+            warnings.warn(
+                "Reader(dedup_round_bytes=...) is now Reader(tuning=ckptio.Tuning(dedup_round_bytes=...)); "
+                "the old name goes in ckptio 1.1",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            tuning = dataclasses.replace(nested_config(Tuning, tuning, "tuning"), dedup_round_bytes=dedup_round_bytes)
+        self.tuning = nested_config(Tuning, tuning, "tuning")
         if local_tier is None:
             local_tier = os.environ.get("CKPTIO_LOCAL_TIER") or None
         self.local_tier = os.fspath(local_tier) if local_tier is not None else None
@@ -259,7 +268,7 @@ class Reader(CheckpointLocation, StorageReader):
             )
             if not share:
                 return None
-        return plan_shared_reads(needs, self.stored_record, world, self.dedup_round_bytes)
+        return plan_shared_reads(needs, self.stored_record, world, self.tuning.dedup_round_bytes)
 
     def _stored_key(self, read_item: ReadItem) -> MetadataIndex:
         index = read_item.storage_index

@@ -69,7 +69,10 @@ def encode_items(
     ``base`` already stores are referenced there instead of written (``incremental.py``): an item of such
     blocks and changed ones is stored in pieces."""
     encoder = BlockEncoder(
-        config.max_block_size, config.compression, config.compression_level, cpu_threads(config.max_concurrency)
+        config.tuning.max_block_size,
+        config.compression,
+        config.tuning.compression_level,
+        cpu_threads(config.storage_config.max_concurrency),
     )
     sink = _InlineOrFileSink(store, file, inline_limit)
     digested = config.incremental_from is not None if digested is None else digested

@@ -150,7 +150,7 @@ def write_own_part(
         writer._base = writer.incremental_base()
     replicas = {k: v for k, v in held.items() if k not in own.written}
     objects = pickled_objects(held, planner)
-    stored = writer._landing.write(file, own.written, replicas, planner, objects, writer.config.inline_limit)
+    stored = writer._landing.write(file, own.written, replicas, planner, objects, writer.config.tuning.inline_limit)
     note_saved(writer.checkpoint_id)
     return [WriteResult(index, record.stored_bytes, record) for index, record in stored.items()]
 

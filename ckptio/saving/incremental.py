@@ -230,17 +230,17 @@ def _within_bounds(url: str, manifest: Manifest, checkpoint_id: str, config) -> 
     little (``incremental_min_fraction``)."""
     chain = manifest.header.chain
     depth = (chain.depth if chain is not None else 0) + 1
-    if depth > config.incremental_max_depth:
+    if depth > config.tuning.incremental_max_depth:
         log.info("ckptio: saving %s in full: its chain reached incremental_max_depth=%d", checkpoint_id, depth - 1)
         return None
-    if chain is not None and chain.referenced_bytes < config.incremental_min_fraction * chain.stored_bytes:
+    if chain is not None and chain.referenced_bytes < config.tuning.incremental_min_fraction * chain.stored_bytes:
         log.info(
             "ckptio: saving %s in full: its base %s referenced %d of %d stored bytes (incremental_min_fraction=%g)",
             checkpoint_id,
             url,
             chain.referenced_bytes,
             chain.stored_bytes,
-            config.incremental_min_fraction,
+            config.tuning.incremental_min_fraction,
         )
         return None
     return Base(folder_and_name(url)[1], manifest, depth)

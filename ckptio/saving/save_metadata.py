@@ -64,7 +64,7 @@ def header_of(
         save_id=save_id,
         world_size=world_size,
         mesh=mesh,
-        config=SavedConfig(config.mode, config.compression, config.max_block_size),
+        config=SavedConfig(config.mode, config.compression, config.tuning.max_block_size),
         writer_ranks=writers,
         dcp_version=metadata.version,
     )
@@ -85,7 +85,7 @@ def chain_of(base: Base | None, config: WriterConfig, items: Any) -> ChainRecord
     stored = sum(item.stored_bytes for item in items)
     if base is None:
         log.warning("ckptio: ranks of this save resolved different incremental bases; the next save will be full")
-        return ChainRecord("unknown", config.incremental_max_depth, referenced, stored)
+        return ChainRecord("unknown", config.tuning.incremental_max_depth, referenced, stored)
     return ChainRecord(base.name, base.depth, referenced, stored)
 
 

@@ -156,7 +156,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
 
     @property
     def storage_config(self) -> StorageConfig:
-        return self.config.storage()
+        return self.config.storage_config
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         # storage_options survive reset: torch's FsspecWriter drops them here and silently
@@ -239,7 +239,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         )
         extras = own_copies(held, assigned, self.config.differing_objects)
         private = isinstance(plan.storage_data, RankAssignment) and plan.storage_data.private_only
-        inline_limit = self.config.inline_limit if private and not extras else 0
+        inline_limit = self.config.tuning.inline_limit if private and not extras else 0
         if assigned or extras or self.is_coordinator:  # what this rank writes against; the chain's record
             self._base = self.incremental_base()
         replicas = {k: v for k, v in held.items() if k not in assigned and k not in extras}

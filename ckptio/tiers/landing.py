@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class TieredLanding(DurableLanding):
     @property
     def pending_s(self) -> float:  # type: ignore[override]
-        return self.writer.config.drain_timeout_s
+        return self.writer.config.tuning.drain_timeout_s
 
     def start(self) -> None:
         drain_queue().raise_failure()  # a failed background upload of an earlier save is raised here
@@ -86,7 +86,7 @@ class TieredLanding(DurableLanding):
         finally:
             if job is not None:
                 job.files.set_result(written)
-                replication.replication_queue().submit(self.drain_key(), job, self.writer.config.drain_timeout_s)
+                replication.replication_queue().submit(self.drain_key(), job, self.writer.config.tuning.drain_timeout_s)
 
     def _replication_job(self) -> replication.Replicate | None:
         w = self.writer

@@ -155,9 +155,9 @@ def queue_rank_drain(
         upload = Upload(
             durable, local.path(file), file, durable_segments(records, file, nbytes), config.drain_bandwidth
         )
-        queue.submit(save, upload, config.drain_timeout_s)
+        queue.submit(save, upload, config.tuning.drain_timeout_s)
         if not coordinator:
-            queue.submit(save, AwaitCommit(durable, file, started), config.drain_timeout_s)
+            queue.submit(save, AwaitCommit(durable, file, started), config.tuning.drain_timeout_s)
     if not coordinator:
         queue_prune(save, durable, config)
 
@@ -174,7 +174,7 @@ def queue_commit(
     """The coordinator's jobs: commit ``document`` (whose ``header`` is given) once every rank's file
     is there, then prune its fast tier."""
     commit = Commit(durable, document, header.files, writers, superseded, config.overwrite, references_of(header))
-    drain_queue().submit(save, commit, config.drain_timeout_s)
+    drain_queue().submit(save, commit, config.tuning.drain_timeout_s)
     queue_prune(save, durable, config)
 
 
@@ -185,7 +185,7 @@ def queue_prune(save: str, durable: Durable, config: WriterConfig) -> None:
         Durable(run, durable.storage_options, durable.storage_config),
         config.local_tier_keep,
     )
-    drain_queue().submit(save, prune, config.drain_timeout_s)
+    drain_queue().submit(save, prune, config.tuning.drain_timeout_s)
 
 
 def commit_locally(local: FsspecStore, document: bytes, name: str = METADATA_NAME) -> None:
@@ -231,7 +231,7 @@ def commit_fragment(
     the set (``merge``: its save id and rank count) once every rank's fragment is there."""
     commit_locally(local, document, name)
     job = CommitFragment(durable, name, document, files, config.overwrite, merge)
-    drain_queue().submit(save, job, config.drain_timeout_s)
+    drain_queue().submit(save, job, config.tuning.drain_timeout_s)
     queue_prune(save, durable, config)
 
 
