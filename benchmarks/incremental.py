@@ -128,7 +128,9 @@ class _Run:
         self.options = target.get("storage_options")
         self.depth = cfg.get("incremental_depth", MAX_DEPTH)
         self.chain = ckptio.WriterConfig(
-            mode="replica_group", incremental_from="previous", incremental_max_depth=self.depth
+            mode="replica_group",
+            incremental_from="previous",
+            tuning=ckptio.Tuning(incremental_max_depth=self.depth),
         )
         self.plain = ckptio.WriterConfig(mode="replica_group")
 

@@ -266,7 +266,9 @@ def simulate(writer: str, layout: str, ranks: int, layers: int) -> dict:
             global_plans, metadata = planner.create_global_plan(plans)
             final = storage.prepare_global_plan(global_plans)
         del plans, global_plans
-        results = ckptio_results(final, storage.config.max_block_size) if writer == "ckptio" else torch_results(final)
+        results = (
+            ckptio_results(final, storage.config.tuning.max_block_size) if writer == "ckptio" else torch_results(final)
+        )
         del final
         with _timed(seconds, "finish"):
             storage.finish(metadata, results)
@@ -354,7 +356,7 @@ def simulate_without_coordinator(layout: str, ranks: int, layers: int) -> dict:
             start = time.perf_counter()
             results, offset = [], 0
             for item in own.written.values():
-                result = _ckptio_result(item, rank, offset, writer.config.max_block_size)
+                result = _ckptio_result(item, rank, offset, writer.config.tuning.max_block_size)
                 offset += result.size_in_bytes
                 results.append(result)
             writer._fragment.replicas = own.replicas

@@ -158,7 +158,7 @@ class _Run:
         record["own_fast_tier_bytes"] = _own_bytes(local_step_path(self.node_tier, url, self.options), self.rank)
 
         lost_run = f"{self.base}/run-lost-{rep}"
-        cut_off = dataclasses.replace(self.copied, drain_bandwidth=1, drain_timeout_s=0.5)
+        cut_off = dataclasses.replace(self.copied, drain_bandwidth=1, tuning=ckptio.Tuning(drain_timeout_s=0.5))
         dcp.save(state, storage_writer=self._writer(f"{lost_run}/step-1", cut_off))
         try:
             ckptio.wait_for_uploads(DRAIN_TIMEOUT_S)

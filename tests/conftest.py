@@ -154,7 +154,7 @@ def raw_checkpoint(tmp_path):
 
     url = str(tmp_path / "ckpt")
     state = {"w": torch.arange(20000.0), "b": torch.arange(7), "step": 3}
-    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0))
+    ckptio.save(state, url, ckptio.WriterConfig(tuning=ckptio.Tuning(inline_limit=0)))
     doc = read_stored_doc(url)
     assert doc["format_version"] == 8
     return url, doc

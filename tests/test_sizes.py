@@ -280,7 +280,9 @@ def test_an_item_above_2_gib_saved_incrementally_loads_from_runs_past_2_gib(tmp_
     reaching past 2^31; the item loads exactly."""
     run = tmp_path / "run"
     big = big_tensor()
-    config = ckptio.WriterConfig(incremental_from="previous", read_gap_bytes=0)  # 256 KiB blocks: 4 rows each
+    config = ckptio.WriterConfig(
+        incremental_from="previous", storage_config=ckptio.StorageConfig(read_gap_bytes=0)
+    )  # 256 KiB blocks: 4 rows each
     ckptio.save({"embed": big}, str(run / "step-1"), config)
     big.view(torch.int32)[[3, BIG_ROWS // 2]] += 1  # blocks 0 and 4096 of 8193
     ckptio.save({"embed": big}, str(run / "step-2"), config)

@@ -223,7 +223,10 @@ def test_s3_requests_are_counted_on_the_client(s3):
     counting.install_s3_counter()
     counting.take_counts()
     ckptio.save(
-        {"w": torch.ones(1000)}, f"{base}/counted", ckptio.WriterConfig(inline_limit=0), storage_options=options
+        {"w": torch.ones(1000)},
+        f"{base}/counted",
+        ckptio.WriterConfig(tuning=ckptio.Tuning(inline_limit=0)),
+        storage_options=options,
     )
     counts = counting.take_counts()
     assert counts["PUT"] == 2 and counts["GET"] == 1  # data object, metadata; the existence check
@@ -238,7 +241,10 @@ def test_throttled_answers_are_counted_apart_from_the_requests(s3_proxy):
     counting.take_counts()
     proxy.faults.append(Fault(lambda r: r.operation == "PUT", 503, times=2))
     ckptio.save(
-        {"w": torch.ones(1000)}, f"{base}/counted", ckptio.WriterConfig(inline_limit=0), storage_options=options
+        {"w": torch.ones(1000)},
+        f"{base}/counted",
+        ckptio.WriterConfig(tuning=ckptio.Tuning(inline_limit=0)),
+        storage_options=options,
     )
     counts = counting.take_counts()
     assert counts["PUT"] == 4 and counts[counting.THROTTLED] == 2  # each 503 is one of the 4 PUTs sent

@@ -32,7 +32,7 @@ def _two_chunk_checkpoint(tmp_path) -> str:
     """A tensor saved as two chunks (by two 'ranks' of a sharded tensor, written here as one plan)."""
     url = str(tmp_path / "ckpt")
     state = {"w": torch.arange(4096.0).reshape(64, 64), "meta": {"epoch": 3}}
-    dcp.save(state, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(inline_limit=0)))
+    dcp.save(state, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(tuning=ckptio.Tuning(inline_limit=0))))
     doc = read_doc(url)
     # Split "w" into two row chunks the way a 2-way Shard(0) save records it.
     (entry,) = [i for i in doc["items"] if i["fqn"] == "w"]

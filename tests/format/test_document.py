@@ -22,7 +22,7 @@ STATE = {"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(3, dtype=torch.b
 @pytest.fixture(scope="module")
 def doc(tmp_path_factory) -> dict:
     url = str(tmp_path_factory.mktemp("doc") / "ckpt")
-    ckptio.save(STATE, url, ckptio.WriterConfig(inline_limit=0))
+    ckptio.save(STATE, url, ckptio.WriterConfig(tuning=ckptio.Tuning(inline_limit=0)))
     with open(f"{url}/ckptio.json") as f:
         return json.load(f)
 
@@ -102,7 +102,7 @@ def test_a_fragment_is_not_a_checkpoint_and_a_checkpoint_is_not_a_fragment(doc, 
     with pytest.raises(CheckpointFormatError, match="not a ckptio 1.0 fragment"):
         decode_fragment(json.dumps(doc).encode(), "ckptio.json")
     url = str(tmp_path / "frag")
-    ckptio.save(STATE, url, ckptio.WriterConfig(use_collectives=False, inline_limit=0))
+    ckptio.save(STATE, url, ckptio.WriterConfig(use_collectives=False, tuning=ckptio.Tuning(inline_limit=0)))
     with open(f"{only_fragments(url)}/{fragment_name(0, 1)}") as f:
         fragment = json.load(f)
     with pytest.raises(CheckpointFormatError, match="fragment of a save without a coordinator, not"):
@@ -114,7 +114,7 @@ def test_a_fragment_is_not_a_checkpoint_and_a_checkpoint_is_not_a_fragment(doc, 
 
 def test_a_fragment_keeping_objects_per_rank_is_refused_by_the_merge(tmp_path):
     url = str(tmp_path / "frag")
-    ckptio.save(STATE, url, ckptio.WriterConfig(use_collectives=False, inline_limit=0))
+    ckptio.save(STATE, url, ckptio.WriterConfig(use_collectives=False, tuning=ckptio.Tuning(inline_limit=0)))
     with open(f"{only_fragments(url)}/{fragment_name(0, 1)}") as f:
         fragment = json.load(f)
     fragment["keys"]["kind"] = encode_column([0, 0, 2, 1])

@@ -20,7 +20,7 @@ from ckptio.storage import open_store
 @pytest.fixture
 def incremental_doc(tmp_path) -> dict:
     """The metadata of a checkpoint that references its sibling ``step-1``."""
-    config = ckptio.WriterConfig(incremental_from="previous", inline_limit=0)
+    config = ckptio.WriterConfig(incremental_from="previous", tuning=ckptio.Tuning(inline_limit=0))
     frozen = torch.arange(4096.0).reshape(64, 64)
     for step in (1, 2):
         state = {"frozen": frozen, "adapter": torch.full((4, 64), float(step))}
@@ -89,7 +89,11 @@ def test_digests_without_the_incremental_feature_are_refused(tmp_path):
 def pieces_doc(tmp_path) -> dict:
     """The metadata of a checkpoint whose one tensor is stored in pieces: its changed first block in its
     own file, the rest in its sibling ``step-1``'s."""
-    config = ckptio.WriterConfig(incremental_from="previous", inline_limit=0, max_block_size=1024, read_gap_bytes=0)
+    config = ckptio.WriterConfig(
+        incremental_from="previous",
+        tuning=ckptio.Tuning(inline_limit=0, max_block_size=1024),
+        storage_config=ckptio.StorageConfig(read_gap_bytes=0),
+    )
     weights = torch.arange(4096.0)
     for step in (1, 2):
         weights[0] = step

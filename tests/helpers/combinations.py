@@ -146,9 +146,9 @@ def save_and_load_rows(root: str, rows: list[dict], options: dict | None) -> lis
                 incremental_from=base,
                 key_prefix=row["key_prefix"],
                 differing_objects="keep_per_rank",
-                max_block_size=1024,
-                read_gap_bytes=0,
-                inline_limit=0,  # a save without a coordinator keeps small items inline: never referenced
+                storage_config=ckptio.StorageConfig(read_gap_bytes=0),
+                # a save without a coordinator keeps small items inline: never referenced
+                tuning=ckptio.Tuning(max_block_size=1024, inline_limit=0),
             )
             writer = ckptio.Writer(url, config, storage_options=storage)
             kwargs = {"process_group": pg, "use_collectives": row["collectives"]}

@@ -25,7 +25,7 @@ def fresh() -> dict:
 def saved(tmp_path, name: str = "ck", state: dict = STATE, **config) -> str:
     """``state`` saved with ``ckptio.save`` (no inline items, so every item is in a data file)."""
     url = str(tmp_path / name)
-    ckptio.save(state, url, ckptio.WriterConfig(inline_limit=0, **config))
+    ckptio.save(state, url, ckptio.WriterConfig(tuning=ckptio.Tuning(inline_limit=0), **config))
     return url
 
 

@@ -93,7 +93,7 @@ def save(url: str, case: dict[str, Any], values: dict[str, Any] | None = None, p
     config = ckptio.WriterConfig(
         mode=case.get("mode", "all_ranks"),
         compression=case.get("compression"),
-        max_block_size=case.get("max_block_size", 1024),
+        tuning=ckptio.Tuning(max_block_size=case.get("max_block_size", 1024)),
         key_prefix=case.get("key_prefix"),
         overwrite=case.get("overwrite", False),
     )

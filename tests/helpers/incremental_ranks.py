@@ -64,12 +64,15 @@ def save_chain(run: str, case: dict[str, Any], steps: list[int]) -> list[list[st
         this = {**case, **case.get("steps", {}).get(step, {})}
         config = ckptio.WriterConfig(
             compression=this.get("compression"),
-            max_block_size=this.get("max_block_size", 1024),
             incremental_from="previous",
-            incremental_max_depth=this.get("max_depth", 8),
             mode=this.get("mode", "all_ranks"),
-            read_gap_bytes=0,  # requests cost nothing: every unchanged run of a small table is referenced
-            inline_limit=this.get("inline_limit", 64 << 10),
+            # requests cost nothing: every unchanged run of a small table is referenced
+            storage_config=ckptio.StorageConfig(read_gap_bytes=0),
+            tuning=ckptio.Tuning(
+                max_block_size=this.get("max_block_size", 1024),
+                incremental_max_depth=this.get("max_depth", 8),
+                inline_limit=this.get("inline_limit", 64 << 10),
+            ),
         )
         url = f"{run}/step-{step}"
         values = state(case["save_mesh"], case["save_placements"], step)

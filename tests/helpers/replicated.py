@@ -50,7 +50,10 @@ def save_with_a_full_partner(run: str, tier_base: str, options, config: dict) ->
     if dist.get_rank() >= 2:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (128 << 10, resource.RLIM_INFINITY))
-    for step, drain in ((1, {}), (2, {"drain_bandwidth": 1, "drain_timeout_s": 0.5})):
+    for step, drain in (
+        (1, {}),
+        (2, {"drain_bandwidth": 1, "tuning": {**config.get("tuning", {}), "drain_timeout_s": 0.5}}),
+    ):
         writer = tiered.tiered_writer(run, step, tier_base, options, {**config, **drain})
         dcp.save(big_on_node0((2, 2), step), storage_writer=writer)
         try:

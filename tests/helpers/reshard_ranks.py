@@ -43,7 +43,7 @@ def save(case: dict[str, Any], url: str) -> None:
     config = ckptio.WriterConfig(
         mode=case["mode"],
         compression=case["compression"],
-        max_block_size=case["max_block_size"],
+        tuning=ckptio.Tuning(max_block_size=case["max_block_size"]),
         key_prefix=case.get("key_prefix"),
     )
     writer = ckptio.Writer(url, config, storage_options=case.get("storage_options"))
@@ -68,7 +68,7 @@ def save_own_tensor(url: str, storage_options: dict, key_prefix: str | None, mib
     """Each rank saves a tensor of its own (``mib`` MiB under its own key) in parts of 5 MiB."""
     rank = torch.distributed.get_rank()
     state = {f"rank{rank}": torch.full(((mib << 20) // 4,), float(rank))}
-    config = ckptio.WriterConfig(part_size=5 << 20, key_prefix=key_prefix)
+    config = ckptio.WriterConfig(storage_config=ckptio.StorageConfig(part_size=5 << 20), key_prefix=key_prefix)
     dcp.save(state, storage_writer=ckptio.Writer(url, config, storage_options=storage_options))
     loaded = {f"rank{rank}": torch.zeros_like(state[f"rank{rank}"])}
     dcp.load(loaded, storage_reader=ckptio.Reader(url, storage_options=storage_options))

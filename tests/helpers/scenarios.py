@@ -23,6 +23,8 @@ TENSORS = {
 }
 OBJECTS = {"extra": {"lr": 0.01, "betas": [0.9, 0.999], "name": "run-7"}, "blob": b"\x00\x01ckptio" * 10}
 STEP = torch.tensor(100.0)
+#: Shared reads in several rounds of a small state.
+SMALL_ROUNDS = ckptio.Tuning(dedup_round_bytes=20_000)
 
 
 def global_tensor(name: str) -> torch.Tensor:
@@ -115,7 +117,7 @@ def load_in_pairs(url: str, storage_options=None) -> list[str]:
 
 def load_shared(url: str, mesh_shape, storage_options, dedup_reads) -> list[str]:
     """``load`` with ``Reader(dedup_reads=...)``; a small round budget, so several rounds run."""
-    return load(url, mesh_shape, storage_options, dedup_reads=dedup_reads, dedup_round_bytes=20_000)
+    return load(url, mesh_shape, storage_options, dedup_reads=dedup_reads, tuning=SMALL_ROUNDS)
 
 
 def save_each_mode(base: str, mesh_shape, storage_options=None, via_checkpoint_id: bool = False) -> None:
@@ -138,7 +140,7 @@ def save_and_load_columns(url: str, compression, block_size: int) -> list[str]:
     """Save rows-sharded on a 1-D mesh, load columns-sharded: every read is a strided sub-box."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("shard",))
     state = {n: distribute_tensor(global_tensor(n), mesh, [Shard(0)]) for n in TENSORS}
-    config = ckptio.WriterConfig(compression=compression, max_block_size=block_size)
+    config = ckptio.WriterConfig(compression=compression, tuning=ckptio.Tuning(max_block_size=block_size))
     dcp.save(state, storage_writer=ckptio.Writer(url, config))
     loaded = {
         n: distribute_tensor(torch.zeros_like(global_tensor(n)), mesh, [Shard(len(TENSORS[n][0]) - 1)]) for n in TENSORS
@@ -254,7 +256,7 @@ def load_where_only_rank_1_is_wrong(url: str) -> tuple[float, str]:
 def load_shared_error(url: str, mesh_shape) -> str:
     """A shared-reads load that must fail: this rank's ckptio error as 'Class: message'."""
     try:
-        load(url, mesh_shape, None, dedup_reads=True, dedup_round_bytes=20_000)
+        load(url, mesh_shape, None, dedup_reads=True, tuning=SMALL_ROUNDS)
     except ckptio.CheckpointError as exc:
         return f"{type(exc).__name__}: {exc}"
     except BaseException as exc:  # noqa: BLE001 - dcp.load's wrapper: unwrap to the ckptio error

@@ -57,7 +57,7 @@ def _state(case: dict[str, Any], side: str, zeros: bool) -> dict[str, Any]:
 
 def save(case: dict[str, Any], url: str) -> None:
     config = ckptio.WriterConfig(
-        mode=case["mode"], compression=case["compression"], max_block_size=case["max_block_size"]
+        mode=case["mode"], compression=case["compression"], tuning=ckptio.Tuning(max_block_size=case["max_block_size"])
     )
     writer = ckptio.Writer(url, config)
     dcp.save(_state(case, "save", zeros=False), storage_writer=writer, use_collectives=case["collectives"])

@@ -73,7 +73,11 @@ def save_with_a_stalled_drain(
     """Save step 1 (drained), then step 2 with a drain that cannot finish (as if the job died during it),
     both with ``config``; what ``wait_for_uploads`` raised after step 2."""
     save_steps(run, tier_base, mesh_shape, [1], options, config, collectives)
-    stalled = {**(config or {}), "drain_bandwidth": 1, "drain_timeout_s": 0.5}
+    stalled = {
+        **(config or {}),
+        "drain_bandwidth": 1,
+        "tuning": {**(config or {}).get("tuning", {}), "drain_timeout_s": 0.5},
+    }
     writer = tiered_writer(run, 2, tier_base, options, stalled)
     dcp.save(state(mesh_shape, 2), storage_writer=writer, use_collectives=collectives)
     try:
@@ -138,11 +142,11 @@ def save_incremental_then_die(run: str, tier_base: str, options, victim: int) ->
     """Tiered incremental saves of a state whose moments change (``combinations.state``): step 1 drained,
     then step 2, whose drain at 500 B/s cannot finish in 3 s, and rank ``victim`` killed (SIGKILL) as it
     starts; what ``wait_for_uploads`` raised on the others."""
-    config = {"incremental_from": "previous", "max_block_size": 1024, "inline_limit": 0}
+    config = {"incremental_from": "previous", "tuning": {"max_block_size": 1024, "inline_limit": 0}}
     config["differing_objects"] = "keep_per_rank"  # its per-rank value
     dcp.save(combinations.state(_ROW, 1), storage_writer=tiered_writer(run, 1, tier_base, options, config))
     ckptio.wait_for_uploads()
-    slow = {**config, "drain_bandwidth": 500, "drain_timeout_s": 3}
+    slow = {**config, "drain_bandwidth": 500, "tuning": {**config["tuning"], "drain_timeout_s": 3}}
     dcp.save(combinations.state(_ROW, 2), storage_writer=tiered_writer(run, 2, tier_base, options, slow))
     return killed_or_drained(victim)
 
@@ -158,7 +162,7 @@ def killed_during_incremental_save(run: str, tier_base: str, options, victim: in
                 os.kill(os.getpid(), signal.SIGKILL)
             return super().resolve_data(write_item)
 
-    config = {"incremental_from": "previous", "max_block_size": 1024, "inline_limit": 0}
+    config = {"incremental_from": "previous", "tuning": {"max_block_size": 1024, "inline_limit": 0}}
     config["differing_objects"] = "keep_per_rank"
     dcp.save(combinations.state(_ROW, 1), storage_writer=tiered_writer(run, 1, tier_base, options, config))
     ckptio.wait_for_uploads()

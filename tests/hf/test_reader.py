@@ -319,7 +319,9 @@ def _probes(sizes) -> int:
     return sum(min(size, HEADER_PROBE_BYTES) for size in sizes.values())  # one header read per file (rank 0)
 
 
-@pytest.mark.parametrize("layout, reader", [("hsdp:2x2", {"dedup_reads": True}), ("tp:4", {"read_gap_bytes": 0})])
+@pytest.mark.parametrize(
+    "layout, reader", [("hsdp:2x2", {"dedup_reads": True}), ("tp:4", {"storage_config": {"read_gap_bytes": 0}})]
+)
 def test_s3_loads_read_each_needed_byte_once(s3_proxy, s3, weights, layout, reader):
     proxy, base, via_proxy = s3_proxy
     url = f"{base}/Llama-tiny"

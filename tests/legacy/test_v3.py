@@ -331,7 +331,12 @@ def test_any_field_replaced_by_a_hostile_value_is_a_named_error_or_loads_the_ori
 
     url = str(tmp_path / "ckpt")
     state = {"w": torch.randn(64, 8), "b": torch.arange(5), "opt": {"lr": 0.1, "groups": [1, 2]}, "e": torch.ones(0)}
-    dcp.save(state, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(compression="zstd", inline_limit=0)))
+    dcp.save(
+        state,
+        storage_writer=ckptio.Writer(
+            url, ckptio.WriterConfig(compression="zstd", tuning=ckptio.Tuning(inline_limit=0))
+        ),
+    )
     good = json.load(open(f"{url}/ckptio.json"))
     accepted = 0
     places = [path for path, _ in _paths(good) if path]

@@ -43,7 +43,9 @@ from tests.helpers.tiered import flip_a_byte
 N = 1 << 15  # fp32 elements per tensor: past the inline limit, several blocks
 STEPS = st.integers(1, 3)
 TIERS = st.sampled_from(["node-a", "node-b"])
-BLOCK = 16 << 10
+TUNING = ckptio.Tuning(max_block_size=16 << 10)
+#: A drain that cannot finish: cut off after half a second.
+STALLED = ckptio.Tuning(max_block_size=16 << 10, drain_timeout_s=0.5)
 
 
 def _state(value: int) -> dict:
@@ -115,7 +117,7 @@ class Lifecycle(RuleBasedStateMachine):
     @rule(step=STEPS, overwrite=st.booleans(), incremental=st.booleans())
     def save(self, step, overwrite, incremental):
         config = ckptio.WriterConfig(
-            overwrite=overwrite, max_block_size=BLOCK, incremental_from="previous" if incremental else None
+            overwrite=overwrite, tuning=TUNING, incremental_from="previous" if incremental else None
         )
         value = self._save(step, config, refused=self._json_committed(step) and not overwrite)
         if value is not None:
@@ -124,7 +126,7 @@ class Lifecycle(RuleBasedStateMachine):
     @rule(step=STEPS, overwrite=st.booleans(), dies_after_save=st.booleans(), incremental=st.booleans())
     def save_without_coordinator(self, step, overwrite, dies_after_save, incremental):
         config = ckptio.WriterConfig(
-            overwrite=overwrite, max_block_size=BLOCK, incremental_from="previous" if incremental else None
+            overwrite=overwrite, tuning=TUNING, incremental_from="previous" if incremental else None
         )
         refused = step in self.durable and not overwrite
         value = self._save(step, config, refused, use_collectives=False)
@@ -147,12 +149,11 @@ class Lifecycle(RuleBasedStateMachine):
         collectives=st.booleans(),
     )
     def tiered_save(self, tier, step, overwrite, drain_finishes, incremental, collectives):
-        stall = {} if drain_finishes else {"drain_bandwidth": 1, "drain_timeout_s": 0.5}
+        stall = {"tuning": TUNING} if drain_finishes else {"drain_bandwidth": 1, "tuning": STALLED}
         config = ckptio.WriterConfig(
             local_tier=self._tier(tier),
             local_tier_keep=10,
             overwrite=overwrite,
-            max_block_size=BLOCK,
             incremental_from="previous" if incremental else None,
             **stall,
         )

@@ -59,7 +59,9 @@ def test_pruning_keeps_a_node_copy_that_the_durable_tier_does_not_hold(tmp_path)
     drain ran out of time) must stay when step 2 prunes, and a copy the durable tier holds must go."""
     run, tier = str(tmp_path / "run"), tmp_path / "tier"
     ckptio.save({"w": torch.zeros(N)}, f"{run}/step-1")  # committed durably, never on this node
-    stalled = ckptio.WriterConfig(local_tier=str(tier), overwrite=True, drain_bandwidth=1, drain_timeout_s=0.5)
+    stalled = ckptio.WriterConfig(
+        local_tier=str(tier), overwrite=True, drain_bandwidth=1, tuning=ckptio.Tuning(drain_timeout_s=0.5)
+    )
     ckptio.save({"w": torch.ones(N)}, f"{run}/step-1", stalled)
     with pytest.raises(ckptio.DrainError):
         ckptio.wait_for_uploads()
@@ -267,7 +269,8 @@ def test_a_config_field_set_after_construction_is_checked_when_the_save_starts(t
         dcp.save({"w": torch.ones(N)}, storage_writer=ckptio.Writer(url, config))
     assert "ValueError: local_tier must be a node-local path" in str(ckptio.unwrap(raised.value))
     config = ckptio.WriterConfig()
-    config.max_block_size = 100  # not a multiple of 64
+    with pytest.warns(DeprecationWarning, match="tuning.max_block_size"):
+        config.max_block_size = 100  # not a multiple of 64; the pre-1.0 name of tuning.max_block_size
     with pytest.raises(ckptio.CheckpointError, match="ValueError: max_block_size"):
         ckptio.save({"w": torch.ones(N)}, url, config)
     assert not os.path.exists(url) and not os.path.exists(tmp_path / "tier")

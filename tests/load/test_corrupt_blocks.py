@@ -51,7 +51,7 @@ def _saved_zeros(tmp_path, codec: str) -> tuple[str, torch.Tensor, int]:
         zeros = torch.zeros(256, 1024, dtype=torch.uint8)
     else:
         zeros = torch.randn(256, 1024, generator=torch.Generator().manual_seed(0))
-    config = ckptio.WriterConfig(compression="zstd", inline_limit=0)
+    config = ckptio.WriterConfig(compression="zstd", tuning=ckptio.Tuning(inline_limit=0))
     dcp.save({"w": zeros}, storage_writer=ckptio.Writer(url, config))
     (item,) = read_doc(url)["items"]
     assert item["codec"] == codec

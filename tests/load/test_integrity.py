@@ -79,7 +79,9 @@ def test_permission_denied_names_the_object(s3_proxy):
         ckptio.load(fresh(), f"{base}/denied", storage_options=options)
     proxy.faults = [Fault(lambda r: r.operation in ("PUT", "MPU_CREATE"), 403)]
     with pytest.raises(ckptio.StorageError, match=r"access denied: put_object .*\.ckio"):
-        ckptio.save(STATE, f"{base}/denied", ckptio.WriterConfig(inline_limit=0), storage_options=options)
+        ckptio.save(
+            STATE, f"{base}/denied", ckptio.WriterConfig(tuning=ckptio.Tuning(inline_limit=0)), storage_options=options
+        )
 
 
 def test_torch_dcp_checkpoint_is_recognised(tmp_path):

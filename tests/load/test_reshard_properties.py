@@ -209,7 +209,9 @@ def full_tensor(case) -> torch.Tensor:
 
 def save_and_load_boxes(case, url: str, storage_options: dict | None = None) -> None:
     full = full_tensor(case)
-    config = ckptio.WriterConfig(compression=case["compression"], max_block_size=case["max_block_size"])
+    config = ckptio.WriterConfig(
+        compression=case["compression"], tuning=ckptio.Tuning(max_block_size=case["max_block_size"])
+    )
     dcp.save(
         {"t": full, "step": 3},
         storage_writer=ckptio.Writer(url, config, storage_options=storage_options),
@@ -295,7 +297,9 @@ def test_any_box_of_a_safetensors_tensor_loads_exactly(tmp_path):
             folder / "model.safetensors",
         )
         targets = [torch.full(sizes, 7, dtype=full.dtype) for _, sizes in case["boxes"]]
-        reader = ckptio.HFReader(folder, read_gap_bytes=case["read_gap_bytes"] or 0)
+        reader = ckptio.HFReader(
+            folder, storage_config=ckptio.StorageConfig(read_gap_bytes=case["read_gap_bytes"] or 0)
+        )
         dcp.load(
             {"t": torch.empty(0)}, storage_reader=reader, planner=BoxLoadPlanner(case["boxes"], targets), no_dist=True
         )
@@ -328,9 +332,8 @@ def save_incrementally_and_load_boxes(case, run: str) -> None:
     planner = ChunkGridSavePlanner(case["chunks"])
     base = ckptio.WriterConfig(
         compression=case["base_compression"],
-        max_block_size=case["max_block_size"],
         incremental_from="previous",
-        inline_limit=case["inline_limit"],
+        tuning=ckptio.Tuning(max_block_size=case["max_block_size"], inline_limit=case["inline_limit"]),
     )
     dcp.save({"t": full, "step": 3}, storage_writer=ckptio.Writer(f"{run}/base", base), planner=planner, no_dist=True)
     changed = full.clone()
@@ -341,7 +344,10 @@ def save_incrementally_and_load_boxes(case, run: str) -> None:
     for i in case["touched"] if flat.numel() else ():
         flat[i] = flat[i] + 1
     config = dataclasses.replace(
-        base, compression=case["compression"], incremental_from=f"{run}/base", read_gap_bytes=case["request_cost"]
+        base,
+        compression=case["compression"],
+        incremental_from=f"{run}/base",
+        storage_config=ckptio.StorageConfig(read_gap_bytes=case["request_cost"]),
     )
     dcp.save(
         {"t": changed, "step": 4},

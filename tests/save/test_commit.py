@@ -44,7 +44,7 @@ def test_existing_checkpoint_is_never_overwritten_by_accident(tmp_path):
     assert torch.equal(loaded["w"], STATE["w"])
 
     newer = {**STATE, "w": STATE["w"] + 1}
-    ckptio.save(newer, url, ckptio.WriterConfig(overwrite=True, inline_limit=0))
+    ckptio.save(newer, url, ckptio.WriterConfig(overwrite=True, tuning=ckptio.Tuning(inline_limit=0)))
     loaded = fresh()
     ckptio.load(loaded, url)
     assert torch.equal(loaded["w"], newer["w"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fsspec
 import pytest
 
+import ckptio
 from ckptio.format.names import is_data_file_name
 from ckptio.tools.cli import main as cli_main
 from tests.helpers import scenarios
@@ -80,7 +81,7 @@ def test_hsdp_s3(s3):
 
 def test_memory_single_process():
     url = "memory://ckptio-test/single"
-    scenarios.save(f"{url}/file", None, "all_ranks", inline_limit=0)
+    scenarios.save(f"{url}/file", None, "all_ranks", tuning=ckptio.Tuning(inline_limit=0))
     scenarios.save(f"{url}/inline", None, "replica_group")  # one process: all private, small enough to inline
     for name in ("file", "inline"):
         assert scenarios.load(f"{url}/{name}", None) == []

@@ -97,9 +97,9 @@ def test_a_chain_on_s3_loads_resharded_and_keeps_referenced_objects_when_its_bas
     assert s3_objects(options, f"{run}/") == {}
 
 
-def _save(url: str, values: dict, **config) -> None:
-    config = {"max_block_size": 4096, **config}
-    dcp.save(values, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(**config)))
+def _save(url: str, values: dict, tuning: dict | None = None, **config) -> None:
+    tuning = {"max_block_size": 4096, **(tuning or {})}
+    dcp.save(values, storage_writer=ckptio.Writer(url, ckptio.WriterConfig(tuning=tuning, **config)))
 
 
 def _state(changed: float = 0.0) -> dict:
@@ -188,13 +188,13 @@ def test_gc_removes_the_markers_of_referrers_that_never_committed(tmp_path):
 def test_chains_are_bounded_by_depth_and_by_the_share_of_referenced_bytes(tmp_path):
     run = tmp_path / "run"
     for step in range(1, 5):
-        _save(str(run / f"step-{step}"), _state(step), incremental_from="previous", incremental_max_depth=2)
+        _save(str(run / f"step-{step}"), _state(step), incremental_from="previous", tuning={"incremental_max_depth": 2})
     chains = [_own_and_referenced(str(run / f"step-{s}"))[1] for s in range(1, 5)]
     assert [c and c["depth"] for c in chains] == [None, 1, 2, None]  # step-4 is full again
     # the frozen tensor is 97% of the bytes (64 KiB of 66 KiB): an adapter-only save references that share
-    _save(str(run / "step-5"), _state(5), incremental_from="previous", incremental_min_fraction=0.99)
-    _save(str(run / "step-6"), _state(6), incremental_from="previous", incremental_min_fraction=0.99)
-    _save(str(run / "step-7"), _state(7), incremental_from="previous", incremental_min_fraction=0.95)
+    _save(str(run / "step-5"), _state(5), incremental_from="previous", tuning={"incremental_min_fraction": 0.99})
+    _save(str(run / "step-6"), _state(6), incremental_from="previous", tuning={"incremental_min_fraction": 0.99})
+    _save(str(run / "step-7"), _state(7), incremental_from="previous", tuning={"incremental_min_fraction": 0.95})
     assert _own_and_referenced(str(run / "step-5"))[1]["depth"] == 1
     assert _own_and_referenced(str(run / "step-6"))[1] is None  # step-5 referenced < 99%: full
     assert _own_and_referenced(str(run / "step-7"))[1]["depth"] == 1
@@ -289,7 +289,11 @@ def test_an_item_in_pieces_loads_and_a_truncated_piece_is_named(tmp_path, gap):
     two files, read together across the gaps when the read gap allows); a base file cut short is named."""
     run = tmp_path / "run"
     table = torch.randn(512, 64, generator=torch.Generator().manual_seed(4))
-    cheap_requests = {"incremental_from": "previous", "max_block_size": 1024, "read_gap_bytes": 0}
+    cheap_requests = {
+        "incremental_from": "previous",
+        "tuning": {"max_block_size": 1024},
+        "storage_config": {"read_gap_bytes": 0},
+    }
     _save(str(run / "step-1"), {"table": table}, **cheap_requests)
     table[[5, 200, 300]] += 1  # three of 128 blocks
     _save(str(run / "step-2"), {"table": table}, **cheap_requests)
@@ -325,7 +329,7 @@ def test_a_listing_that_fails_during_a_delete_keeps_every_referenced_file(s3_pro
     proxy, base_url, options = s3_proxy
     run = f"{base_url}/run"
     for step, changed in ((1, 0.0), (2, 1.0)):
-        config = ckptio.WriterConfig(max_block_size=4096, incremental_from="previous")
+        config = ckptio.WriterConfig(tuning=ckptio.Tuning(max_block_size=4096), incremental_from="previous")
         dcp.save(_state(changed), storage_writer=ckptio.Writer(f"{run}/step-{step}", config, storage_options=options))
     # the listing of every file below the folder (no delimiter): where its markers and data files are found
     every_file = Fault(lambda r: r.operation == "LIST" and r.query.get("delimiter", [""]) == [""], 403, times=1)
@@ -348,7 +352,12 @@ def test_an_item_keeps_only_the_references_its_load_can_afford(tmp_path):
     steps[1][20 * 32 + 3] += 1  # block 20: runs 0-19 and 21-63
     steps[2][::64] += 1  # blocks 0, 2, 4, ...
     for step, values in enumerate(steps, 1):
-        _save(str(run / f"step-{step}"), {"table": values}, incremental_from="previous", max_block_size=1 << 18)
+        _save(
+            str(run / f"step-{step}"),
+            {"table": values},
+            incremental_from="previous",
+            tuning={"max_block_size": 1 << 18},
+        )
 
     def own_bytes(step: int) -> int:
         return sum(p.stat().st_size for p in (run / f"step-{step}").iterdir() if p.suffix == ".ckio")
@@ -416,7 +425,7 @@ def test_a_block_that_changed_in_a_row_of_changes_is_referenced_again_once_saved
     run = tmp_path / "run"
     frozen = torch.randn(256, 1024, generator=torch.Generator().manual_seed(6))  # 1 MiB: keeps the chain going
     moving = torch.randn(64, 1024, generator=torch.Generator().manual_seed(7))  # 64 blocks of 4 KiB
-    config = {"incremental_from": "previous", "max_block_size": 4096, "read_gap_bytes": 0}
+    config = {"incremental_from": "previous", "storage_config": {"read_gap_bytes": 0}}
     steps = [moving, moving + 1, moving + 1, moving + 1]
     for step, values in enumerate(steps, 1):
         _save(str(run / f"step-{step}"), {"frozen": frozen, "moving": values}, **config)
@@ -477,7 +486,7 @@ def test_markers_of_a_save_without_a_coordinator_go_when_it_is_overwritten_or_de
     rank's; the base then goes whole when deleted, nothing of it kept for a checkpoint that no longer
     references it."""
     run = tmp_path / "run"
-    config = {"incremental_from": "previous", "max_block_size": 4096}
+    config = {"incremental_from": "previous", "tuning": {"max_block_size": 4096}}
     _save(str(run / "step-1"), _state(), **config)
 
     def alone(**more) -> None:
@@ -496,7 +505,7 @@ def test_markers_of_a_save_without_a_coordinator_go_when_it_is_overwritten_or_de
     alone(overwrite=True)  # "previous" is step-2 itself now: in full, so the rank's marker goes
     assert markers() == []
     alone(overwrite=True, incremental_from=str(run / "step-1"))
-    _save(str(run / "step-2"), _state(1.0), max_block_size=4096, overwrite=True)  # in full, with a coordinator
+    _save(str(run / "step-2"), _state(1.0), overwrite=True)  # in full, with a coordinator
     assert markers() == []
     delete_checkpoint(open_store(str(run / "step-1")))
     assert not (run / "step-1").exists() or not list((run / "step-1").iterdir())
@@ -506,7 +515,7 @@ def test_markers_of_a_save_without_a_coordinator_go_when_it_is_overwritten_or_de
 def test_previous_is_the_last_save_beside_the_new_one_not_one_elsewhere_in_between(tmp_path):
     """An export or an evaluation checkpoint saved to another folder between two training saves is not
     the training run's previous checkpoint (the save was a full one)."""
-    run, config = tmp_path / "run", {"incremental_from": "previous", "max_block_size": 4096}
+    run, config = tmp_path / "run", {"incremental_from": "previous"}
     _save(str(run / "step-1"), _state(), **config)
     _save(str(tmp_path / "exports" / "eval-1"), _state(), **config)
     _save(str(run / "step-2"), _state(1.0), **config)

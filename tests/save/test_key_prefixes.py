@@ -21,7 +21,7 @@ from tests.helpers.documents import fresh, load_error, read_doc, read_stored_doc
 from tests.helpers.faultproxy import PrefixRateLimit
 from tests.helpers.harness import spawn
 
-SPREAD = ckptio.WriterConfig(key_prefix="hash", compression="zstd", max_block_size=4096)
+SPREAD = ckptio.WriterConfig(key_prefix="hash", compression="zstd", tuning=ckptio.Tuning(max_block_size=4096))
 
 
 def _state() -> dict:

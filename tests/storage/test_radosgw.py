@@ -31,7 +31,7 @@ def _bucket(gw, name: str) -> str:
 def test_multipart_saves_load_resharded_bit_exact(radosgw, mode):
     url = _bucket(radosgw, "saves-" + mode.replace("_", "-")) + "/ckpt"
     options = radosgw.storage_options
-    spawn(4, partial(scenarios.bench_save, part_size=PART), url, SIZE, (2, 2), mode, options)
+    spawn(4, partial(scenarios.bench_save, storage_config={"part_size": PART}), url, SIZE, (2, 2), mode, options)
     results = spawn(4, scenarios.bench_load, url, SIZE, (1, 4), options)  # resharded: each rank half of each
     assert all(bad == [] for bad, _ in results), results
 

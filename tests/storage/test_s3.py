@@ -48,7 +48,7 @@ def expected_save_requests(data_sizes: list[int]) -> int:
 def test_request_budget_and_read_amplification(s3_proxy, s3, mode):
     proxy, base, options = s3_proxy
     url = f"{base}/{mode}"
-    spawn(4, partial(scenarios.bench_save, part_size=PART), url, SIZE, MESH, mode, options)
+    spawn(4, partial(scenarios.bench_save, storage_config={"part_size": PART}), url, SIZE, MESH, mode, options)
     stats = proxy.reset()
     objects = s3_objects(s3[1], url)
     data = [size for key, size in objects.items() if key.endswith(".ckio")]
@@ -88,7 +88,7 @@ def test_twenty_percent_failures_still_save_and_load_bit_exact(s3_proxy, s3):
         Fault(lambda r: r.operation == "GET" and r.key.endswith(".ckio"), 503, times=1),
         Fault(lambda r: True, [503, 500, "drop"], fraction=0.2),
     ]
-    spawn(4, partial(scenarios.bench_save, part_size=PART), url, SIZE, MESH, "all_ranks", options)
+    spawn(4, partial(scenarios.bench_save, storage_config={"part_size": PART}), url, SIZE, MESH, "all_ranks", options)
     results = spawn(4, scenarios.bench_load, url, SIZE, MESH, options)
     stats = proxy.reset()
     assert all(bad == [] for bad, _ in results)
@@ -102,7 +102,9 @@ def test_permanent_failure_is_clean_on_every_rank(s3_proxy, s3):
     proxy, base, options = s3_proxy
     url = f"{base}/doomed"
     proxy.faults.append(Fault(lambda r: r.operation == "MPU_PART" and r.key.endswith("-r00001.ckio"), 503))
-    doomed = partial(scenarios.expect_save_failure, part_size=PART, retry_attempts=3, retry_deadline_s=5)
+    doomed = partial(
+        scenarios.expect_save_failure, storage_config={"part_size": PART, "retry_attempts": 3, "retry_deadline_s": 5}
+    )
     messages = spawn(4, doomed, url, SIZE, MESH, options)
     for message in messages:
         assert message.startswith("StorageError") and "-r00001.ckio" in message and "SlowDown" in message, message

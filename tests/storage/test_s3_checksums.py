@@ -24,8 +24,8 @@ def _state() -> dict:
     return {"w": torch.randn(STATE_ELEMENTS, generator=torch.Generator().manual_seed(3)), "step": 11}
 
 
-def _save(url: str, options: dict, **config) -> None:
-    cfg = ckptio.WriterConfig(part_size=PART, **config)
+def _save(url: str, options: dict, tuning: dict | None = None, **storage) -> None:
+    cfg = ckptio.WriterConfig(storage_config={"part_size": PART, **storage}, tuning=tuning)
     dcp.save(_state(), storage_writer=ckptio.Writer(url, cfg, storage_options=options))
 
 
@@ -62,7 +62,7 @@ def test_parts_that_split_blocks_carry_the_crc32c_of_their_bytes(s3_proxy):
     proxy, base, options = s3_proxy
     proxy.check_crc32c = True
     url = f"{base}/unaligned"
-    _save(url, options, max_block_size=192_000)
+    _save(url, options, tuning={"max_block_size": 192_000})
     stats = proxy.reset()
     # each part accepted at once: a wrong CRC32C would be a BadDigest and the part sent again
     assert stats.requests["MPU_PART"] == stats.answers["MPU_PART", 200] >= 3, (stats.requests, stats.answers)

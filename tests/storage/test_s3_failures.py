@@ -31,7 +31,7 @@ def test_a_stalled_s3_endpoint_is_bounded_by_the_retry_deadline(s3_proxy):
     assert isinstance(ckptio.unwrap(info.value), ckptio.StorageError)
 
     proxy.faults[:] = [Fault(lambda r: r.operation == "PUT", "stall")]
-    config = ckptio.WriterConfig(retry_attempts=3, retry_deadline_s=1)
+    config = ckptio.WriterConfig(storage_config=ckptio.StorageConfig(retry_attempts=3, retry_deadline_s=1))
     started = time.monotonic()
     with pytest.raises(CheckpointException) as info:
         dcp.save({"w": torch.ones(1000)}, storage_writer=ckptio.Writer(f"{base}/s2", config, storage_options=options))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptio import WriterConfig
+from ckptio import StorageConfig, WriterConfig
 from ckptio.config import MiB
 
 
@@ -22,5 +22,5 @@ def test_s3_part_sizes_stay_within_the_part_count_and_size_limits():
 def test_part_size_is_bounded_by_s3s_limits(clean_env):
     for bad in (5 * MiB - 1, (4 << 30) + 1):
         with pytest.raises(ValueError, match="part_size"):
-            WriterConfig(part_size=bad)
-    assert WriterConfig(part_size=4 << 30).part_size == 4 << 30
+            WriterConfig(storage_config=StorageConfig(part_size=bad))
+    assert WriterConfig(storage_config=StorageConfig(part_size=4 << 30)).storage_config.part_size == 4 << 30

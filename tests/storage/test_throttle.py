@@ -178,7 +178,9 @@ def test_a_save_and_load_throttled_per_prefix_complete_bit_exact(s3_proxy):
     state = {"w": torch.randn(10 << 20 // 4), "b": torch.arange(1000)}  # 10 MiB: parts of 5 MiB
     limit = sync(open_store(url, options).fs.loop, open_store(url, options).limit)
     proxy.faults.append(PrefixRateLimit(rate=5, burst=1))
-    config = ckptio.WriterConfig(part_size=5 << 20, max_block_size=64 << 10)
+    config = ckptio.WriterConfig(
+        storage_config=ckptio.StorageConfig(part_size=5 << 20), tuning=ckptio.Tuning(max_block_size=64 << 10)
+    )
     dcp.save(state, storage_writer=ckptio.Writer(url, config, storage_options=options))
     loaded = {"w": torch.zeros_like(state["w"]), "b": torch.zeros_like(state["b"])}
     reader = ckptio.Reader(url, storage_options=options, storage_config=ckptio.StorageConfig(read_gap_bytes=0))

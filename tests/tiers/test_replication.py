@@ -160,7 +160,9 @@ def test_a_node_lost_before_its_drain_finished_restarts_from_its_partner_with_no
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
     config = {"mode": mode, "compression": None if codec == "raw" else "zstd", "local_tier_copies": 2}
     if not collectives:
-        config["inline_limit"] = 0  # a fragment keeps small items inline by default: every item in the files
+        config["tuning"] = {
+            "inline_limit": 0
+        }  # a fragment keeps small items inline by default: every item in the files
     saved = spawn(4, replicated.save_cut_off_and_count, run, tiers, (1, 4), options, config, collectives)
     assert all("cannot finish within drain_timeout_s" in raised for raised, _, _ in saved)  # every rank's cut off
     for rank, (_, sent, own) in enumerate(saved):  # (k-1) x each rank's files, nothing more
@@ -270,7 +272,7 @@ def test_a_full_partner_keeps_fewer_copies_with_one_warning_a_save_and_latest_kn
 def test_a_node_killed_as_its_copies_and_drain_start_restarts_from_a_step_that_loads(s3, tmp_path):
     base, options = s3
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
-    config = {"mode": "all_ranks", "local_tier_copies": 2, "drain_timeout_s": 3}
+    config = {"mode": "all_ranks", "local_tier_copies": 2, "tuning": {"drain_timeout_s": 3}}
     outcomes = run_ranks(4, replicated.save_then_lose_node1, run, tiers, (1, 4), options, config, timeout=120)
     assert [status for status, _ in outcomes] == ["ok", "ok", "died", "died"], outcomes
     shutil.rmtree(os.path.join(tiers, "node1"))

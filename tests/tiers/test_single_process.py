@@ -43,9 +43,11 @@ def _same(loaded: dict, step: int) -> bool:
     )
 
 
-def _save(url: str, tier, options=None, **config) -> None:
-    config.setdefault("max_block_size", 16 << 10)
-    writer = ckptio.Writer(url, ckptio.WriterConfig(local_tier=str(tier), **config), storage_options=options)
+def _save(url: str, tier, options=None, drain_timeout_s: float = 3600.0, retry_attempts: int = 8, **config) -> None:
+    tuning = ckptio.Tuning(max_block_size=16 << 10, drain_timeout_s=drain_timeout_s)
+    storage = ckptio.StorageConfig(retry_attempts=retry_attempts)
+    config = ckptio.WriterConfig(local_tier=str(tier), tuning=tuning, storage_config=storage, **config)
+    writer = ckptio.Writer(url, config, storage_options=options)
     dcp.save(_state(int(url.rsplit("-", 1)[1])), storage_writer=writer)
 
 

@@ -60,7 +60,7 @@ def test_tiered_save_drains_then_each_node_restarts_from_its_own_copy(s3, tmp_pa
 def test_a_rank_killed_mid_drain_restarts_locally_or_finishes_the_drain_or_falls_back(s3, tmp_path):
     base, options = s3
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
-    config = {"mode": "all_ranks", "drain_timeout_s": 3, "drain_bandwidth": 20_000}
+    config = {"mode": "all_ranks", "tuning": {"drain_timeout_s": 3}, "drain_bandwidth": 20_000}
     outcomes = run_ranks(4, tiered.save_then_die, run, tiers, (2, 2), options, 1, config)
     assert outcomes[1] == ("died", -9)
     assert "did not reach the durable tier in time" in outcomes[0][1] and "(rank 1)" in outcomes[0][1]

@@ -40,8 +40,9 @@ def _blank() -> dict:
     return {"frozen": torch.zeros(FROZEN), **{n: torch.zeros(ADAPTER) for n in ("lora", "exp_avg", "exp_avg_sq")}}
 
 
-def _config(tier, **more) -> ckptio.WriterConfig:
-    return ckptio.WriterConfig(local_tier=str(tier), incremental_from="previous", max_block_size=64 << 10, **more)
+def _config(tier, drain_timeout_s: float = 3600.0, **more) -> ckptio.WriterConfig:
+    tuning = ckptio.Tuning(max_block_size=64 << 10, drain_timeout_s=drain_timeout_s)
+    return ckptio.WriterConfig(local_tier=str(tier), incremental_from="previous", tuning=tuning, **more)
 
 
 def _save(url: str, tier, step: int, **more) -> None:
@@ -126,7 +127,12 @@ def test_a_cut_off_drain_resumes_and_commits_its_references_after_the_base_was_d
 def test_tiered_incremental_saves_on_two_nodes_restart_from_each_nodes_copy(s3, tmp_path):
     base, options = s3
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
-    config = {"mode": "replica_group", "compression": "zstd", "incremental_from": "previous", "inline_limit": 0}
+    config = {
+        "mode": "replica_group",
+        "compression": "zstd",
+        "incremental_from": "previous",
+        "tuning": {"inline_limit": 0},
+    }
     spawn(4, tiered.save_steps, run, tiers, (2, 2), [1], options, config)  # drained before step 2 starts
     spawn(4, tiered.save_steps, run, tiers, (2, 2), [2], options, {**config, "incremental_from": f"{run}/step-1"})
     full, incremental = (

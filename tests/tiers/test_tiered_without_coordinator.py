@@ -20,7 +20,7 @@ def _names(options, url):
 def test_fragments_drain_merge_once_and_each_node_restarts_from_its_own_copy(s3, tmp_path):
     base, options = s3
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
-    config = {"mode": "replica_group", "inline_limit": 0}  # a fragment keeps small items inline by default
+    config = {"mode": "replica_group", "tuning": {"inline_limit": 0}}  # a fragment keeps small items inline by default
     spawn(4, tiered.save_steps, run, tiers, (2, 2), [1], options, config, False)
     durable = _names(options, f"{run}/step-1/")
     assert "ckptio.json" in durable and sum(n.startswith("ckptio.rank-") for n in durable) == 4

@@ -75,11 +75,11 @@ def test_a_sharded_version_2_checkpoint_with_per_rank_values_upgrades(tmp_path, 
 
 @pytest.mark.parametrize(
     "version, config",
-    [(3, {}), (4, {"compression": "zstd"}), (4, {"inline_limit": 1 << 20}), (5, {"key_prefix": "hash"})],
+    [(3, {}), (4, {"compression": "zstd"}), (4, {"tuning": {"inline_limit": 1 << 20}}), (5, {"key_prefix": "hash"})],
 )
 def test_documents_of_versions_3_to_5_upgrade(tmp_path, capsys, version, config):
     url = str(tmp_path / "ck")
-    ckptio.save(STATE, url, ckptio.WriterConfig(**{"inline_limit": 0, **config}))
+    ckptio.save(STATE, url, ckptio.WriterConfig(**{"tuning": {"inline_limit": 0}, **config}))
     rewrite_in_version(url, version)
     assert _version(url) == version
     _upgraded(url, capsys)
@@ -96,7 +96,11 @@ def test_an_incremental_chain_of_version_7_upgrades_child_and_base(tmp_path, cap
     frozen[100] += 1  # one block of 16 changes: the child stores frozen in pieces (extents)
     child = {"frozen": frozen, "adapter": base["adapter"] + 1}
     # read_gap_bytes=0: a read request costs nothing, so an item with one changed block is kept in pieces
-    config = {"max_block_size": 4096, "incremental_from": "previous", "read_gap_bytes": 0}
+    config = {
+        "incremental_from": "previous",
+        "tuning": {"max_block_size": 4096},
+        "storage_config": {"read_gap_bytes": 0},
+    }
     for step, state in (("step-1", base), ("step-2", child)):
         dcp.save(state, storage_writer=ckptio.Writer(str(run / step), ckptio.WriterConfig(**config)))
     for step in ("step-2", "step-1"):  # each written again as 0.2 wrote it: version 7 (digests, references)
