@@ -247,6 +247,11 @@ class Reader(CheckpointLocation, StorageReader):
         """Coordinator: whether the ranks share reads (``dedup_reads``), and who reads what."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         if not self._tier.shares_reads:  # a tiered load: each node reads what it holds from its own fast tier
+            if self.dedup_reads is True:
+                _log_choice(
+                    "ckptio: dedup_reads=True and local_tier: a tiered load reads from the node tiers (its own, "
+                    "then other nodes' copies) instead of sharing reads of the durable tier"
+                )
             return None
         if self.dedup_reads is False or world == 1 or len(plans) != world:
             if self.dedup_reads is True and world > 1:
