@@ -18,6 +18,7 @@ node holds its ranks' copies again after their next save.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 from typing import Any, Iterable
 
@@ -30,16 +31,18 @@ from ckptio.loading.shared_reads import Placements, as_tensor, memory_address
 from ckptio.storage import FsspecStore, ReadRequest
 from ckptio.tiers.held_index import LocalCopies
 from ckptio.tiers.nodes import this_node
-from ckptio.tiers.replication import fixed_pieces, move_files
+from ckptio.tiers.replication import Pieces, fixed_pieces
 
 #: Bytes sent as one message of a fetch at most, from the mapped file where a piece is one run of a
 #: file's bytes (larger messages than a copy's: 64 MiB moved in 0.07 s instead of 0.10 s as 8 MiB
 #: pieces, two streams on 2 cores).
 FETCH_PIECE_BYTES = 32 << 20
 #: An item at least this large travels in messages of its own (received into its place, if it has one).
-#: Shared reads send alone from 256 KiB (``SHARED_READ_MESSAGE_BYTES``): their messages are posted at once,
-#: while each message here is a round of ``move_files`` (a head, then the bytes, received in turn).
 ALONE_BYTES = 1 << 20
+#: Bytes a rank's fetch sends before it waits for its oldest sends: bounds the pieces it gathers from
+#: several runs of a file (small items), the only ones that take memory (the others are sent from the
+#: mapped file).
+SENDING_BYTES = 256 << 20
 
 
 class FetchedFile:
@@ -117,8 +120,7 @@ def fetch_from_peers(
             receiving.setdefault(server, []).append((name, offset, length))
     placed = Placements(places)
     incoming = {server: _Stream(segments, placed) for server, segments in receiving.items()}
-    # no CRC32C of the pieces: the load checks every block it reads
-    move_files(group, local.root, outgoing, incoming, checked=False, pieces=fetch_pieces)
+    _post(group, local.root, outgoing, incoming)
     fetched: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for stream in incoming.values():
         for name, offset, data in stream.whole():
@@ -185,17 +187,42 @@ def fetch_pieces(lengths: list[int]) -> list[int]:
     return pieces + ([together] if together else [])
 
 
+def _post(group: Any, folder: str, outgoing: dict[int, list], incoming: dict[int, "_Stream"]) -> None:
+    """Send each rank of ``outgoing`` its byte ranges (file, offset, length) of files in ``folder``, and
+    receive every stream of ``incoming``: every receive posted first, then the sends, each message tagged
+    with its number in its stream (both ends derive the messages from the same plan: ``fetch_pieces``), so
+    every stream moves at once and no rank waits on a round of another's. No CRC32C travels with a piece:
+    the load checks every block it reads (a range that cannot be read is sent as zeros, and fails there)."""
+    pending = [
+        dist.irecv(memory, group=group, group_src=server, tag=tag)
+        for server, stream in incoming.items()
+        for tag, memory in enumerate(stream.messages)
+    ]
+    sending: collections.deque = collections.deque()  # (work, piece): a piece stays alive until sent
+    in_flight = 0
+    for receiver, files in outgoing.items():
+        pieces = Pieces(folder, files, False, fetch_pieces([length for _, _, length in files]))
+        for tag in range(pieces.count):
+            piece, _ = pieces.next()
+            sending.append((dist.isend(piece, group=group, group_dst=receiver, tag=tag), piece))
+            in_flight += len(piece)
+            while in_flight > SENDING_BYTES:
+                work, sent = sending.popleft()
+                work.wait()
+                in_flight -= len(sent)
+    for work in [*pending, *(work for work, _ in sending)]:
+        work.wait()
+
+
 class _Stream:
-    """A server's items (``(file, offset, length)``) arriving as one stream of messages (``fetch_pieces``,
-    ``replication.move_files``), each received in place: an item travelling alone into the memory
-    ``placed`` gives it (its destination tensor), every other one into one buffer; an item in a message that
-    arrived out of step is dropped."""
+    """A server's items (``(file, offset, length)``) arriving as one stream of messages (``fetch_pieces``),
+    each received in place: an item travelling alone into the memory ``placed`` gives it (its destination
+    tensor), every other one into one buffer."""
 
     def __init__(self, segments: list[tuple[str, int, int]], placed: Placements):
         self.segments = segments
         lengths = [length for _, _, length in segments]
         self.sizes = fetch_pieces(lengths)
-        self.count = len(self.sizes)
         places = [placed.find(n, at, at + length) if length >= ALONE_BYTES else None for n, at, length in segments]
         buffer = torch.empty(sum(n for n, p in zip(lengths, places, strict=True) if p is None), dtype=torch.uint8)
         self.memory = []  # each item's
@@ -206,11 +233,8 @@ class _Stream:
                 at += length
             else:
                 self.memory.append(as_tensor(place))
-        self.starts = list(itertools.accumulate(lengths, initial=0))
-        self.total = self.starts[-1]
-        self._messages = self._message_memory(buffer)
-        self._filled, self._received = 0, 0
-        self._broken: list[tuple[int, int]] = []
+        #: the memory each message is received into, in order
+        self.messages = self._message_memory(buffer)
 
     def _message_memory(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """The memory each message is received into: part of one item's, or of the buffer (items that
@@ -229,28 +253,6 @@ class _Stream:
                 item += 1
         return out
 
-    @property
-    def expecting(self) -> bool:
-        return self._filled < self.total
-
-    def buffer_for(self, length: int) -> torch.Tensor:
-        index = self._received
-        if index < len(self._messages) and len(self._messages[index]) == length:
-            return self._messages[index]
-        return torch.empty(length, dtype=torch.uint8)  # a peer out of step: taken, and dropped
-
-    def take(self, data: memoryview, whole: bool) -> None:
-        index, self._received = self._received, self._received + 1
-        expected = index < len(self._messages) and memory_address(data) == self._messages[index].data_ptr()
-        if not whole or not expected:
-            self._broken.append((self._filled, self.total))
-        self._filled += len(data)
-
     def whole(self) -> list[tuple[str, int, torch.Tensor]]:
-        """The items that arrived whole."""
-        out = []
-        for (name, offset, length), start, memory in zip(self.segments, self.starts[:-1], self.memory, strict=True):
-            end = start + length
-            if end <= self._filled and not any(lo < end and start < hi for lo, hi in self._broken):
-                out.append((name, offset, memory))
-        return out
+        """Each item, ``(file, offset, its memory)``, once every message arrived."""
+        return [(name, offset, memory) for (name, offset, _), memory in zip(self.segments, self.memory, strict=True)]

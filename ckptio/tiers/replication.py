@@ -207,7 +207,7 @@ def move_files(
     most). ``checked=False``: pieces carry no CRC32C (what receives them checks every block it uses anyway).
     ``pieces``: the sizes of the pieces a stream of ranges of these lengths travels in (the rule every
     arrivals' ``count`` was computed with)."""
-    streams = {to: _Pieces(folder, files, checked, pieces([n for _, _, n in files])) for to, files in outgoing.items()}
+    streams = {to: Pieces(folder, files, checked, pieces([n for _, _, n in files])) for to, files in outgoing.items()}
     rounds = max([0, *(s.count for s in streams.values()), *(a.count for a in incoming.values())])
     in_flight: list[_Sent] = []
     for _ in range(rounds):
@@ -283,7 +283,7 @@ def _recv(
     return data, not checked or checksum(data) == crc
 
 
-class _Pieces:
+class Pieces:
     """Byte ranges of this rank's files (``(name, offset, length)``) as one stream, sent in pieces of the
     ``sizes`` given (a piece may span ranges: many small ones travel together), each with its CRC32C. A
     piece within one run of a file's bytes is sent from the mapped file as it is (no copy); one that spans

@@ -8,12 +8,14 @@ import os
 import resource
 import signal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import ckptio
-from ckptio.tiers import replication
+from ckptio.loading.shared_reads import Placements
+from ckptio.tiers import peers, replication
 from tests.helpers import tiered
 
 
@@ -93,3 +95,38 @@ def save_cut_off_and_count(run: str, tier_base: str, mesh_shape, options, config
     raised = tiered.save_with_a_stalled_drain(run, tier_base, mesh_shape, options, collectives, config)
     own = {**_own_files(run, tier_base, 1, options), **_own_files(run, tier_base, 2, options)}
     return raised, replication.bytes_sent(), own
+
+
+def fetch_streams(folder: str, lengths: list[int], window: int) -> list[str]:
+    """Every rank serves every other rank ``lengths`` items of its own file (``folder/file-<rank>``, the
+    items 3 bytes apart), through the fetch's transport with at most ``window`` bytes of sends in flight;
+    what it received wrong (the large items are received into destinations of their own)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    offsets = [sum(lengths[:k]) + 3 * k for k in range(len(lengths))]
+
+    def content(server: int, at: int, n: int) -> bytes:
+        return ((np.arange(at, at + n) + 7 * server) % 251).astype(np.uint8).tobytes()
+
+    with open(os.path.join(folder, f"file-{rank}"), "wb") as f:
+        f.write(content(rank, 0, offsets[-1] + lengths[-1]))
+    dist.barrier()
+    segments = {r: [(f"file-{r}", at, n) for at, n in zip(offsets, lengths, strict=True)] for r in range(world)}
+    places = [
+        (name, at, memoryview(bytearray(n)))
+        for r in range(world)
+        if r != rank
+        for name, at, n in segments[r]
+        if n >= peers.ALONE_BYTES
+    ]
+    placed = {(name, at): torch.frombuffer(view, dtype=torch.uint8).data_ptr() for name, at, view in places}
+    incoming = {r: peers._Stream(segments[r], Placements(places)) for r in range(world) if r != rank}
+    peers.SENDING_BYTES = window
+    peers._post(dist.group.WORLD, folder, {r: segments[rank] for r in range(world) if r != rank}, incoming)
+    wrong = []
+    for server, stream in incoming.items():
+        for name, at, memory in stream.whole():
+            if bytes(memory.numpy()) != content(server, at, len(memory)):
+                wrong.append(f"{name} at {at}: other bytes")
+            if len(memory) >= peers.ALONE_BYTES and memory.data_ptr() != placed[(name, at)]:
+                wrong.append(f"{name} at {at}: not received into its place")
+    return wrong

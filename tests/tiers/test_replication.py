@@ -21,7 +21,7 @@ from ckptio.loading.shared_reads import Placements
 from ckptio.storage import ReadRequest
 from ckptio.tiers.nodes import NodeMap, this_node
 from ckptio.tiers.peers import ALONE_BYTES, FETCH_PIECE_BYTES, FetchedFile, _Stream, fetch_pieces
-from ckptio.tiers.replication import _Pieces, fixed_pieces
+from ckptio.tiers.replication import Pieces, fixed_pieces
 from ckptio.tools.cli import main as cli_main
 from tests.conftest import s3_objects
 from tests.helpers import replicated, tiered
@@ -78,7 +78,7 @@ def test_a_stream_of_byte_ranges_travels_in_pieces_that_hold_exactly_those_bytes
     for name, data in _FILES.items():
         (folder / name).write_bytes(data)
     sizes = fixed_pieces([length for _, _, length in segments], piece_bytes)
-    stream = _Pieces(str(folder), segments, checked, sizes)
+    stream = Pieces(str(folder), segments, checked, sizes)
     pieces = list(iter(stream.next, None))
     assert [len(p) for p, _ in pieces] == sizes
     assert sizes[:-1] == [piece_bytes] * (len(sizes) - 1)
@@ -106,11 +106,8 @@ def test_a_fetch_sends_each_large_item_in_messages_of_its_own_and_the_small_ones
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    st.lists(st.tuples(st.sampled_from([1, 100, ALONE_BYTES - 1, ALONE_BYTES, 3 << 20]), st.booleans()), max_size=6),
-    st.one_of(st.none(), st.integers(0, 5)),
-)
-def test_a_fetched_stream_lands_each_item_in_its_place_or_a_buffer_and_reads_back_exact(items, out_of_step):
+@given(st.lists(st.tuples(st.sampled_from([1, 100, ALONE_BYTES - 1, ALONE_BYTES, 3 << 20]), st.booleans()), max_size=6))
+def test_a_fetched_stream_lands_each_item_in_its_place_or_a_buffer_and_reads_back_exact(items):
     segments, places, at = [], {}, 0
     for length, placed in items:
         segments.append(("f", at, length))
@@ -120,19 +117,16 @@ def test_a_fetched_stream_lands_each_item_in_its_place_or_a_buffer_and_reads_bac
     data = torch.randint(0, 256, (at,), dtype=torch.uint8)
     stream = _Stream(segments, Placements([("f", start, dest) for start, dest in places.items()]))
     sent = b"".join(bytes(data[o : o + n].numpy()) for _, o, n in segments)
+    assert [len(memory) for memory in stream.messages] == fetch_pieces([n for _, _, n in segments])
     k = 0
-    for index, size in enumerate(stream.sizes):  # what move_files does with each message; one of the wrong size
-        memory = stream.buffer_for(size + (index == out_of_step))
-        memory[:size] = torch.frombuffer(bytearray(sent[k : k + size]), dtype=torch.uint8)
-        stream.take(memoryview(memory.numpy()), True)
-        k += size
-    broken = sum(stream.sizes[:out_of_step]) if out_of_step is not None else k  # nothing from there on is kept
-    starts = itertools.accumulate((n for _, _, n in segments), initial=0)
-    kept = [(o, n) for (_, o, n), first in zip(segments, starts, strict=False) if first + n <= broken]
+    for memory in stream.messages:  # what each posted receive fills
+        memory[:] = torch.frombuffer(bytearray(sent[k : k + len(memory)]), dtype=torch.uint8)
+        k += len(memory)
     arrived = stream.whole()
-    assert [(o, len(memory)) for _, o, memory in arrived] == kept
+    assert [(o, len(memory)) for _, o, memory in arrived] == [(o, n) for _, o, n in segments]
     fetched = FetchedFile(at, [(o, memory) for _, o, memory in arrived])
-    for (_, o, memory), (_, n) in zip(arrived, kept, strict=True):
+    for _, o, memory in arrived:
+        n = len(memory)
         if o in places and n >= ALONE_BYTES:  # received into its place: read back without a copy
             assert memory.data_ptr() == torch.frombuffer(places[o], dtype=torch.uint8).data_ptr()
         out = places.get(o, memoryview(bytearray(n)))
@@ -279,3 +273,11 @@ def test_a_node_killed_as_its_copies_and_drain_start_restarts_from_a_step_that_l
     restarted = spawn(4, tiered.restart, run, tiers, (1, 4), options)
     (url,) = {r[0] for r in restarted}
     assert url in (f"{run}/step-1", f"{run}/step-2") and [r[1] for r in restarted] == [[]] * 4
+
+
+@pytest.mark.parametrize("window", [1, 256 << 20])
+def test_a_fetch_moves_every_stream_at_once_both_ways_and_lands_each_item_exact(tmp_path, window):
+    """Three ranks each serving the two others and receiving from both at once (every receive posted
+    before any send); with a window of one byte every send is awaited as soon as it is posted."""
+    lengths = [5, ALONE_BYTES, 100, FETCH_PIECE_BYTES + 11, 7, ALONE_BYTES - 1]
+    assert spawn(3, replicated.fetch_streams, str(tmp_path), lengths, window) == [[]] * 3
