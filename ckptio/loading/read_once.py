@@ -16,6 +16,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 
 from ckptio.errors import CheckpointError
+from ckptio.loading.exchange import all_objects
 from ckptio.loading.together import fail_together
 from ckptio.torch_seam import enclosing_load_wrapper
 
@@ -44,8 +45,7 @@ def read_once(read: Callable[[], T], group: Any, location: str, each_rank_reads:
         return read()
     if each_rank_reads:
         return _each_reads(read, group)
-    locations: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(locations, location, group=group)
+    locations = all_objects(location, group)
     if len(set(locations)) > 1:
         return _each_reads(read, group)
     return read_on(read, group, 0)

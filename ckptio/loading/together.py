@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ckptio import errors
 from ckptio.errors import CheckpointError
+from ckptio.loading.exchange import all_objects
 
 
 def fail_together(failure: BaseException | None, group: Any = None, what: str = "") -> None:
@@ -21,8 +22,7 @@ def fail_together(failure: BaseException | None, group: Any = None, what: str = 
     stored bytes shared with other ranks")."""
     if dist.is_initialized() and dist.get_world_size(group) > 1 and _anyone_failed(failure, group):
         mine = None if failure is None else (type(failure).__name__, str(failure))
-        reports: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(reports, mine, group=group)
+        reports = all_objects(mine, group)
         failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
         if failure is None:
             rank, (kind, message) = failed[0]

@@ -36,6 +36,7 @@ from ckptio.errors import CheckpointError
 from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, own_file_names, parse_data_file_name
 from ckptio.format.records import Manifest
+from ckptio.loading.exchange import all_objects
 from ckptio.loading.fragment_set import complete_set, fragments_in
 from ckptio.loading.read_once import outcome, read_on, result
 from ckptio.loading.together import fail_together
@@ -282,9 +283,7 @@ class _Group:
     def all(self, value: T) -> list[T]:
         if not self.on:
             return [value]
-        out: list = [None] * self.size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+        return all_objects(value, self.group)
 
     def together(self, fn: Callable[[], Any]) -> None:
         """``fn()`` on every rank; if it fails on any, every rank raises."""

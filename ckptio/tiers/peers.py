@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ckptio.format.records import Manifest
+from ckptio.loading.exchange import all_objects
 from ckptio.loading.read_once import DIRECT
 from ckptio.loading.shared_reads import Placements, as_tensor, memory_address
 from ckptio.storage import FsspecStore, ReadRequest
@@ -85,8 +86,7 @@ def gather_needs(group: Any, needed: dict[str, list]) -> list | None:
     anything (the usual restart) or there is no process group: then nothing is fetched."""
     if group is DIRECT or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return None
-    needs: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(needs, (this_node(), needed), group=group)
+    needs = all_objects((this_node(), needed), group)
     return needs if any(wanted for _, wanted in needs) else None
 
 
@@ -102,15 +102,14 @@ def fetch_from_peers(
     the ``places`` (``(file, offset, memory)``: where stored bytes land unchanged) into it; every rank of
     ``group`` calls it, and serves what others need of its node's copies: a data file it holds whole, or an
     item it holds as a replica in another file. The files received, by name."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     where = _served_here(copies, manifest)
     mine = {
         receiver: [(name, offset) for name, spans in wanted.items() for offset, _ in spans if (name, offset) in where]
         for receiver, (node, wanted) in enumerate(needs)
         if node != needs[rank][0]
     }
-    offers: list = [None] * world
-    dist.all_gather_object(offers, mine, group=group)
+    offers = all_objects(mine, group)
     outgoing: dict[int, list[tuple[str, int, int]]] = {}
     receiving: dict[int, list[tuple[str, int, int]]] = {}
     for receiver, server, name, offset, length in _plan(needs, offers):

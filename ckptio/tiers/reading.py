@@ -23,6 +23,7 @@ from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCh
 from ckptio.format.document import merge_fragments
 from ckptio.format.fragments import check_set
 from ckptio.format.names import METADATA_NAME
+from ckptio.loading.exchange import all_objects
 from ckptio.loading.fragment_set import fragments_in
 from ckptio.loading.read_once import read_on
 from ckptio.storage import FsspecStore, ReadRequest
@@ -47,11 +48,10 @@ def tiered_metadata_bytes(local: FsspecStore, read_durable: Callable[[], bytes],
         return first
     if alone:
         return node_fragments_metadata(local, 0, lambda value: [value], lambda fn: fn()) or read_durable()
-    flags: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(flags, has_local, group=group)
+    flags = all_objects(has_local, group)
     if True not in flags:
         rank = dist.get_rank(group)
-        merged = node_fragments_metadata(local, rank, lambda v: _all_gather(v, group), lambda fn: read_on(fn, group, 0))
+        merged = node_fragments_metadata(local, rank, lambda v: all_objects(v, group), lambda fn: read_on(fn, group, 0))
         if merged is not None:
             return merged
     source = flags.index(True) if True in flags else 0
@@ -87,12 +87,6 @@ def node_fragments_metadata(
     if len(documents) != ranks:
         return None
     return on_first_rank(lambda: merge_fragments(documents, ranks, local.url))
-
-
-def _all_gather(value: Any, group: Any) -> list:
-    out: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
 
 
 def committed_durable(read_durable: Callable[[], T]) -> T | None:

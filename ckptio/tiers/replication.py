@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from ckptio.errors import DrainError, StorageError
 from ckptio.format.codec import checksum
+from ckptio.loading.exchange import all_objects
 from ckptio.storage import open_store
 from ckptio.tiers.held_index import HeldIndex, index_damage
 from ckptio.tiers.jobs import DrainQueue
@@ -96,8 +97,7 @@ def link_of_save(members: tuple[int, ...] | None, copies: int) -> Link | None:
                 timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
                 use_local_synchronization=True,
             )
-            names: list = [None] * len(members)
-            dist.all_gather_object(names, this_node(), group=group)
+            names = all_objects(this_node(), group)
             _groups[members] = (group, NodeMap(names))
         group, nodes = _groups[members]
     if len(nodes.nodes) < copies:
