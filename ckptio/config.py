@@ -314,6 +314,15 @@ class WriterConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def storage(self) -> StorageConfig:
+        """Deprecated (goes in 1.1): ``storage_config``."""
+        warnings.warn(
+            "WriterConfig.storage() is now WriterConfig.storage_config; the old name goes in ckptio 1.1",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.storage_config
+
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown ckptio mode {self.mode!r}; valid modes are {list(MODES)}")

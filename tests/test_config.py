@@ -144,6 +144,8 @@ def test_the_pre_1_0_names_still_work_and_say_where_they_went(clean_env):
         assert ckptio.Reader("memory://r", dedup_round_bytes=4096).tuning.dedup_round_bytes == 4096
     with pytest.warns(DeprecationWarning, match=r"storage_config=ckptio.StorageConfig\(read_gap_bytes"):
         assert ckptio.HFReader("memory://r", read_gap_bytes=0).storage_config.read_gap_bytes == 0
+    with pytest.warns(DeprecationWarning, match=r"WriterConfig.storage\(\) is now WriterConfig.storage_config"):
+        assert config.storage() is config.storage_config
     assert WriterConfig.from_dict(config.to_dict()) == config  # nested mappings round-trip
     with pytest.raises(AttributeError, match="no attribute 'mdoe'"):
         getattr(config, "mdoe")  # noqa: B009 - an attribute that is not there
