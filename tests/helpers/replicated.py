@@ -105,7 +105,11 @@ def fetch_streams(folder: str, lengths: list[int], window: int) -> list[str]:
     offsets = [sum(lengths[:k]) + 3 * k for k in range(len(lengths))]
 
     def content(server: int, at: int, n: int) -> bytes:
-        return ((np.arange(at, at + n) + 7 * server) % 251).astype(np.uint8).tobytes()
+        step = 64 << 20  # a few items are larger than memory would like as one int64 range
+        return b"".join(
+            ((np.arange(lo, min(lo + step, at + n), dtype=np.uint64) + 7 * server) % 251).astype(np.uint8).tobytes()
+            for lo in range(at, at + n, step)
+        )
 
     with open(os.path.join(folder, f"file-{rank}"), "wb") as f:
         f.write(content(rank, 0, offsets[-1] + lengths[-1]))
