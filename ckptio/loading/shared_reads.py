@@ -34,6 +34,7 @@ from ckptio.config import (
 )
 from ckptio.errors import CheckpointError
 from ckptio.format.records import StoredItem
+from ckptio.loading.exchange import send_and_receive
 from ckptio.loading.fetch import ReadJob, read_pieces, verify_block
 from ckptio.loading.host_memory import empty_bytes
 from ckptio.loading.ranges import ReadPiece
@@ -380,17 +381,17 @@ class _Exchange:
                         to_peer[peer].append(s)
             elif self.rank in s.needers:
                 from_peer[s.reader].append(s)
-        pending = []
+        incoming: dict[int, list[torch.Tensor]] = {}
         for peer, segments in from_peer.items():
-            for tag, message in enumerate(_messages(segments)):
+            for message in _messages(segments):
                 buffer, views = self._incoming(message)
                 held.update(views)
-                pending.append(dist.irecv(as_tensor(buffer), peer, group, tag))
-        for peer, segments in to_peer.items():
-            for tag, message in enumerate(_messages(segments)):
-                pending.append(dist.isend(as_tensor(self._outgoing(message)), peer, group, tag))
-        for work in pending:
-            work.wait()
+                incoming.setdefault(peer, []).append(as_tensor(buffer))
+        outgoing = {
+            peer: [as_tensor(self._outgoing(message)) for message in _messages(segments)]
+            for peer, segments in to_peer.items()
+        }
+        send_and_receive(group, incoming, outgoing)
         return held
 
     def _outgoing(self, message: list[Segment]) -> memoryview:

@@ -18,7 +18,6 @@ node holds its ranks' copies again after their next save.
 from __future__ import annotations
 
 import bisect
-import collections
 import itertools
 from typing import Any, Iterable
 
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ckptio.format.records import Manifest
-from ckptio.loading.exchange import all_objects
+from ckptio.loading.exchange import all_objects, send_and_receive
 from ckptio.loading.read_once import DIRECT
 from ckptio.loading.shared_reads import Placements, as_tensor, memory_address
 from ckptio.storage import FsspecStore, ReadRequest
@@ -188,29 +187,15 @@ def fetch_pieces(lengths: list[int]) -> list[int]:
 
 def _post(group: Any, folder: str, outgoing: dict[int, list], incoming: dict[int, "_Stream"]) -> None:
     """Send each rank of ``outgoing`` its byte ranges (file, offset, length) of files in ``folder``, and
-    receive every stream of ``incoming``: every receive posted first, then the sends, each message tagged
-    with its number in its stream (both ends derive the messages from the same plan: ``fetch_pieces``), so
-    every stream moves at once and no rank waits on a round of another's. No CRC32C travels with a piece:
-    the load checks every block it reads (a range that cannot be read is sent as zeros, and fails there)."""
-    pending = [
-        dist.irecv(memory, group=group, group_src=server, tag=tag)
-        for server, stream in incoming.items()
-        for tag, memory in enumerate(stream.messages)
-    ]
-    sending: collections.deque = collections.deque()  # (work, piece): a piece stays alive until sent
-    in_flight = 0
-    for receiver, files in outgoing.items():
-        pieces = Pieces(folder, files, False, fetch_pieces([length for _, _, length in files]))
-        for tag in range(pieces.count):
-            piece, _ = pieces.next()
-            sending.append((dist.isend(piece, group=group, group_dst=receiver, tag=tag), piece))
-            in_flight += len(piece)
-            while in_flight > SENDING_BYTES:
-                work, sent = sending.popleft()
-                work.wait()
-                in_flight -= len(sent)
-    for work in [*pending, *(work for work, _ in sending)]:
-        work.wait()
+    receive every stream of ``incoming``, all at once (``send_and_receive``: both ends derive the messages
+    from the same plan, ``fetch_pieces``). No CRC32C travels with a piece: the load checks every block it
+    reads (a range that cannot be read is sent as zeros, and fails there)."""
+    sends = {
+        receiver: (piece for piece, _ in Pieces(folder, files, False, fetch_pieces([n for _, _, n in files])))
+        for receiver, files in outgoing.items()
+    }
+    received = {server: stream.messages for server, stream in incoming.items()}
+    send_and_receive(group, received, sends, SENDING_BYTES)
 
 
 class _Stream:

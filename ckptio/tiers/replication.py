@@ -349,6 +349,9 @@ class Pieces:
     def next(self) -> tuple[torch.Tensor, int] | None:
         return next(self._walk, None)
 
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, int]]:
+        return self._walk
+
 
 def _runs(segments: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     """``segments`` with each range that continues the one before it in the same file joined to it."""
