@@ -35,7 +35,7 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -195,19 +195,16 @@ def move_files(
     folder: str,
     outgoing: dict[int, list[tuple[str, int, int]]],
     incoming: dict[int, Any],
-    checked: bool = True,
-    pieces: Callable[[list[int]], list[int]] = fixed_pieces,
 ) -> None:
     """Send each group rank of ``outgoing`` its byte ranges (file, offset, length) of files in ``folder``,
-    piece by piece, and
-    take each source's pieces into its arrivals (``incoming``: ``take``, ``expecting``, and ``buffer_for``
-    where pieces are received in place). Each round posts its sends before its receives, so ranks that
+    piece by piece (``fixed_pieces``), each with its CRC32C, and take each source's pieces into its arrivals
+    (``incoming``: ``take``, ``expecting``). Each round posts its sends before its receives, so ranks that
     send to each other never wait on each other; a round's sends are awaited after the next round's are
     posted (the next piece is gathered while this one travels: two pieces per destination in memory at
-    most). ``checked=False``: pieces carry no CRC32C (what receives them checks every block it uses anyway).
-    ``pieces``: the sizes of the pieces a stream of ranges of these lengths travels in (the rule every
-    arrivals' ``count`` was computed with)."""
-    streams = {to: Pieces(folder, files, checked, pieces([n for _, _, n in files])) for to, files in outgoing.items()}
+    most)."""
+    streams = {
+        to: Pieces(folder, files, True, fixed_pieces([n for _, _, n in files])) for to, files in outgoing.items()
+    }
     rounds = max([0, *(s.count for s in streams.values()), *(a.count for a in incoming.values())])
     in_flight: list[_Sent] = []
     for _ in range(rounds):
@@ -221,7 +218,7 @@ def move_files(
         in_flight = sends
         for source, arrivals in incoming.items():
             if arrivals.expecting:
-                arrivals.take(*_recv(group, source, getattr(arrivals, "buffer_for", None), checked))
+                arrivals.take(*_recv(group, source))
     for work in in_flight:
         work.wait()
 
@@ -268,19 +265,16 @@ class _Sent:
             work.wait()
 
 
-def _recv(
-    group: Any, source: int, into: Callable[[int], torch.Tensor] | None = None, checked: bool = True
-) -> tuple[memoryview, bool]:
-    """A message from group rank ``source`` (its bytes, received in place into ``into(length)`` where given),
-    and whether it matches its CRC32C (``checked``; else taken as whole)."""
+def _recv(group: Any, source: int) -> tuple[memoryview, bool]:
+    """A message from group rank ``source``: its bytes, and whether they match its CRC32C."""
     head = torch.zeros(2, dtype=torch.int64)
     dist.recv(head, group=group, group_src=source)
     length, crc = int(head[0]), int(head[1])
-    body = into(length) if into is not None else torch.empty(length, dtype=torch.uint8)
+    body = torch.empty(length, dtype=torch.uint8)
     if length:
         dist.recv(body, group=group, group_src=source)
     data = memoryview(body.numpy())
-    return data, not checked or checksum(data) == crc
+    return data, checksum(data) == crc
 
 
 class Pieces:
