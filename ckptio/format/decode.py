@@ -10,9 +10,10 @@ declared number leads to an allocation larger than the document.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -62,9 +63,14 @@ _PLANES = CODECS.index(Codec.ZSTD_BYTEPLANES)
 DIGEST_ENTRIES = 4
 
 
-def decode_tables(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True) -> Tables:
+def decode_tables(
+    doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True, decode_paths: bool = True
+) -> Tables:
     """The checked tables of a version 8 document (``doc_bytes`` long). ``cover``: every tensor's items
-    must cover it (not in a rank's fragment, which holds the chunks that rank wrote)."""
+    must cover it (not in a rank's fragment, which holds the chunks that rank wrote). Without
+    ``decode_paths`` (a fragment to merge) path codes are only checked to be lists of integers: the merge
+    compares them between fragments and the merged document's decode decodes each key's once (decoding
+    them in each of 8,192 fragments took a sixth of their decode)."""
     features = _features(doc.get("features", []), where)
     for field, feature in (("fragment", FRAGMENT), ("chain", INCREMENTAL), ("extents", INCREMENTAL)):
         if doc.get(field) is not None and feature not in features:
@@ -82,8 +88,14 @@ def decode_tables(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool =
         raise CheckpointFormatError(f"{where}: 'block_size' {block_size!r:.40} is not a valid block size")
     keys = _table(doc, "keys", where)
     key_names, paths, kind, count = _keys(keys, doc_bytes, f"{where}: keys")
-    tensors = _tensor_columns(doc, kind, count, doc_bytes, where)
-    if doc.get("planner_data") == "paths":
+    tensors, layout = _described(doc.get("tensors"), kind, count, where)
+    if doc.get("planner_data") == "paths" and not decode_paths:
+        paths = paths or [None] * len(key_names)
+        planner_data = None
+        codes = [code for code in paths if code is not None]
+        if not set(map(type, codes)) <= {list} or not set(map(type, itertools.chain.from_iterable(codes))) <= {int}:
+            raise CheckpointFormatError(f"{where}: keys: each of 'paths' must be null or a list of part counts")
+    elif doc.get("planner_data") == "paths":
         paths = paths or [None] * len(key_names)
         keys_count = len(key_names)
         planner_data = {
@@ -119,7 +131,7 @@ def decode_tables(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool =
         digests=None,
         extents=extents,
     )
-    _items(tables, _table(doc, "items", where), doc_bytes, cover, f"{where}: items")
+    _items(tables, layout, _table(doc, "items", where), doc_bytes, cover, f"{where}: items")
     _blocks(tables, _table(doc, "blocks", where), file_sizes, doc_bytes, f"{where}: blocks")
     if FRAGMENT in features:
         tables.fragment = FragmentInfo.from_json(doc.get("fragment"), where)
@@ -276,12 +288,92 @@ def _keys(table: dict[str, Any], doc_bytes: int, where: str) -> tuple[list[str],
     return names, paths, kind, count
 
 
-def _tensor_columns(
-    doc: dict[str, Any], kind: np.ndarray, count: np.ndarray, doc_bytes: int, where: str
-) -> dict[str, Any]:
+class _Layout(NamedTuple):
+    """What the keys and tensors tables say of each item (read-only arrays: shared by the documents that
+    repeat those tables)."""
+
+    item_keys: np.ndarray
+    rows: np.ndarray  # each item's tensor row (-1: an object)
+    item_ndim: np.ndarray
+    item_shape: np.ndarray  # (items, dims): its tensor's shape, zeros past its dimensions
+    item_itemsize: np.ndarray  # 1 for an object
+    boxed: np.ndarray  # whether the item's box is stored
+    box_columns: tuple[
+        tuple[np.ndarray, int], ...
+    ]  # per stored box dimension: the items whose box has it, and how many
+
+
+#: Documents of the tables of a key and tensor layout already decoded (the fragments of a save repeat
+#: theirs: 8,192 of them decoded it 8,192 times, a fifth of their decode), for layouts of at most
+#: ``_LAYOUT_ITEMS`` items (a larger document's decode is not in its per-key steps).
+_LAYOUTS: dict[tuple, tuple[dict[str, Any], _Layout]] = {}
+_LAYOUTS_KEPT, _LAYOUT_ITEMS = 64, 1 << 12
+
+
+def _described(table: Any, kind: np.ndarray, count: np.ndarray, where: str) -> tuple[dict[str, Any], _Layout]:
+    """The tensor columns and the items' layout, from the ``tensors`` table and the keys' kinds and counts."""
+    small = len(kind) and count.sum() <= _LAYOUT_ITEMS and _flat(table)
+    memo = (kind.tobytes(), count.tobytes(), repr(table)) if small else None
+    found = _LAYOUTS.get(memo) if memo else None
+    if found is None:
+        tensors = _tensor_columns(table, kind, count, where)
+        found = tensors, _layout(kind, count, tensors)
+        if memo:
+            if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+                _LAYOUTS.clear()
+            _LAYOUTS[memo] = found
+    tensors, layout = found
+    return {**tensors, "shapes": list(tensors["shapes"])}, layout
+
+
+def _flat(table: Any) -> bool:
+    """A table of the schema's shape: integers, strings and lists of strings (its ``repr`` is its memo key)."""
+    return isinstance(table, dict) and all(
+        type(value) in (int, str) or (type(value) is list and set(map(type, value)) <= {str})
+        for value in table.values()
+    )
+
+
+def _layout(kind: np.ndarray, count: np.ndarray, tensors: dict[str, Any]) -> _Layout:
+    item_keys = np.repeat(np.arange(len(kind)), count)
+    is_tensor = kind == TENSOR
+    rows = np.where(is_tensor, np.cumsum(is_tensor) - 1, -1)[item_keys]
+    shapes = tensors["shapes"]
+    ndims = np.array([len(shape) for shape in shapes] + [0], dtype=np.int64)
+    item_ndim = ndims[rows]  # -1 picks the 0 after the tensors
+    dims = int(item_ndim.max()) if len(item_ndim) else 0
+    item_shape = padded_shapes(shapes, dims, len(shapes) + 1)[rows]  # the last row: objects'
+    itemsize = np.array([dtype_from_name(name).itemsize for name in tensors["dtypes"]] + [1], dtype=np.int64)
+    item_itemsize = itemsize[np.append(tensors["dtype"], len(tensors["dtypes"]))[rows]]
+    boxed = (rows >= 0) & np.append(tensors["boxed"], False)[rows]
+    box_dims = int(item_ndim[boxed].max()) if boxed.any() else 0
+    layout = _Layout(
+        item_keys,
+        rows,
+        item_ndim,
+        item_shape,
+        item_itemsize,
+        boxed,
+        tuple(_counted(boxed & (item_ndim > d)) for d in range(box_dims)),
+    )
+    for array in (
+        *layout[:6],
+        *(at for at, _ in layout.box_columns),
+        tensors["dtype"],
+        tensors["requires_grad"],
+        tensors["boxed"],
+    ):
+        array.flags.writeable = False
+    return layout
+
+
+def _counted(mask: np.ndarray) -> tuple[np.ndarray, int]:
+    return mask, int(mask.sum())
+
+
+def _tensor_columns(table: Any, kind: np.ndarray, count: np.ndarray, where: str) -> dict[str, Any]:
     """The tensor columns (one row per tensor key): dtypes, shapes, requires_grad, boxed."""
     rows = int((kind == TENSOR).sum())
-    table = doc.get("tensors")
     if table is None and not rows:
         table = {"dtypes": [], "dtype": 0, "ndim": 0, "size": 0, "requires_grad": 0}
     what = f"{where}: tensors"
@@ -303,15 +395,15 @@ def _tensor_columns(
     boxed = boxed.astype(bool)
     if (~boxed & (tensor_counts != 1)).any():
         raise CheckpointFormatError(f"{what}: a key of other than one item must be 'boxed'")
-    flat = decode_array(table.get("size"), int(ndim.sum()), f"{what}: size").tolist()
-    ends = np.cumsum(ndim).tolist()
+    size = decode_array(table.get("size"), int(ndim.sum()), f"{what}: size")
+    flat, ends = size.tolist(), np.cumsum(ndim).tolist()
     shapes = [tuple(flat[end - n : end]) for n, end in zip(ndim.tolist(), ends, strict=True)]
-    itemsizes = [dtype.itemsize for dtype in dtypes]
-    for shape, n in zip(shapes, number.tolist(), strict=True):
-        if len(shape) > 1 and math.prod(float(d) for d in shape if d) * itemsizes[n] >= INT64_LIMIT / 2:
-            check_shape(shape, itemsizes[n], what)  # exact, where the float estimate is near the limit
-        elif len(shape) == 1 and shape[0] * itemsizes[n] >= INT64_LIMIT:
-            check_shape(shape, itemsizes[n], what)
+    # the bytes of each shape's non-zero dimensions, estimated in bits; exact where near the limit
+    itemsizes = np.array([dtype.itemsize for dtype in dtypes] + [1], dtype=np.float64)
+    logs = np.log2(np.maximum(size, 1))
+    bits = np.bincount(np.repeat(np.arange(rows), ndim), logs, rows) + np.log2(itemsizes[number])
+    for row in np.flatnonzero(bits >= math.log2(INT64_LIMIT) - 1).tolist():
+        check_shape(shapes[row], dtypes[number[row]].itemsize, what)
     return {"dtypes": kinds, "dtype": number, "shapes": shapes, "requires_grad": grad, "boxed": boxed}
 
 
@@ -319,29 +411,22 @@ def _tensor_columns(
 # Items
 
 
-def _items(tables: Tables, table: dict[str, Any], doc_bytes: int, cover: bool, where: str) -> None:
+def _items(tables: Tables, layout: _Layout, table: dict[str, Any], doc_bytes: int, cover: bool, where: str) -> None:
     """The item columns, checked: boxes, ranks, lengths, files, offsets, codecs, block sizes, inline bytes."""
-    count = len(tables.names) and int(tables.count.sum())
-    item_keys = tables.item_keys
+    item_keys, rows, item_ndim, item_shape, item_itemsize, boxed, box_columns = layout
+    count, dims = item_shape.shape
     item_kind = tables.kind[item_keys]
-    rows = tables.tensor_rows()[item_keys]  # each item's tensor row (-1: an object)
     tensor = rows >= 0
-    ndims = np.array([len(shape) for shape in tables.shapes] + [0], dtype=np.int64)
-    item_ndim = ndims[rows]  # -1 picks the 0 after the tensors
-    dims = int(item_ndim.max()) if count else 0
-    shapes = padded_shapes(tables.shapes, dims, len(tables.shapes) + 1)  # the last row: objects'
-    item_shape = shapes[rows]
-    boxed = tensor & np.append(tables.boxed, False)[rows]
     offsets = np.zeros((count, dims), dtype=np.int64)
-    sizes = np.where(tensor[:, None], item_shape, 0)
+    sizes = item_shape.copy()  # an object's row is zeros
     columns = (table.get("offsets", []), table.get("short", []))
-    box_dims = int(item_ndim[boxed].max()) if boxed.any() else 0
-    if not all(isinstance(c, list) and len(c) == box_dims for c in columns):
-        raise CheckpointFormatError(f"{where}: 'offsets' and 'short' must hold a column per dimension ({box_dims})")
-    for d in range(box_dims):  # a box: its offsets, and how much shorter than its tensor it is
-        at = boxed & (item_ndim > d)
-        offsets[at, d] = decode_array(columns[0][d], int(at.sum()), f"{where}: offsets column {d}")
-        sizes[at, d] -= decode_array(columns[1][d], int(at.sum()), f"{where}: short column {d}")
+    if not all(isinstance(c, list) and len(c) == len(box_columns) for c in columns):
+        raise CheckpointFormatError(
+            f"{where}: 'offsets' and 'short' must hold a column per dimension ({len(box_columns)})"
+        )
+    for d, (at, n) in enumerate(box_columns):  # a box: its offsets, and how much shorter than its tensor it is
+        offsets[at, d] = decode_array(columns[0][d], n, f"{where}: offsets column {d}")
+        sizes[at, d] -= decode_array(columns[1][d], n, f"{where}: short column {d}")
     outside = ((sizes < 0) | (offsets > item_shape - sizes)) & boxed[:, None]
     if outside.any():
         i = int(np.argmax(outside.any(axis=1)))
@@ -361,8 +446,6 @@ def _items(tables: Tables, table: dict[str, Any], doc_bytes: int, cover: bool, w
             )
     length = np.zeros(count, dtype=np.int64)
     length[~tensor] = decode_array(table.get("length"), int((~tensor).sum()), f"{where}: length")
-    itemsize = np.array([dtype_from_name(name).itemsize for name in tables.dtypes] + [1], dtype=np.int64)
-    item_itemsize = itemsize[np.append(tables.dtype, len(tables.dtypes))[rows]]
     elements = np.prod(np.where(np.arange(dims) < item_ndim[:, None], sizes, 1), axis=1)  # 1 for a scalar
     length[tensor] = elements[tensor] * item_itemsize[tensor]
     file = decode_array(table.get("file"), count, f"{where}: file")
@@ -403,10 +486,12 @@ def _check_tiling(
 ) -> None:
     """The chunks of each key of several start at distinct offsets and cover each element once (at most
     once without ``cover``: a fragment); a key's one chunk (already inside its shape) is all of it."""
-    firsts = tables.firsts
     tensor_keys = np.flatnonzero(tables.kind == TENSOR)
     counts = tables.count[tensor_keys]
     several = tensor_keys[counts != 1]
+    if not (cover or len(several)):  # a fragment's keys of one chunk each
+        return
+    firsts = tables.firsts
     if cover:  # a key of one chunk: the whole tensor
         single = tensor_keys[counts == 1]
         items = firsts[single]

@@ -42,21 +42,19 @@ class _Keys:
     requires_grad: list[int] = dataclasses.field(default_factory=list)
 
     def numbers(self, tables: Tables, where: str) -> np.ndarray:
-        rows = tables.tensor_rows().tolist()
         paths = tables.paths or [None] * len(tables.names)
-        grads = tables.requires_grad.tolist()
-        dtype = tables.dtype.tolist()
+        dtypes, grads = [tables.dtypes[d] for d in tables.dtype.tolist()], tables.requires_grad.tolist()
+        tensor = iter(zip(dtypes, tables.shapes, grads, strict=True))
         out = []
-        for fqn, kind, row, path in zip(tables.names, tables.kind.tolist(), rows, paths, strict=True):
-            tensor = row >= 0
-            signature = (kind, tables.dtypes[dtype[row]], tables.shapes[row]) if tensor else (kind, None, None)
-            signature += (path if path is None else tuple(path),)
+        for fqn, kind, path in zip(tables.names, tables.kind.tolist(), paths, strict=True):
+            dtype, shape, grad = next(tensor) if kind == TENSOR else (None, None, 0)
+            signature = (kind, dtype, shape, path)  # a path code as the fragment stores it (a list)
             number = self.number.get(fqn)
             if number is None:
                 number = self.number[fqn] = len(self.names)
                 self.names.append(fqn)
                 self.signature.append(signature)
-                self.requires_grad.append(grads[row] if tensor else 0)
+                self.requires_grad.append(grad)
             elif self.signature[number] != signature:
                 self._refuse(fqn, self.signature[number], signature, where)
             out.append(number)
