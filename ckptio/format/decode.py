@@ -294,13 +294,15 @@ class _Layout(NamedTuple):
 
     item_keys: np.ndarray
     rows: np.ndarray  # each item's tensor row (-1: an object)
+    tensor: np.ndarray  # whether the item is a tensor's
+    per_rank: np.ndarray  # whether the item is a copy of an object kept per rank
     item_ndim: np.ndarray
     item_shape: np.ndarray  # (items, dims): its tensor's shape, zeros past its dimensions
+    in_shape: np.ndarray  # (items, dims): whether the dimension is one of its tensor's
     item_itemsize: np.ndarray  # 1 for an object
     boxed: np.ndarray  # whether the item's box is stored
-    box_columns: tuple[
-        tuple[np.ndarray, int], ...
-    ]  # per stored box dimension: the items whose box has it, and how many
+    # per stored box dimension: the items whose box has it, and how many
+    box_columns: tuple[tuple[np.ndarray, int], ...]
 
 
 #: Documents of the tables of a key and tensor layout already decoded (the fragments of a save repeat
@@ -350,19 +352,17 @@ def _layout(kind: np.ndarray, count: np.ndarray, tensors: dict[str, Any]) -> _La
     layout = _Layout(
         item_keys,
         rows,
+        rows >= 0,
+        kind[item_keys] == PER_RANK,
         item_ndim,
         item_shape,
+        np.arange(dims) < item_ndim[:, None],
         item_itemsize,
         boxed,
         tuple(_counted(boxed & (item_ndim > d)) for d in range(box_dims)),
     )
-    for array in (
-        *layout[:6],
-        *(at for at, _ in layout.box_columns),
-        tensors["dtype"],
-        tensors["requires_grad"],
-        tensors["boxed"],
-    ):
+    shared = (*layout[:-1], *(at for at, _ in layout.box_columns), tensors["dtype"], tensors["requires_grad"])
+    for array in (*shared, tensors["boxed"]):
         array.flags.writeable = False
     return layout
 
@@ -413,10 +413,8 @@ def _tensor_columns(table: Any, kind: np.ndarray, count: np.ndarray, where: str)
 
 def _items(tables: Tables, layout: _Layout, table: dict[str, Any], doc_bytes: int, cover: bool, where: str) -> None:
     """The item columns, checked: boxes, ranks, lengths, files, offsets, codecs, block sizes, inline bytes."""
-    item_keys, rows, item_ndim, item_shape, item_itemsize, boxed, box_columns = layout
+    item_keys, rows, tensor, per_rank, item_ndim, item_shape, in_shape, item_itemsize, boxed, box_columns = layout
     count, dims = item_shape.shape
-    item_kind = tables.kind[item_keys]
-    tensor = rows >= 0
     offsets = np.zeros((count, dims), dtype=np.int64)
     sizes = item_shape.copy()  # an object's row is zeros
     columns = (table.get("offsets", []), table.get("short", []))
@@ -435,7 +433,6 @@ def _items(tables: Tables, layout: _Layout, table: dict[str, Any], doc_bytes: in
             f"{sizes[i, : item_ndim[i]].tolist()} outside its shape {list(tables.shapes[rows[i]])}"
         )
     _check_tiling(tables, offsets, sizes, item_shape, cover, where)
-    per_rank = item_kind == PER_RANK
     ranks = np.full(count, -1, dtype=np.int64)
     if per_rank.any():
         ranks[per_rank] = decode_array(table.get("ranks"), int(per_rank.sum()), f"{where}: ranks")
@@ -444,26 +441,25 @@ def _items(tables: Tables, layout: _Layout, table: dict[str, Any], doc_bytes: in
             raise CheckpointFormatError(
                 f"{where}: a per-rank object's copies must name distinct ranks below {MAX_RANK}"
             )
-    length = np.zeros(count, dtype=np.int64)
-    length[~tensor] = decode_array(table.get("length"), int((~tensor).sum()), f"{where}: length")
-    elements = np.prod(np.where(np.arange(dims) < item_ndim[:, None], sizes, 1), axis=1)  # 1 for a scalar
-    length[tensor] = elements[tensor] * item_itemsize[tensor]
+    # a tensor item's bytes follow from its box (1 element for a scalar); an object's are stored
+    length = np.where(tensor, np.prod(np.where(in_shape, sizes, 1), axis=1) * item_itemsize, 0)
+    length[~tensor] = decode_array(table.get("length"), count - int(tensor.sum()), f"{where}: length")
     file = decode_array(table.get("file"), count, f"{where}: file")
     at = decode_array(table.get("at"), count, f"{where}: at")
     codec = decode_array(table.get("codec", 0), count, f"{where}: codec")
     block_size = decode_array(table.get("block_size", tables.block_size), count, f"{where}: block_size")
-    bad = (file > len(tables.files)) | ((file == 0) & (at != 0))
-    _refuse(bad, tables, item_keys, where, lambda i: f"points at data file number {file[i]} (offset {at[i]}); the "
-            f"checkpoint has {len(tables.files)} (0 = inline, at offset 0)")  # fmt: skip
-    bad = codec >= len(CODECS)
-    _refuse(bad, tables, item_keys, where, lambda i: f"has unknown codec number {codec[i]}")
+    bad_file = (file > len(tables.files)) | ((file == 0) & (at != 0))
+    bad_block_size = (block_size <= 0) | (block_size > MAX_BLOCK_SIZE_LIMIT) | (block_size % 64 != 0)
     planes = codec == _PLANES
-    bad = planes & ~(tensor & np.isin(item_itemsize, PLANE_ITEMSIZES)) if planes.any() else planes
-    _refuse(
-        bad, tables, item_keys, where, lambda _: "uses byte planes but is not a tensor of 2-, 4- or 8-byte elements"
-    )
-    bad = (block_size <= 0) | (block_size > MAX_BLOCK_SIZE_LIMIT) | (block_size % 64 != 0)
-    _refuse(bad, tables, item_keys, where, lambda i: f"has invalid block_size {block_size[i]}")
+    if (bad_file | bad_block_size | (codec >= _PLANES)).any():  # which, in turn (byte planes: the last codec)
+        _refuse(bad_file, tables, item_keys, where, lambda i: f"points at data file number {file[i]} (offset "
+                f"{at[i]}); the checkpoint has {len(tables.files)} (0 = inline, at offset 0)")  # fmt: skip
+        bad = codec >= len(CODECS)
+        _refuse(bad, tables, item_keys, where, lambda i: f"has unknown codec number {codec[i]}")
+        bad = planes & ~(tensor & np.isin(item_itemsize, PLANE_ITEMSIZES))
+        why = "uses byte planes but is not a tensor of 2-, 4- or 8-byte elements"
+        _refuse(bad, tables, item_keys, where, lambda _: why)
+        _refuse(bad_block_size, tables, item_keys, where, lambda i: f"has invalid block_size {block_size[i]}")
     blocks = block_counts(length, block_size)
     _refuse(
         blocks > doc_bytes,

@@ -188,3 +188,65 @@ def test_a_fragment_name_claiming_billions_of_ranks_is_refused_without_counting_
     error = _load_error(url)
     assert isinstance(error, ckptio.IncompleteCheckpointError)
     assert "by 100000000000 ranks committed the fragments of 1 ranks, and ranks [1, 2," in str(error)
+
+
+@pytest.mark.parametrize(
+    "code, message",
+    [
+        ("x", "each of 'paths' must be null or a list of part counts"),  # refused in the fragment
+        ([True], "each of 'paths' must be null or a list of part counts"),
+        ([3], "the path of key 'meta.x' does not cover the key's parts"),  # once merged
+        ([-1], "the path of key 'meta.x' must be a list of part counts"),
+    ],
+)
+def test_a_fragments_path_codes_are_refused_in_it_or_once_merged(tmp_path, code, message):
+    """A fragment's path codes are checked for their type in it; the merge compares them and the merged
+    document's decode decodes them, so a load and ``ckptio merge`` refuse the set, and nothing is committed."""
+    from ckptio.saving.commit import commit_merged
+    from ckptio.storage import open_store
+
+    url = _saved(tmp_path)
+    doc = _doc(url, fragment_name(0, 1))
+    doc["keys"]["paths"] = [None, code]
+    _write(url, fragment_name(0, 1), doc)
+    error = _load_error(url)
+    assert isinstance(error, ckptio.CheckpointFormatError) and message in str(error), error
+    with pytest.raises(ckptio.CheckpointFormatError, match="paths|path of key"):
+        commit_merged(open_store(url))
+    assert os.listdir(url) == [fragment_name(0, 1)]
+
+
+def test_fragments_giving_a_key_different_paths_are_refused(tmp_path):
+    url = _saved(tmp_path)
+    _as_two_ranks(url, lambda rank, doc: doc["keys"].update(paths=[None, [1, 1] if rank else [2]]))
+    error = _load_error(url)
+    assert isinstance(error, ckptio.MixedFragmentsError)
+    assert "give key 'meta.x' different paths in the state (['meta.x'] and ['meta', 'x'])" in str(error), error
+
+
+def test_fragments_repeating_one_layout_decode_each_its_own_items(tmp_path):
+    """The tensors table and item layout fragments repeat are decoded once and shared: each fragment's
+    own columns (boxes, files, checksums) still its own, and each checked."""
+    from ckptio.format.document import decode_fragment
+
+    url = str(tmp_path / "ckpt")
+    ckptio.save(STATE, url, ckptio.WriterConfig(use_collectives=False))
+    doc = _doc(only_fragments(url), fragment_name(0, 1))
+    doc["tensors"].update(size=16, boxed=1)
+    halves = []
+    for start in (0, 8):
+        half = json.loads(json.dumps(doc))
+        half["items"].update(offsets=[start] if start else [0], short=[8])
+        halves.append(decode_fragment(json.dumps(half).encode(), f"half at {start}")[0])
+    for manifest, start in zip(halves, (0, 8), strict=True):
+        (chunk,) = manifest.metadata.state_dict_metadata["w"].chunks
+        assert list(chunk.offsets) == [start] and list(chunk.sizes) == [8]
+    outside = json.loads(json.dumps(doc))
+    outside["items"].update(offsets=[9], short=[8])  # the same layout, a box past the tensor's end
+    with pytest.raises(ckptio.CheckpointFormatError, match="outside its shape"):
+        decode_fragment(json.dumps(outside).encode(), "outside")
+    from ckptio.format.decode import _LAYOUTS
+
+    shared = next(layout for _, layout in _LAYOUTS.values() if len(layout.rows) == 2)
+    with pytest.raises(ValueError, match="read-only"):  # shared by the documents: no decode may change it
+        shared.item_shape[0, 0] = 5
