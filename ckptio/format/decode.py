@@ -9,7 +9,6 @@ declared number leads to an allocation larger than the document.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import re
@@ -61,6 +60,8 @@ _SAVE_ID = re.compile(SAVE_ID)
 _PLANES = CODECS.index(Codec.ZSTD_BYTEPLANES)
 #: Entries of the ``digests`` column (4 bytes each) per block: 16 bytes.
 DIGEST_ENTRIES = 4
+_NONE, _NONE_2D = np.zeros(0, dtype=np.int64), np.zeros((0, 0), dtype=np.int64)
+_NONE.flags.writeable = _NONE_2D.flags.writeable = False
 
 
 def decode_tables(
@@ -77,9 +78,7 @@ def decode_tables(
             raise CheckpointFormatError(f"{where}: '{field}' belongs to feature {feature!r}, which it does not declare")
     names, sizes, writers = decode_files(doc.get("files"), features, where)
     files = dict(zip(names, sizes, strict=True))
-    header = dataclasses.replace(
-        Header.from_json(doc, where, checked_files=(files, writers)), features=tuple(sorted(features))
-    )
+    header = Header.from_json(doc, where, checked_files=(files, writers), features=tuple(sorted(features)))
     extents = decode_extents(doc.get("extents"), names, sizes, doc_bytes, where)
     all_files = names + tuple(extents)
     file_sizes = np.array(sizes + [sum(run.length for run in runs) for runs in extents.values()], dtype=np.int64)
@@ -116,17 +115,17 @@ def decode_tables(
         kind=kind,
         count=count,
         **tensors,
-        offsets=np.zeros((0, 0), dtype=np.int64),
-        sizes=np.zeros((0, 0), dtype=np.int64),
-        ranks=np.zeros(0, dtype=np.int64),
-        length=np.zeros(0, dtype=np.int64),
-        file=np.zeros(0, dtype=np.int64),
-        at=np.zeros(0, dtype=np.int64),
-        codec=np.zeros(0, dtype=np.int64),
-        item_block_size=np.zeros(0, dtype=np.int64),
+        offsets=_NONE_2D,  # the item and block columns: set by _items and _blocks
+        sizes=_NONE_2D,
+        ranks=_NONE,
+        length=_NONE,
+        file=_NONE,
+        at=_NONE,
+        codec=_NONE,
+        item_block_size=_NONE,
         inline={},
-        starts=np.zeros(1, dtype=np.int64),
-        crc=np.zeros(0, dtype=np.uint32),
+        starts=_NONE,
+        crc=_NONE,
         stored=None,
         digests=None,
         extents=extents,

@@ -220,9 +220,12 @@ class Header:
         }
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any], where: str, checked_files: tuple[dict[str, int], dict[str, int]]) -> Header:
+    def from_json(
+        cls, doc: dict[str, Any], where: str, checked_files: tuple[dict[str, int], dict[str, int]],
+        features: tuple[str, ...] = (),
+    ) -> Header:  # fmt: skip
         """Validate the header fields of a decoded document; missing optional fields get defaults.
-        ``checked_files``: the data files and their writers, already validated."""
+        ``checked_files``: the data files and their writers, and ``features``, already validated."""
         field = FieldReader(doc, where)
         files, writer_ranks = checked_files
         config = FieldReader(field.mapping("config"), f"{where}: config")
@@ -246,6 +249,7 @@ class Header:
             writer_ranks=writer_ranks,
             dcp_version=field.value("dcp_version", str, None),
             chain=None if chain is None else ChainRecord.from_json(chain, where),
+            features=features,
         )
 
 
