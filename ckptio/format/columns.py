@@ -64,18 +64,26 @@ def encode_packed_array(values: np.ndarray, letter: str | None = None) -> str:
 def decode_array(value: Any, count: int, what: str, packed_only: bool = False) -> np.ndarray:
     """``decode_column`` as a numpy array of int64 (every entry is below 2^63); a column of no entries
     may be absent (``None``)."""
+    if type(value) is str and value[:1] in _WIDTHS:  # decoded whole: its length checked after (the same rule)
+        width = _WIDTHS[value[0]]
+        raw = _b64decode(value[1:], what)
+        if len(raw) != count * width:
+            raise CheckpointFormatError(
+                f"{what} holds {len(raw) / width:g} entries of {width} bytes where {count} are expected"
+            )
+        return _checked(np.frombuffer(raw, dtype=f"<u{width}"), what).astype(np.int64)
     if value is None and count == 0:
         return np.zeros(0, dtype=np.int64)
     if _constant(value, what, packed_only):
         return np.full(count, value, dtype=np.int64)
-    return PackedBlocks(value, count, what, packed_only).to_numpy()
+    return PackedBlocks(value, count, what, packed_only).to_numpy()  # not a packed string: named there
 
 
 def decode_column(value: Any, count: int, what: str, packed_only: bool = False) -> list[int]:
     """``count`` non-negative integers from a COL (a BLOCKS string when ``packed_only``)."""
     if _constant(value, what, packed_only):
         return [value] * count
-    return PackedBlocks(value, count, what, packed_only)[:].tolist()
+    return decode_array(value, count, what, packed_only).tolist()
 
 
 def _constant(value: Any, what: str, packed_only: bool) -> bool:
@@ -141,9 +149,14 @@ class PackedBlocks:
     def to_numpy(self) -> np.ndarray:
         """Every entry, as a numpy array of int64."""
         values = np.frombuffer(_b64decode(self._text, self._what), dtype=f"<u{self._width}")
-        if self._width == 8 and len(values) and values.max() >= INT64_LIMIT:
-            raise CheckpointFormatError(f"{self._what} holds {values.max()}, past the largest count or offset (2^63-1)")
-        return values.astype(np.int64)
+        return _checked(values, self._what).astype(np.int64)
+
+
+def _checked(values: np.ndarray, what: str) -> np.ndarray:
+    """Unsigned entries, each below 2^63 (only 8-byte ones can reach it)."""
+    if values.itemsize == 8 and len(values) and values.max() >= INT64_LIMIT:
+        raise CheckpointFormatError(f"{what} holds {values.max()}, past the largest count or offset (2^63-1)")
+    return values
 
 
 def crc_column(value: Any, count: int, what: str) -> PackedBlocks:
@@ -157,11 +170,20 @@ def crc_column(value: Any, count: int, what: str) -> PackedBlocks:
 
 def _b64decode(text: str, what: str) -> bytes:
     try:
-        if sys.version_info >= (3, 11):
-            return binascii.a2b_base64(text, strict_mode=True)
-        return base64.b64decode(text, validate=True)
+        return _strict_b64decode(text)
     except (binascii.Error, ValueError):
         raise CheckpointFormatError(f"{what} is not valid base64") from None
+
+
+if sys.version_info >= (3, 11):
+
+    def _strict_b64decode(text: str) -> bytes:
+        return binascii.a2b_base64(text, strict_mode=True)
+
+else:
+
+    def _strict_b64decode(text: str) -> bytes:
+        return base64.b64decode(text, validate=True)
 
 
 def b64(data: bytes) -> str:
