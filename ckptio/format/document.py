@@ -94,13 +94,22 @@ def _compact(tables: Tables, shared: dict[Any, Any]) -> Tables:
     """A fragment's tables as a merge keeps them until the set is joined: its checksums as an array (not
     the document's base64 text), its paths as codes (not decoded again), and the key names, path codes
     and shapes every fragment repeats held once for all (``shared``: 8,192 fragments of FSDP kept ~11 KB
-    each of them, most of a merge's memory)."""
+    each of them, most of a merge's memory). Fragments of one save mostly repeat the whole list of path
+    codes (codes count a key's parts, not name them): a list equal to the last one is that one."""
     tables.crc, tables.digests = tables.crc_array(), tables.digest_array()
     tables.names = [shared.setdefault(name, name) for name in tables.names]
     tables.shapes = [shared.setdefault(shape, shape) for shape in tables.shapes]
     if tables.paths is not None:
-        tables.paths = [None if code is None else shared.setdefault(tuple(code), code) for code in tables.paths]
+        last = shared.get(_LAST_PATHS)
+        if tables.paths != last:
+            last = shared[_LAST_PATHS] = [
+                None if code is None else shared.setdefault(tuple(code), code) for code in tables.paths
+            ]
+        tables.paths = last
     return tables
+
+
+_LAST_PATHS = object()  # ``_compact``'s key for the last list of path codes
 
 
 def _decode(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True, decode_paths: bool = True) -> Tables:
