@@ -5,6 +5,7 @@ read by ``legacy`` (kept apart: nothing of it is on the 1.0 path); a newer versi
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptio.errors import CheckpointFormatError
-from ckptio.format.decode import decode_tables
+from ckptio.format.decode import decode_documents, decode_tables, schema_errors_named
 from ckptio.format.encode import encode, tables_of
 from ckptio.format.fragments import FragmentInfo
 from ckptio.format.merge import merge_tables
@@ -65,10 +66,16 @@ def merge_fragments(fragments: Iterable[tuple[str, bytes]], ranks: int, where: s
     is checked, and what joining them needs; what the joined document shows (tensors covered, paths) is
     checked where every caller decodes it, as any ``ckptio.json`` (``decode_metadata``: a load on every
     rank, ``ckptio merge`` before it commits): checking it here too took a tenth of a merge at 8,192
-    fragments. Each fragment's bytes are dropped once decoded (a set of 8,192 is ~36 MB)."""
-    pairs = fragments.items() if isinstance(fragments, Mapping) else fragments
+    fragments. Fragments are decoded ``MERGE_BATCH`` at a time (``decode_documents``), their bytes and
+    parsed documents dropped once decoded (a set of 8,192 is ~36 MB of JSON)."""
+    pairs = iter(fragments.items() if isinstance(fragments, Mapping) else fragments)
     shared: dict[Any, Any] = {}
-    decoded = [(n, f"{where}/{n}", _compact(_fragment_tables(raw, f"{where}/{n}", False), shared)) for n, raw in pairs]
+    decoded = []
+    while batch := list(itertools.islice(pairs, MERGE_BATCH)):
+        docs = [(_fragment_document(raw, f"{where}/{n}"), f"{where}/{n}", len(raw)) for n, raw in batch]
+        tables = decode_documents(docs, cover=False, decode_paths=False)
+        for (name, _), (_, read_from, _), fragment in zip(batch, docs, tables, strict=True):
+            decoded.append((name, read_from, _compact(_a_fragment(fragment, read_from, FORMAT_VERSION), shared)))
     if len(decoded) != ranks:
         raise ValueError(f"merge_fragments takes the {ranks} fragments of a complete set, got {len(decoded)}")
     try:
@@ -77,10 +84,28 @@ def merge_fragments(fragments: Iterable[tuple[str, bytes]], ranks: int, where: s
         raise CheckpointFormatError(f"{where}: its fragments cannot form one checkpoint: {exc}") from None
 
 
-def _fragment_tables(raw: bytes, where: str, decode_paths: bool = True) -> Tables:
+#: Fragments a merge decodes together: their parsed documents are held until then (~40 KB each).
+MERGE_BATCH = 256
+
+
+def _fragment_tables(raw: bytes, where: str) -> Tables:
     doc = parse_json(raw, where)
     version = _version(doc, where)
-    tables = _decode(doc, where, len(raw), False, decode_paths) if version == FORMAT_VERSION else None
+    tables = _decode(doc, where, len(raw), cover=False) if version == FORMAT_VERSION else None
+    return _a_fragment(tables, where, version)
+
+
+def _fragment_document(raw: bytes, where: str) -> dict[str, Any]:
+    """A fragment's parsed document, of the 1.0 format."""
+    doc = parse_json(raw, where)
+    version = _version(doc, where)
+    if version != FORMAT_VERSION:
+        _a_fragment(None, where, version)
+    return doc
+
+
+def _a_fragment(tables: Tables | None, where: str, version: int) -> Tables:
+    """``tables`` when they are a 1.0 fragment's (``None``: a document of another version)."""
     if tables is None or FRAGMENT not in tables.features:
         raise CheckpointFormatError(
             f"{where} is not a ckptio 1.0 fragment (format version {version}, features "
@@ -112,19 +137,14 @@ def _compact(tables: Tables, shared: dict[Any, Any]) -> Tables:
 _LAST_PATHS = object()  # ``_compact``'s key for the last list of path codes
 
 
-def _decode(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True, decode_paths: bool = True) -> Tables:
-    return _schema_checked(decode_tables, doc, where, doc_bytes, cover, decode_paths)
+def _decode(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True) -> Tables:
+    return _schema_checked(decode_tables, doc, where, doc_bytes, cover)
 
 
 def _schema_checked(decode: Callable[..., Any], doc: dict[str, Any], where: str, *args: Any) -> Any:
-    """``decode(doc, where, *args)``, a document of the wrong shape (a string for a list, a missing
-    field) a named format error."""
-    try:
+    """``decode(doc, where, *args)``, a document of the wrong shape a named format error."""
+    with schema_errors_named(where):
         return decode(doc, where, *args)
-    except CheckpointFormatError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError) as exc:
-        raise CheckpointFormatError(f"{where} does not follow the ckptio metadata schema: {exc!r:.300}") from None
 
 
 def _version(doc: Any, where: str) -> int:

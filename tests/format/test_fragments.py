@@ -8,6 +8,7 @@ import base64
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -225,28 +226,44 @@ def test_fragments_giving_a_key_different_paths_are_refused(tmp_path):
 
 
 def test_fragments_repeating_one_layout_decode_each_its_own_items(tmp_path):
-    """The tensors table and item layout fragments repeat are decoded once and shared: each fragment's
-    own columns (boxes, files, checksums) still its own, and each checked."""
-    from ckptio.format.document import decode_fragment
+    """Documents that repeat a layout (the fragments of a save) are decoded together, their tensors table
+    and item layout once: each still gets its own columns (boxes, files, checksums), as alone, and the
+    first document that breaks a rule is named, with the error its own decode raises."""
+    from ckptio.format.decode import _LAYOUTS, decode_documents, decode_tables
 
     url = str(tmp_path / "ckpt")
     ckptio.save(STATE, url, ckptio.WriterConfig(use_collectives=False))
     doc = _doc(only_fragments(url), fragment_name(0, 1))
     doc["tensors"].update(size=16, boxed=1)
-    halves = []
-    for start in (0, 8):
-        half = json.loads(json.dumps(doc))
-        half["items"].update(offsets=[start] if start else [0], short=[8])
-        halves.append(decode_fragment(json.dumps(half).encode(), f"half at {start}")[0])
-    for manifest, start in zip(halves, (0, 8), strict=True):
-        (chunk,) = manifest.metadata.state_dict_metadata["w"].chunks
-        assert list(chunk.offsets) == [start] and list(chunk.sizes) == [8]
-    outside = json.loads(json.dumps(doc))
-    outside["items"].update(offsets=[9], short=[8])  # the same layout, a box past the tensor's end
-    with pytest.raises(ckptio.CheckpointFormatError, match="outside its shape"):
-        decode_fragment(json.dumps(outside).encode(), "outside")
-    from ckptio.format.decode import _LAYOUTS
 
+    def half(start: int, file: int | None = None) -> dict:
+        edited = json.loads(json.dumps(doc))
+        edited["items"].update(offsets=[start] if start else [0], short=[8])
+        if file is not None:
+            edited["items"]["file"] = file
+        return edited
+
+    docs = [half(0), half(8), half(4)]
+    batch = [(d, f"doc {n}", len(json.dumps(d))) for n, d in enumerate(docs)]
+    together = decode_documents(batch, cover=False)
+    for tables, (d, where, size), start in zip(together, batch, (0, 8, 4), strict=True):
+        alone = decode_tables(d, where, size, cover=False)
+        for column in ("offsets", "sizes", "length", "file", "at", "codec", "item_block_size", "starts", "ranks"):
+            assert np.array_equal(getattr(tables, column), getattr(alone, column)), column
+        assert tables.inline == alone.inline and tables.offsets[0, 0] == start
     shared = next(layout for _, layout in _LAYOUTS.values() if len(layout.rows) == 2)
     with pytest.raises(ValueError, match="read-only"):  # shared by the documents: no decode may change it
         shared.item_shape[0, 0] = 5
+
+    bad = [(half(0), "good", 1000), (half(9), "outside", 1000), (half(0, file=7), "no such file", 1000)]
+    with pytest.raises(ckptio.CheckpointFormatError, match="^outside: items: key 'w' has a chunk at .9. of size"):
+        decode_documents(bad, cover=False)
+    bad[1] = (half(0), "now good", 1000)
+    with pytest.raises(
+        ckptio.CheckpointFormatError, match="^no such file: items: key 'w' points at data file number 7"
+    ):
+        decode_documents(bad, cover=False)
+    shapeless = half(0)
+    shapeless["items"]["offsets"] = [[0]]  # a list where a column is
+    with pytest.raises(ckptio.CheckpointFormatError, match="^shapeless: items: offsets column 0 must be an integer"):
+        decode_documents([(half(0), "good", 1000), (shapeless, "shapeless", 1000)], cover=False)
