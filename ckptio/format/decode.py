@@ -83,8 +83,8 @@ def decode_documents(
     """``decode_tables`` of each (document, where, bytes). Documents that repeat a layout of keys and
     tensors (the fragments of a save) have their item columns checked together, one array per column and a
     row per document: a fragment of a few dozen items spent most of its decode in ~40 numpy operations of
-    its own. Where a document breaks a rule, the first such document's error is the one raised, as its own
-    decode raises it."""
+    its own. A document that breaks a rule is named, with the error its own decode raises (of documents
+    of one layout, the first that breaks one)."""
     heads = [_head(doc, where, doc_bytes, decode_paths) for doc, where, doc_bytes in documents]
     groups: dict[int, list[_Head]] = {}
     for head in heads:
