@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptio.errors import CheckpointError
 from ckptio.format.document import decode_fragment, encode_metadata
-from ckptio.format.fragments import FragmentInfo, Replica
+from ckptio.format.fragments import FragmentInfo, Replica, Replicas
 from ckptio.format.names import SIBLING_PREFIX, fragment_name
 from ckptio.format.records import MeshRecord, StoredItem
 from ckptio.saving.data_file import pickled_objects
@@ -164,7 +164,7 @@ def commit_fragment(writer: Any, metadata: Metadata, results: list[WriteResult])
     if by_sibling(files):  # this rank's part of the chain; the merge joins the ranks' parts
         header = dataclasses.replace(header, chain=chain_of(writer._base, writer.config, items.values()))
     metadata.planner_data = canonical_planner_data(metadata.planner_data)
-    info = FragmentInfo(save.save_id, rank, save.ranks, tuple(sorted(save.replicas, key=_replica_order)))
+    info = FragmentInfo(save.save_id, rank, save.ranks, Replicas.of(save.replicas))
     document = encode_metadata(fragment_metadata(metadata, items), items, header, fragment=info)
     name = fragment_name(rank, save.ranks)
     store = writer._open_store()
@@ -172,7 +172,3 @@ def commit_fragment(writer: Any, metadata: Metadata, results: list[WriteResult])
     if header.chain is not None:
         mark_references(store, files, save.save_id, rank, writer._landing.pending_s)
     writer._landing.commit_fragment(name, document, files, (save.save_id, save.ranks) if rank == 0 else None)
-
-
-def _replica_order(replica: Replica) -> tuple:
-    return (replica.fqn, replica.offsets)
