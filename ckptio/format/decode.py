@@ -93,7 +93,7 @@ def decode_documents(
         try:
             _items(group, cover)
         except Exception:
-            for head in group if len(group) > 1 else ():  # which document: each alone, in turn
+            for head in group:  # which document, and its error as its own decode words it: each alone
                 with schema_errors_named(head.where):
                     _items([head], cover)
             raise
