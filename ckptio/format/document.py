@@ -119,22 +119,23 @@ def _compact(tables: Tables, shared: dict[Any, Any]) -> Tables:
     """A fragment's tables as a merge keeps them until the set is joined: its checksums as an array (not
     the document's base64 text), its paths as codes (not decoded again), and the key names, path codes
     and shapes every fragment repeats held once for all (``shared``: 8,192 fragments of FSDP kept ~11 KB
-    each of them, most of a merge's memory). Fragments of one save mostly repeat the whole list of path
-    codes (codes count a key's parts, not name them): a list equal to the last one is that one."""
+    each of them, most of a merge's memory). Fragments of one save repeat a few whole lists of path codes
+    (codes count a key's parts, not name them; a rank's keys differ with what it left to others): a list
+    equal to one of the last ``_RECENT_PATHS_KEPT`` is that one."""
     tables.crc, tables.digests = tables.crc_array(), tables.digest_array()
     tables.names = [shared.setdefault(name, name) for name in tables.names]
     tables.shapes = [shared.setdefault(shape, shape) for shape in tables.shapes]
     if tables.paths is not None:
-        last = shared.get(_LAST_PATHS)
-        if tables.paths != last:
-            last = shared[_LAST_PATHS] = [
-                None if code is None else shared.setdefault(tuple(code), code) for code in tables.paths
-            ]
-        tables.paths = last
+        recent = shared.setdefault(_RECENT_PATHS, [])
+        same = next((codes for codes in recent if codes == tables.paths), None)
+        if same is None:
+            same = [None if code is None else shared.setdefault(tuple(code), code) for code in tables.paths]
+            recent[:] = [same, *recent[: _RECENT_PATHS_KEPT - 1]]
+        tables.paths = same
     return tables
 
 
-_LAST_PATHS = object()  # ``_compact``'s key for the last list of path codes
+_RECENT_PATHS, _RECENT_PATHS_KEPT = object(), 8  # ``_compact``'s key for the recent lists of path codes
 
 
 def _decode(doc: dict[str, Any], where: str, doc_bytes: int, cover: bool = True) -> Tables:
