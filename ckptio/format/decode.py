@@ -85,7 +85,10 @@ def decode_documents(
     row per document: a fragment of a few dozen items spent most of its decode in ~40 numpy operations of
     its own. A document that breaks a rule is named, with the error its own decode raises (of documents
     of one layout, the first that breaks one)."""
-    heads = [_head(doc, where, doc_bytes, decode_paths) for doc, where, doc_bytes in documents]
+    heads = []
+    for doc, where, doc_bytes in documents:
+        with schema_errors_named(where):
+            heads.append(_head(doc, where, doc_bytes, decode_paths))
     groups: dict[int, list[_Head]] = {}
     for head in heads:
         groups.setdefault(id(head.layout), []).append(head)
@@ -131,11 +134,6 @@ def schema_errors_named(where: str) -> Iterator[None]:
 
 
 def _head(doc: dict[str, Any], where: str, doc_bytes: int, decode_paths: bool) -> _Head:
-    with schema_errors_named(where):
-        return _head_unnamed(doc, where, doc_bytes, decode_paths)
-
-
-def _head_unnamed(doc: dict[str, Any], where: str, doc_bytes: int, decode_paths: bool) -> _Head:
     features = _features(doc.get("features", []), where)
     for field, feature in (("fragment", FRAGMENT), ("chain", INCREMENTAL), ("extents", INCREMENTAL)):
         if doc.get(field) is not None and feature not in features:
@@ -152,18 +150,9 @@ def _head_unnamed(doc: dict[str, Any], where: str, doc_bytes: int, decode_paths:
     keys = _table(doc, "keys", where)
     key_names, paths, kind, count = _keys(keys, doc_bytes, f"{where}: keys")
     tensors, layout = _described(doc.get("tensors"), kind, count, where)
-    if doc.get("planner_data") == "paths" and not decode_paths:
+    if doc.get("planner_data") == "paths":
         paths = paths or [None] * len(key_names)
-        planner_data = None
-        codes = [code for code in paths if code is not None]
-        if not set(map(type, codes)) <= {list} or not set(map(type, itertools.chain.from_iterable(codes))) <= {int}:
-            raise CheckpointFormatError(f"{where}: keys: each of 'paths' must be null or a list of part counts")
-    elif doc.get("planner_data") == "paths":
-        paths = paths or [None] * len(key_names)
-        keys_count = len(key_names)
-        planner_data = {
-            fqn: decode_path(fqn, code, keys_count, where) for fqn, code in zip(key_names, paths, strict=True)
-        }
+        planner_data = _planner_paths(key_names, paths, where) if decode_paths else _path_codes(paths, where)
     else:
         if paths is not None:
             raise CheckpointFormatError(f"{where}: keys: 'paths' is only for 'planner_data': 'paths'")
@@ -195,6 +184,18 @@ def _head_unnamed(doc: dict[str, Any], where: str, doc_bytes: int, decode_paths:
         extents=extents,
     )
     return _Head(doc, where, doc_bytes, tables, layout, _table(doc, "items", where), file_sizes)
+
+
+def _planner_paths(names: list[str], paths: list[Any], where: str) -> dict[str, tuple[str | int, ...]]:
+    return {fqn: decode_path(fqn, code, len(names), where) for fqn, code in zip(names, paths, strict=True)}
+
+
+def _path_codes(paths: list[Any], where: str) -> None:
+    """Path codes left to the merge (it compares them; the merged document's decode decodes them): lists
+    of integers, or null."""
+    codes = [code for code in paths if code is not None]
+    if not set(map(type, codes)) <= {list} or not set(map(type, itertools.chain.from_iterable(codes))) <= {int}:
+        raise CheckpointFormatError(f"{where}: keys: each of 'paths' must be null or a list of part counts")
 
 
 def _features(value: Any, where: str) -> frozenset[str]:

@@ -89,10 +89,8 @@ MERGE_BATCH = 256
 
 
 def _fragment_tables(raw: bytes, where: str) -> Tables:
-    doc = parse_json(raw, where)
-    version = _version(doc, where)
-    tables = _decode(doc, where, len(raw), cover=False) if version == FORMAT_VERSION else None
-    return _a_fragment(tables, where, version)
+    tables = _decode(_fragment_document(raw, where), where, len(raw), cover=False)
+    return _a_fragment(tables, where, FORMAT_VERSION)
 
 
 def _fragment_document(raw: bytes, where: str) -> dict[str, Any]:
