@@ -19,6 +19,7 @@ from torch.futures import Future
 from ckptio.config import StorageConfig, Tuning, nested_config
 from ckptio.errors import (
     CheckpointError,
+    CheckpointFormatError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -170,7 +171,7 @@ class Reader(CheckpointLocation, StorageReader):
                 )
             except FragmentsFound:  # every rank read for itself and found fragments: one merges for all
                 raw = read_once(lambda: read_metadata_bytes(store), group, store.url)
-        return decode_metadata(raw, store.describe(METADATA_NAME))
+        return decode_found(raw, store)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._items: dict[MetadataIndex, StoredItem] = metadata.storage_data
@@ -317,7 +318,22 @@ def reads_once(store: FsspecStore) -> bool:
 
 def read_manifest(store: FsspecStore) -> Manifest:
     """Read and validate ``ckptio.json``, explaining precisely why a checkpoint cannot be opened."""
-    return decode_metadata(read_metadata_bytes(store), store.describe(METADATA_NAME))
+    return decode_found(read_metadata_bytes(store), store)
+
+
+def decode_found(raw: bytes, store: FsspecStore) -> Manifest:
+    """``raw`` (``read_metadata_bytes``'s) decoded; where it breaks a rule and ``store`` has no ``ckptio.json``
+    (the ranks that receive the bytes cannot tell), the error says that the document is the merge of its
+    fragments rather than leave the reader looking for a file that is not there."""
+    try:
+        return decode_metadata(raw, store.describe(METADATA_NAME))
+    except CheckpointFormatError as exc:
+        if store.exists(METADATA_NAME):
+            raise
+        raise CheckpointFormatError(
+            f"{exc} [{store.url} has no {METADATA_NAME}: that document is the merge of the fragments of its save "
+            "without a coordinator, which together break the rule above. Load an earlier checkpoint]"
+        ) from None
 
 
 def read_metadata_bytes(store: FsspecStore, merge: bool = True) -> bytes:

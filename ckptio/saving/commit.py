@@ -185,7 +185,7 @@ def commit_merged(
     if not fragments:
         raise CheckpointNotFoundError(f"{store.url} holds no fragments of a save without a coordinator to merge")
     document = merged_metadata(store, fragments)
-    header = decode_metadata(document, store.describe(METADATA_NAME)).header
+    header = decode_metadata(document, f"{store.url}: the merge of its {len(fragments)} fragments").header
     if (save_id is not None and header.save_id != save_id) or not go_on():
         return None
     files = header.files

@@ -212,8 +212,11 @@ def test_a_fragments_path_codes_are_refused_in_it_or_once_merged(tmp_path, code,
     _write(url, fragment_name(0, 1), doc)
     error = _load_error(url)
     assert isinstance(error, ckptio.CheckpointFormatError) and message in str(error), error
-    with pytest.raises(ckptio.CheckpointFormatError, match="paths|path of key"):
+    merged = message.startswith("the path of key")  # the merged document breaks it: not named a ckptio.json
+    assert (f"{url} has no ckptio.json: that document is the merge of the fragments" in str(error)) == merged
+    with pytest.raises(ckptio.CheckpointFormatError, match="paths|path of key") as refused:
         commit_merged(open_store(url))
+    assert "ckptio.json" not in str(refused.value), refused.value
     assert os.listdir(url) == [fragment_name(0, 1)]
 
 
