@@ -1,3 +1,4 @@
-"""ckptio's version: written into every checkpoint's metadata (``written_by``)."""
+"""ckptio's version: written into every checkpoint's metadata (``written_by``) and, through
+``pyproject.toml``, the package's."""
 
-__version__ = "0.2.0"
+__version__ = "1.0.0"

@@ -11,6 +11,8 @@ import sys
 import tarfile
 import zipfile
 
+import ckptio
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -36,8 +38,11 @@ def _build(kind: str, out: pathlib.Path) -> pathlib.Path:
 
 
 def test_the_wheel_holds_every_module_of_the_source_tree_and_nothing_named_benchmarks(tmp_path):
-    names = set(zipfile.ZipFile(_build("wheel", tmp_path)).namelist())
+    wheel = zipfile.ZipFile(_build("wheel", tmp_path))
+    names = set(wheel.namelist())
     modules = {n for n in names if n.endswith(".py")}
+    (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    assert f"\nVersion: {ckptio.__version__}\n" in wheel.read(metadata).decode(), "the wheel's version is not ckptio's"
     assert modules == _source_modules(), (
         f"missing from the wheel: {sorted(_source_modules() - modules)}; extra: {sorted(modules - _source_modules())}"
     )

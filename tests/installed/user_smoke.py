@@ -9,6 +9,7 @@ It is a script, not a pytest module: the checkout must not be importable where i
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import socket
 import subprocess
@@ -146,6 +147,9 @@ def main() -> None:
     expected_torch = os.environ.get("CKPTIO_EXPECT_TORCH")
     if expected_torch and torch.__version__.split("+")[0] != expected_torch:
         raise AssertionError(f"installing ckptio's wheel changed torch to {torch.__version__} (was {expected_torch})")
+    installed = importlib.metadata.version("ckptio")
+    if installed != ckptio.__version__:
+        raise AssertionError(f"the installed wheel says version {installed}, ckptio {ckptio.__version__}")
     print(f"ckptio {ckptio.__version__} from {where}, torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as root:
         for name, run in (
