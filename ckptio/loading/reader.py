@@ -160,17 +160,18 @@ class Reader(CheckpointLocation, StorageReader):
     def _read_manifest(self, group: Any) -> Manifest:
         store = self._open_store()
         raw = self._tier.metadata_bytes(lambda: read_metadata_bytes(store), group)
-        if raw is None:
-            each_rank_reads = not reads_once(store)
-            try:  # where one rank reads for all, it merges fragments there and then
-                raw = read_once(
-                    lambda: read_metadata_bytes(store, merge=not each_rank_reads),
-                    group,
-                    store.url,
-                    each_rank_reads=each_rank_reads,
-                )
-            except FragmentsFound:  # every rank read for itself and found fragments: one merges for all
-                raw = read_once(lambda: read_metadata_bytes(store), group, store.url)
+        if raw is not None:  # a node's copy, or the durable tier's document: named as the checkpoint's
+            return decode_metadata(raw, store.describe(METADATA_NAME))
+        each_rank_reads = not reads_once(store)
+        try:  # where one rank reads for all, it merges fragments there and then
+            raw = read_once(
+                lambda: read_metadata_bytes(store, merge=not each_rank_reads),
+                group,
+                store.url,
+                each_rank_reads=each_rank_reads,
+            )
+        except FragmentsFound:  # every rank read for itself and found fragments: one merges for all
+            raw = read_once(lambda: read_metadata_bytes(store), group, store.url)
         return decode_found(raw, store)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -328,7 +329,11 @@ def decode_found(raw: bytes, store: FsspecStore) -> Manifest:
     try:
         return decode_metadata(raw, store.describe(METADATA_NAME))
     except CheckpointFormatError as exc:
-        if store.exists(METADATA_NAME):
+        try:
+            merged = not store.exists(METADATA_NAME)
+        except (OSError, CheckpointError):  # the store cannot tell now: the error as it is
+            merged = False
+        if not merged:
             raise
         raise CheckpointFormatError(
             f"{exc} [{store.url} has no {METADATA_NAME}: that document is the merge of the fragments of its save "
