@@ -19,6 +19,7 @@ LAYERS = [
         "ckptio.config",
         "ckptio.errors",
         "ckptio.gc_pause",
+        "ckptio.process_exit",
         "ckptio.torch_seam",
     ),
     ("ckptio.format", "ckptio.legacy", "ckptio.storage", "ckptio.state"),

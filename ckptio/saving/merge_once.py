@@ -13,7 +13,6 @@ fragments in a thread, 70.5-71.5 ms while a process merged them; 5 runs each, 2 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import pickle
@@ -23,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from ckptio import process_exit
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError, MixedFragmentsError
 from ckptio.loading.fragment_set import fragments_in
@@ -33,8 +33,6 @@ log = logging.getLogger(__name__)
 
 #: How long rank 0 waits for the other ranks' fragments before leaving the merge to the loads.
 MERGE_WAIT_S = 600.0
-#: How long a process that ends waits for its merges still running.
-MERGE_AT_EXIT_S = 30.0
 _FIRST_POLL_S, _LAST_POLL_S = 0.05, 2.0
 #: Sets of more fragments are merged in a process of their own: a merge holds the interpreter lock ~0.6 ms
 #: a fragment (64: ~40 ms, the length of a garbage collection), a process costs ~2.5 s of another core and
@@ -89,7 +87,7 @@ def _merge(where: tuple, save_id: str, ranks: int, deadline: float, cancel: thre
     try:
         store = open_store(*where)
         poll = _FIRST_POLL_S
-        while time.monotonic() < deadline and not cancel.is_set():
+        while time.monotonic() < deadline and not cancel.is_set() and not process_exit.ended():
             found = fragments_in(store.list_names() or [])
             if len(found) >= ranks:
                 if any(name.ranks != ranks for name in found.values()):
@@ -175,7 +173,4 @@ def _merge_in_process(payload: bytes, url: str, deadline: float, cancel: threadi
     return child.returncode == 0
 
 
-@atexit.register
-def _merge_at_exit() -> None:
-    if _running:
-        wait_for_merges(MERGE_AT_EXIT_S)
+process_exit.background_work("merges of fragments", lambda: len(_running))

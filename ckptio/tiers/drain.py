@@ -14,7 +14,6 @@ stays until a later ``ckptio.latest`` finishes its drain).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import itertools
 import logging
@@ -24,6 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
 
+from ckptio import process_exit
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError, DrainError
 from ckptio.format.codec import checksum
@@ -80,6 +80,7 @@ class Upload:
     segments: tuple[tuple[int, int | None], ...]
     bandwidth: int | None = None
     resumed: bool = False  # by ckptio.latest: an earlier drain may have left a refusal of this file
+    furthest: int = dataclasses.field(default=0, init=False)  # bytes sent by its furthest attempt
 
     @property
     def nbytes(self) -> int:
@@ -132,6 +133,9 @@ class Upload:
                         sink.write(block, crc)
                         at += length
                     done += got
+                    if done > self.furthest:  # a retry sending the same bytes again is no progress
+                        self.furthest = done
+                        process_exit.progress()
                     pace.after(got, deadline, store.describe(self.name))
             sink.close()
         except BaseException:
@@ -301,7 +305,7 @@ def _poll(done: Callable[[], bool], deadline: float, late: Callable[[], DrainErr
     pass ``deadline``."""
     wait = POLL_FIRST_S
     while not done():
-        if time.monotonic() + wait > deadline:
+        if time.monotonic() + wait > deadline or process_exit.ended():
             raise late()
         time.sleep(wait)
         wait = min(wait * 2, POLL_MAX_S)
@@ -425,14 +429,4 @@ def uploads_pending() -> int:
     return _QUEUE.pending
 
 
-def _drain_at_exit() -> None:
-    load_ended()
-    if _QUEUE.pending:
-        log.warning("ckptio: waiting for %d background upload job(s) before exiting", _QUEUE.pending)
-        try:
-            _QUEUE.wait()
-        except DrainError as exc:
-            log.error("ckptio: %s", exc)
-
-
-atexit.register(_drain_at_exit)
+process_exit.background_work("background uploads", lambda: _QUEUE.pending, load_ended)

@@ -1,7 +1,8 @@
 """A queue of background jobs run in order by one thread per queue, below the training's priority: the
 drain's (``drain.py``) and the copies to partner nodes (``replication.py``).
 
-A job has ``run(deadline)``. One failing with a storage error is retried with backoff until its deadline;
+A job has ``run(deadline)``. One failing with a storage error is retried with backoff until its deadline
+(or until the process's exit stops waiting for it: ``process_exit``);
 one that still fails becomes the queue's failure, which ``wait()`` and ``raise_failure()`` raise once, and
 the rest of that save's jobs are skipped (those with ``runs_after_failure`` still run).
 """
@@ -16,6 +17,7 @@ import time
 from collections import deque
 from typing import Any
 
+from ckptio import process_exit
 from ckptio.errors import CheckpointExistsError, DrainError, StorageError
 from ckptio.tiers.background import lower_this_thread
 
@@ -93,6 +95,7 @@ class DrainQueue:
                     self._failed_saves.add(queued.save)
                     self._failure = self._failure or failure
             finally:
+                process_exit.progress()
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
@@ -112,13 +115,15 @@ def _as_drain_error(exc: Exception, save: str) -> DrainError:
 def _run_with_retries(queued: _Queued) -> None:
     wait = RETRY_FIRST_S
     while True:
+        if process_exit.ended():  # the interpreter is going: nothing more is sent
+            raise DrainError(f"the process exited before the background job for {queued.save} ran")
         try:
             queued.job.run(queued.deadline)
             return
         except (DrainError, CheckpointExistsError):
             raise
         except (StorageError, OSError) as exc:
-            if time.monotonic() + wait > queued.deadline:
+            if time.monotonic() + wait > queued.deadline or process_exit.ended():
                 raise
             log.warning("ckptio: background upload to %s failed, retrying in %.1f s: %s", queued.save, wait, exc)
             time.sleep(wait * random.uniform(0.75, 1.25))

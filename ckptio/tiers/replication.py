@@ -22,7 +22,6 @@ gets every file from its drain.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import datetime
 import functools
@@ -40,7 +39,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from ckptio.errors import DrainError, StorageError
+from ckptio import process_exit
+from ckptio.errors import StorageError
 from ckptio.format.codec import checksum
 from ckptio.loading.exchange import all_objects
 from ckptio.storage import open_store
@@ -216,6 +216,7 @@ def move_files(
         for work in in_flight:
             work.wait()
         in_flight = sends
+        process_exit.progress()
         for source, arrivals in incoming.items():
             if arrivals.expecting:
                 arrivals.take(*_recv(group, source))
@@ -548,17 +549,4 @@ def wait_for_copies(timeout: float | None = None) -> None:
     _QUEUE.wait(timeout)
 
 
-#: How long a process that exits waits for its copies to partner nodes (a peer that stopped answering
-#: must not hold it: the drain still uploads every file).
-EXIT_WAIT_S = 60.0
-
-
-@atexit.register
-def _copy_at_exit() -> None:
-    settle_documents()
-    if _QUEUE.pending:
-        log.warning("ckptio: waiting up to %.0f s for %d copy job(s) to partner nodes", EXIT_WAIT_S, _QUEUE.pending)
-        try:
-            _QUEUE.wait(EXIT_WAIT_S)
-        except DrainError as exc:
-            log.warning("ckptio: exiting with copies to partner nodes unfinished: %s", exc)
+process_exit.background_work("copies to partner nodes", lambda: _QUEUE.pending, settle_documents)
