@@ -10,6 +10,7 @@ without collectives) every rank reads for itself, as torch's own readers do.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from typing import Any, Callable, TypeVar
 
@@ -35,20 +36,34 @@ def load_group() -> Any:
     return getattr(wrapper, "group", DIRECT)
 
 
-def read_once(read: Callable[[], T], group: Any, location: str, each_rank_reads: bool = False) -> T:
-    """``read()`` on the lowest rank of ``group`` (``None``: the default group), its result, or the
-    ``CheckpointError`` it raised, handed to every rank of the group. Ranks that name different
-    ``location``s each read their own, and a failure on any of them fails all; so do all ranks with
-    ``each_rank_reads`` (where a read costs less than sending its result). ``DIRECT``, a single rank or
-    no initialised process group: ``read()`` here."""
+def read_once(
+    read: Callable[[], T],
+    group: Any,
+    location: str,
+    each_rank_reads: bool = False,
+    read_for_all: Callable[[], T] | None = None,
+) -> T:
+    """One answer for every rank of ``group`` (``None``: the default group): the lowest rank's
+    ``read_for_all()`` (default ``read``), its result or the ``CheckpointError`` it raised, handed to the
+    others. With ``each_rank_reads`` (where a read costs less than sending its result) every rank first
+    reads ``read()``, bytes, and the ranks compare digests: where all read the same bytes each keeps its
+    own, else the lowest rank's answer is everyone's, so no two ranks go on with different documents (one
+    read before a commit, another after it). Ranks that name different ``location``s each read their own,
+    and a failure on any of them fails all. ``DIRECT``, a single rank or no initialised process group:
+    ``read_for_all()`` here. One exchange, then at most one broadcast."""
+    read_for_all = read_for_all or read
     if group is DIRECT or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return read()
-    if each_rank_reads:
-        return _each_reads(read, group)
-    locations = all_objects(location, group)
-    if len(set(locations)) > 1:
-        return _each_reads(read, group)
-    return read_on(read, group, 0)
+        return read_for_all()
+    mine = outcome(read) if each_rank_reads else None
+    digest = hashlib.blake2b(mine[1], digest_size=16).digest() if mine is not None and mine[0] else None
+    views = all_objects((location, digest), group)
+    if any(where != location for where, _ in views):  # ranks load different checkpoints: each its own
+        own = mine if mine is not None and mine[0] else outcome(read_for_all)
+        fail_together(None if own[0] else own[1], group)
+        return result(own)
+    if digest is not None and all(theirs == digest for _, theirs in views):
+        return result(mine)
+    return read_on(read_for_all, group, 0)
 
 
 def read_on(read: Callable[[], T], group: Any, source: int) -> T:
@@ -59,13 +74,6 @@ def read_on(read: Callable[[], T], group: Any, source: int) -> T:
         box[0] = outcome(read)
     dist.broadcast_object_list(box, group=group, group_src=source)
     return result(box[0])
-
-
-def _each_reads(read: Callable[[], T], group: Any) -> T:
-    """Every rank reads; if any failed, every rank raises the lowest failing rank's error."""
-    mine = outcome(read)
-    fail_together(None if mine[0] else mine[1], group)
-    return result(mine)
 
 
 def outcome(read: Callable[[], T]) -> tuple[bool, Any]:

@@ -162,16 +162,16 @@ class Reader(CheckpointLocation, StorageReader):
         raw = self._tier.metadata_bytes(lambda: read_metadata_bytes(store), group)
         if raw is not None:  # a node's copy, or the durable tier's document: named as the checkpoint's
             return decode_metadata(raw, store.describe(METADATA_NAME))
-        each_rank_reads = not reads_once(store)
-        try:  # where one rank reads for all, it merges fragments there and then
-            raw = read_once(
-                lambda: read_metadata_bytes(store, merge=not each_rank_reads),
-                group,
-                store.url,
-                each_rank_reads=each_rank_reads,
-            )
-        except FragmentsFound:  # every rank read for itself and found fragments: one merges for all
-            raw = read_once(lambda: read_metadata_bytes(store), group, store.url)
+        # Where every rank reads ckptio.json itself, a rank that finds fragments instead (none committed yet, or
+        # one rank's read before a merge's commit and another's after it) leaves it to the lowest rank to read,
+        # and merge, for all: every rank decodes the same document.
+        raw = read_once(
+            lambda: read_metadata_bytes(store, merge=False),
+            group,
+            store.url,
+            each_rank_reads=not reads_once(store),
+            read_for_all=lambda: read_metadata_bytes(store),
+        )
         return decode_found(raw, store)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
