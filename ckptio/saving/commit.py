@@ -13,9 +13,12 @@ from ckptio.errors import (
     CheckpointExistsError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    IncompleteCheckpointError,
+    MixedFragmentsError,
     StorageError,
 )
 from ckptio.format.document import decode_fragment, decode_metadata
+from ckptio.format.fragments import check_set
 from ckptio.format.names import METADATA_NAME, own_file_names, parse_fragment_name
 from ckptio.loading.fragment_set import complete_set, fragments_in, merged_metadata
 from ckptio.saving.references import by_sibling, files_in_use, release
@@ -94,9 +97,35 @@ def _fragment_info(store: FsspecStore, name: str) -> Any:
 
 def publish_fragment(store: FsspecStore, name: str, document: bytes, files: dict[str, int], overwrite: bool) -> None:
     """Commit one rank's fragment as ``publish`` commits ``ckptio.json``: created only if absent, or
-    with ``overwrite`` replacing the one an earlier save left (whose data files are then deleted)."""
+    with ``overwrite`` replacing the one an earlier save left (whose data files are then deleted). Without
+    ``overwrite``, a fragment there is replaced all the same when its set never formed a checkpoint
+    (``stale_fragment``): every rank of a requeued job that saves a step an earlier attempt left incomplete
+    takes the same way, where each rank's own fragment used to decide alone."""
     superseded = _committed_files(store, name, _fragment_manifest) if overwrite else None
-    publish(store, document, files, superseded or [], overwrite, name, parse_fragment_name(name).rank)  # type: ignore[union-attr]
+    rank = parse_fragment_name(name).rank  # type: ignore[union-attr]
+    save_id = decode_fragment(document, store.describe(name))[1].save_id
+    stale = lambda: stale_fragment(store, name, save_id)  # noqa: E731
+    publish(store, document, files, superseded or [], overwrite, name, rank, stale)
+
+
+def stale_fragment(store: FsspecStore, name: str, save_id: str) -> list[str] | None:
+    """The data files of the fragment ``name`` at ``store`` when it is no part of a committed checkpoint (an
+    incomplete set, one mixing saves, a damaged fragment, or one of save ``save_id`` itself, published by an
+    attempt whose answer was lost), so that a new fragment of ``save_id`` may replace it; ``None`` when the
+    set there is committed: a ``ckptio.json``, or every rank's fragment of one save. Every rank that asks
+    sees the same set, so all of a save's ranks replace theirs, or all are refused."""
+    try:
+        if _fragment_info(store, name).save_id == save_id:
+            return _committed_files(store, name, _fragment_manifest) or []
+        if store.exists(METADATA_NAME):
+            return None
+        found = fragments_in(store.list_names() or [])
+        check_set(found, store.url)
+        if len({_fragment_info(store, other).save_id for other in found}) == 1:  # read only for a whole set
+            return None
+    except (IncompleteCheckpointError, MixedFragmentsError, CheckpointFormatError, FileNotFoundError):
+        pass
+    return _committed_files(store, name, _fragment_manifest) or []
 
 
 def _fragment_manifest(raw: bytes, where: str) -> Any:
@@ -111,9 +140,11 @@ def publish(
     overwrite: bool,
     name: str = METADATA_NAME,
     rank: int | None = None,
+    replaceable: Callable[[], list[str] | None] | None = None,
 ) -> None:
     """Commit: publish the metadata (``name``: ``ckptio.json``, or ``rank``'s fragment), then delete the
-    superseded data files it no longer names.
+    superseded data files it no longer names. ``replaceable``: where the document is there already, the data
+    files of the one there if it may be replaced all the same, else ``None``.
 
     Without ``overwrite`` the metadata is created only if absent, atomically where the backend
     allows it (POSIX: a hard link; S3: a conditional PUT), so of two jobs saving to one path at
@@ -125,8 +156,12 @@ def publish(
         try:
             store.put_if_absent(name, document)
         except FileExistsError:
-            store.delete_best_effort(sorted(own_file_names(files)))  # never a sibling's, which it referenced
-            raise _taken(store.describe(name), name == METADATA_NAME) from None
+            stale = replaceable() if replaceable is not None else None
+            if stale is None:
+                store.delete_best_effort(sorted(own_file_names(files)))  # never a sibling's, which it referenced
+                raise _taken(store.describe(name), name == METADATA_NAME) from None
+            store.put_atomic(name, document)
+            superseded = stale
     _drop_replaced(store, superseded, files, "every" if rank is None else rank)
 
 
