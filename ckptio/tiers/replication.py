@@ -100,7 +100,7 @@ def link_of_save(members: tuple[int, ...] | None, copies: int) -> Link | None:
             names = all_objects(this_node(), group)
             _groups[members] = (group, NodeMap(names))
         group, nodes = _groups[members]
-    if len(nodes.nodes) < copies:
+    if len(nodes.nodes) < copies and dist.get_rank(group) == 0:  # once for the job, not once a rank
         _warn_few_nodes(len(nodes.nodes), copies)
     if len(nodes.nodes) < 2:
         return None

@@ -196,7 +196,7 @@ def _mib(n: int) -> str:
 def cmd_latest(args: argparse.Namespace) -> int:
     from ckptio.tiers.latest import latest
 
-    url = latest(args.url, local_tier=_local_tier(args), storage_options=_storage_options(args))
+    url = latest(args.url, local_tier=_local_tier(args), storage_options=_storage_options(args), resume=False)
     if url is None:
         print(f"{args.url}: no committed ckptio checkpoint under it", file=sys.stderr)
         return 1
