@@ -37,6 +37,7 @@ from ckptio.storage import FsspecStore, LocalStore, open_store
 from ckptio.tiers.background import drain_storage_options
 from ckptio.tiers.held_index import holds_committed
 from ckptio.tiers.jobs import DrainQueue
+from ckptio.tiers.node_notes import note_durable
 from ckptio.tiers.paths import step_order
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,8 @@ class Commit:
     superseded: list[str]
     overwrite: bool
     references: str | None = None  # an incremental save's id: its bases checked (and marked again) first
+    node: str | None = None  # the step's folder on this node, where the commit is noted (``node_notes``)
+    save_id: str | None = None
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
@@ -219,6 +222,8 @@ class Commit:
         if self.references is not None:
             mark_references(store, self.files, self.references)
         publish(store, self.document, self.files, self.superseded, self.overwrite)
+        if self.node is not None:
+            note_durable(self.node, self.save_id, METADATA_NAME)
 
 
 @dataclasses.dataclass
@@ -233,12 +238,16 @@ class CommitFragment:
     files: dict[str, int]
     overwrite: bool
     merge: tuple[str, int] | None = None
+    node: str | None = None  # the step's folder on this node, where the commit is noted (``node_notes``)
+    save_id: str | None = None
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
         if self.merge is not None and self.overwrite:
             clear_for_fragments(store, overwrite=True)
         publish_fragment(store, self.name, self.document, self.files, self.overwrite)
+        if self.node is not None:
+            note_durable(self.node, self.save_id, self.name)
         if self.merge is not None:
             durable = self.durable
             merge_when_complete(durable.url, durable.storage_options, durable.storage_config, *self.merge)
@@ -256,6 +265,7 @@ class AwaitCommit:
     durable: Durable
     name: str
     since: float = 0.0  # when this save began (unix time): older refusals there are of earlier saves
+    node: str | None = None  # the step's folder on this node, where the commit is noted (``node_notes``)
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
@@ -263,7 +273,10 @@ class AwaitCommit:
 
         def committed() -> bool:
             try:
-                return self.name in decode_metadata(store.read(METADATA_NAME), store.describe(METADATA_NAME)).files
+                header = decode_metadata(store.read(METADATA_NAME), store.describe(METADATA_NAME)).header
+                if self.name in header.files and self.node is not None:
+                    note_durable(self.node, header.save_id, METADATA_NAME)
+                return self.name in header.files
             except FileNotFoundError:
                 pass
             if next(misses) % REFUSAL_LISTING_EVERY == 0:  # a refused file of this save: the commit will not come

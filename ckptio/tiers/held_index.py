@@ -32,6 +32,7 @@ from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, parse_data_file_name
 from ckptio.format.records import Manifest, Reference, StoredItem, placed_blocks
 from ckptio.storage import FsspecStore
+from ckptio.tiers.node_notes import is_note
 from ckptio.tiers.paths import HELD_SUFFIX
 
 log = logging.getLogger(__name__)
@@ -304,4 +305,5 @@ def holds_committed(local_step: str, manifest: Manifest) -> bool | None:
 
 
 def _files_below(folder: str) -> list[str]:
-    return [os.path.join(top, name) for top, _, files in os.walk(folder) for name in files]
+    """The copy's files in ``folder`` (not what the node noted beside it: ``node_notes``)."""
+    return [os.path.join(top, name) for top, _, files in os.walk(folder) for name in files if not is_note(name)]

@@ -13,7 +13,7 @@ from typing import Iterator
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 
-from ckptio.errors import CheckpointExistsError, StorageError
+from ckptio.errors import StorageError
 from ckptio.format.names import METADATA_NAME, fragment_name
 from ckptio.format.records import Header, StoredItem
 from ckptio.saving.commit import check_target
@@ -45,14 +45,7 @@ class TieredLanding(DurableLanding):
         except StorageError as exc:
             log.warning("ckptio: cannot check the durable tier before a tiered save; saving to the fast tier: %s", exc)
             superseded = []
-        found = (
-            None if w.config.overwrite else writing.local_commit_exists(w.config, w.checkpoint_id, w.storage_options)
-        )
-        if found:
-            raise CheckpointExistsError(
-                f"the fast tier already holds a committed copy of {w.checkpoint_id} ({found}) that has not "
-                "reached the durable tier; save to a new step, or pass overwrite=True to replace it"
-            )
+        writing.refuse_live_copy(w.config, w.checkpoint_id, w.storage_options)
         return superseded
 
     def clear_for_fragments(self) -> None:
@@ -116,8 +109,9 @@ class TieredLanding(DurableLanding):
         w, alone = self.writer, self.writer._fragment is not None
         if alone:
             name = fragment_name(w.rank, w._fragment.ranks)
-            writing.refuse_committed_fragment(self.local_store(), w._open_store(), name, w.config)
-        elif not (durable_items or replicas):
+            writing.refuse_committed_fragment(self.local_store(), name, w.config)
+        writing.begin_on_node(self.local_store(), w._started_unix, w._fragment.save_id if alone else None)
+        if not alone and not (durable_items or replicas):
             if not w.is_coordinator:
                 writing.queue_prune(self.drain_key(), self.durable(), w.config)
             return {}
@@ -146,7 +140,14 @@ class TieredLanding(DurableLanding):
         writing.commit_locally(self.local_store(), document)
         _resolve(self._document, (METADATA_NAME, document))
         writing.queue_commit(
-            self.drain_key(), self.durable(), document, header, writers, superseded, self.writer.config
+            self.drain_key(),
+            self.durable(),
+            document,
+            header,
+            writers,
+            superseded,
+            self.writer.config,
+            writing.step_folder(self.local_store()),
         )
 
     def commit_fragment(self, name: str, document: bytes, files: dict[str, int], merge: tuple[str, int] | None) -> None:
@@ -155,7 +156,15 @@ class TieredLanding(DurableLanding):
         w = self.writer
         _resolve(self._document, (name, document))
         writing.commit_fragment(
-            self.drain_key(), self.local_store(), self.durable(), name, document, files, merge, w.config
+            self.drain_key(),
+            self.local_store(),
+            self.durable(),
+            name,
+            document,
+            files,
+            merge,
+            w.config,
+            w._fragment.save_id,
         )
 
     def finished(self) -> None:

@@ -37,7 +37,7 @@ from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, own_file_names, parse_data_file_name
 from ckptio.format.records import Manifest
 from ckptio.loading.exchange import all_objects
-from ckptio.loading.fragment_set import complete_set, fragments_in
+from ckptio.loading.fragment_set import complete_set
 from ckptio.loading.read_once import outcome, read_on, result
 from ckptio.loading.together import fail_together
 from ckptio.storage import FsspecStore, open_store
@@ -53,9 +53,10 @@ from ckptio.tiers.drain import (
     references_of,
 )
 from ckptio.tiers.held_index import LocalCopies, damaged_blocks, local_copies
+from ckptio.tiers.node_notes import NodeStep, node_step, note_passed_over
 from ckptio.tiers.nodes import this_node
 from ckptio.tiers.paths import local_run_path, normalized_url, step_order
-from ckptio.tiers.reading import node_fragments_metadata
+from ckptio.tiers.reading import node_document
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def latest(
     storage_options: dict[str, Any] | None = None,
     storage_config: StorageConfig | None = None,
     process_group: Any = None,
+    resume: bool = True,
 ) -> str | None:
     """The URL of the newest checkpoint under ``run_url`` that every rank can load in full (``None``
     if there is none). Every rank of ``process_group`` (``None``: the default group, or one process)
@@ -80,7 +82,11 @@ def latest(
         url = ckptio.latest("s3://bucket/run", local_tier="/local/nvme/ckpt")
         if url:
             dcp.load(state, storage_reader=ckptio.Reader(url, local_tier="/local/nvme/ckpt"))
-    """
+
+    A restarting job resumes (``resume=True``): the drain of the step it names is finished or queued, and
+    the newer steps it passes over are noted so on every node (a save to them again is not refused, and
+    ``ckptio gc --local-tier`` removes them). ``resume=False`` only answers: nothing is uploaded, committed or
+    noted (``ckptio latest`` on the command line)."""
     if local_tier is None:
         local_tier = os.environ.get("CKPTIO_LOCAL_TIER") or None
     run = normalized_url(run_url)
@@ -93,12 +99,13 @@ def latest(
         return f"{run}/{newest}" if newest else None
     local_run = local_run_path(local_tier, run, options)
     durable, everyones = group.first_and_all(find_durable, _local_steps(local_run))
-    newer = [{s: held for s, held in view.items() if durable.is_older(s)} for view in everyones]
-    for step in sorted({s for view in newer for s in view}, key=step_order, reverse=True):
-        holders = [rank for rank, view in enumerate(newer) if view.get(step) == METADATA_NAME]
-        fragments = any(view.get(step) == FRAGMENTS for view in newer)
-        if (holders or fragments) and _resume(group, run, step, holders, local_run, durable, options, config):
+    newer = {step for view in everyones for step, held in view.items() if held.documents and durable.is_older(step)}
+    for step in sorted(newer, key=step_order, reverse=True):
+        views = [view.get(step, NodeStep()) for view in everyones]
+        if _resume(group, run, step, views, local_run, durable, options, config, resume):
             return f"{run}/{step}"
+        if resume:  # passed over, on every node alike: a save to it again is not refused, gc removes it
+            note_passed_over(os.path.join(local_run, step), views[group.rank].documents.values())
     return f"{run}/{durable.newest}" if durable.newest else None
 
 
@@ -144,53 +151,45 @@ def _durable_steps(run: str, options: dict[str, Any], config: StorageConfig) -> 
     return found
 
 
-#: What a node holds of a step's metadata (``_local_steps``): fragments of a save without a coordinator.
-FRAGMENTS = "fragments"
-
-
-def _local_steps(local_run: str) -> dict[str, str | None]:
-    """This node's fast-tier steps -> what it holds of their metadata: ``ckptio.json``, ``FRAGMENTS``, or
-    ``None``."""
+def _local_steps(local_run: str) -> dict[str, NodeStep]:
+    """This node's fast-tier steps -> what it holds of their documents, and noted (``node_notes``)."""
     try:
         entries = [e for e in os.scandir(local_run) if e.is_dir()]
     except FileNotFoundError:
         return {}
-    return {e.name: _metadata_held(e.path) for e in entries}
-
-
-def _metadata_held(folder: str) -> str | None:
-    if os.path.exists(os.path.join(folder, METADATA_NAME)):
-        return METADATA_NAME
-    return FRAGMENTS if fragments_in(os.listdir(folder)) else None
+    return {e.name: node_step(e.path) for e in entries}
 
 
 def _resume(
     group: "_Group",
     run: str,
     step: str,
-    holders: list[int],
+    views: list[NodeStep],
     local_run: str,
     durable_steps: _DurableSteps,
     options: dict[str, Any],
     config: StorageConfig,
+    writes: bool = True,
 ) -> bool:
-    """Whether ``step`` loads now; finishes or queues its drain. Its metadata: the ``ckptio.json`` the first
-    of ``holders`` holds on its fast tier, or (none: saved without a coordinator) the merge of the fragments
-    the nodes hold."""
+    """Whether ``step`` loads now; finishes or queues its drain (``writes``; else only says). Its metadata:
+    the newest live ``ckptio.json`` a node holds (``views``: what each rank's node holds and noted), or (none:
+    saved without a coordinator) the merge of the live fragments the nodes hold. A copy that cannot be read,
+    decoded or merged is passed over, on every rank alike (each got the same bytes or the same error)."""
     local = open_store(os.path.join(local_run, step), None, config)
-    if holders:
-        document = group.one_rank(lambda: local.read(METADATA_NAME), source=holders[0])
-    else:
-        document = node_fragments_metadata(local, group.rank, group.all, group.one_rank)
-        if document is None:
-            return False
-    holder = holders[0] if holders else 0
-    manifest = decode_metadata(document, local.describe(METADATA_NAME))
-    copies, reports = _checked(local, manifest, group)
     durable = Durable(f"{run}/{step}", options, config)
     present = durable_steps.files_of(step)
     if present is None:
         present = group.one_rank(lambda: open_store(durable.url, options, config).list_sizes() or {})
+    try:
+        chosen = node_document(local, views, present, group.rank, group.all, group.one_rank)
+        if chosen is None:
+            return False
+        document, holder = chosen
+        manifest = decode_metadata(document, local.describe(METADATA_NAME))
+    except CheckpointError as exc:
+        log.warning("ckptio: ckptio.latest passes over %s/%s: its copy on the nodes cannot be read: %s", run, step, exc)
+        return False
+    copies, reports = _checked(local, manifest, group)
     missing = sorted(name for name in own_file_names(manifest.files) if present.get(name) != manifest.files[name])
     uploader = {}
     for name in missing:
@@ -202,6 +201,8 @@ def _resume(
     every_file_survives = all(rank is not None for rank in uploader.values())
     if not (restarts_locally or on_the_nodes or every_file_survives):
         return False
+    if not writes:
+        return True
     records = manifest.records()
     mine = [
         Upload(
@@ -211,7 +212,9 @@ def _resume(
         if uploader[n] == group.rank
     ]
     writers = dict(manifest.header.writer_ranks)
-    commit = Commit(durable, document, manifest.files, writers, [], False, references_of(manifest.header))
+    references = references_of(manifest.header)
+    node = os.path.join(local_run, step)
+    commit = Commit(durable, document, manifest.files, writers, [], False, references, node, manifest.header.save_id)
     if restarts_locally or on_the_nodes:  # load now (ranks fetch what their node lacks), finish the drain behind it
         hold_for_load()
         for job in mine + ([commit] if group.rank == holder else []):

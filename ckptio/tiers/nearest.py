@@ -39,7 +39,10 @@ class NearestTierReads(DurableReads):
 
     def metadata_bytes(self, read_durable: Callable[[], bytes], group: Any) -> bytes | None:
         self.group = group
-        return tiered_metadata_bytes(self.local_store(), read_durable, group, DIRECT)
+        durable = self.reader._open_store()
+        return tiered_metadata_bytes(
+            self.local_store(), read_durable, lambda: durable.list_sizes() or {}, group, DIRECT
+        )
 
     def set_up(self, manifest: Manifest) -> None:
         self.copies = local_copies(self.local_store(), manifest)

@@ -15,6 +15,7 @@ dropped and its items read again from the durable tier (``Reader.read_data``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch.distributed as dist
@@ -27,47 +28,99 @@ from ckptio.loading.exchange import all_objects
 from ckptio.loading.fragment_set import fragments_in
 from ckptio.loading.read_once import read_on
 from ckptio.storage import FsspecStore, ReadRequest
+from ckptio.tiers.node_notes import NodeDocument, NodeStep, live, node_step, step_folder
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
-def tiered_metadata_bytes(local: FsspecStore, read_durable: Callable[[], bytes], group: Any, direct: Any) -> bytes:
+def tiered_metadata_bytes(
+    local: FsspecStore, read_durable: Callable[[], bytes], list_durable: Callable[[], dict], group: Any, direct: Any
+) -> bytes:
     """The metadata committed on the durable tier, read by the lowest rank of ``group``; while nothing is
-    committed there, ``ckptio.json`` from the lowest rank whose fast tier holds it, or the merge of the
-    fragments the nodes hold. Every rank gets the bytes or the error."""
+    committed there, the nodes' live copy (``node_document``), else the durable tier's error. Every rank gets
+    the bytes or the error."""
     alone = group is direct or not dist.is_initialized() or dist.get_world_size(group) == 1
-    has_local = local.exists(METADATA_NAME)
+    mine = node_step(step_folder(local))
 
-    def committed_or_held() -> bytes | None:
+    def committed_or_listing() -> tuple[bytes | None, dict]:
         committed = committed_durable(read_durable)
-        return local.read(METADATA_NAME) if committed is None and has_local else committed
+        if committed is not None or not mine.documents and alone:
+            return committed, {}
+        try:
+            return None, list_durable()
+        except Exception as exc:  # noqa: BLE001 - unknown: a copy noted durable counts as deleted there
+            log.warning("ckptio: cannot list %s to check the nodes' copies against it: %r", local.url, exc)
+            return None, {}
 
-    # the first rank answers for all where it can (committed, or held on its node: one exchange)
-    first = committed_or_held() if alone else read_on(committed_or_held, group, 0)
-    if first is not None:
-        return first
     if alone:
-        return node_fragments_metadata(local, 0, lambda value: [value], lambda fn: fn()) or read_durable()
-    flags = all_objects(has_local, group)
-    if True not in flags:
-        rank = dist.get_rank(group)
-        merged = node_fragments_metadata(local, rank, lambda v: all_objects(v, group), lambda fn: read_on(fn, group, 0))
-        if merged is not None:
-            return merged
-    source = flags.index(True) if True in flags else 0
-    return read_on(lambda: local.read(METADATA_NAME) if has_local else read_durable(), group, source)
+        committed, present = committed_or_listing()
+        if committed is not None:
+            return committed
+        chosen = node_document(local, [mine], present, 0, lambda value: [value], lambda fn, source: fn())
+        return chosen[0] if chosen is not None else read_durable()
+    committed, present = read_on(committed_or_listing, group, 0)
+    if committed is not None:
+        return committed
+    rank = dist.get_rank(group)
+    views = all_objects(mine, group)
+    chosen = node_document(
+        local,
+        views,
+        present,
+        rank,
+        lambda value: all_objects(value, group),
+        lambda fn, source: read_on(fn, group, source),
+    )
+    return chosen[0] if chosen is not None else read_on(read_durable, group, 0)
+
+
+def node_document(
+    local: FsspecStore,
+    views: list[NodeStep],
+    present: dict[str, int],
+    rank: int,
+    all_gather: Callable[[Any], list],
+    on_rank: Callable[[Callable[[], T], int], T],
+) -> tuple[bytes, int] | None:
+    """A step's metadata as the nodes hold it, and the group rank that holds it (``views``: what each rank's
+    node holds and noted; ``present``: what the durable tier holds of the step): the newest live
+    ``ckptio.json`` (``node_notes.live``: no later save begun on any node, not deleted on the durable tier
+    since its drain, not passed over by ``ckptio.latest``), else the merge of the live fragments; ``None``
+    when there is none. Every rank of the group calls it with the same ``views`` and ``present``:
+    ``all_gather(value)`` gives every rank's value, ``on_rank(fn, source)`` runs ``fn`` there and gives every
+    rank its result or its ``CheckpointError``."""
+    candidates: dict[str, tuple[NodeDocument, int]] = {}
+    for holder, view in enumerate(views):
+        held = view.documents.get(METADATA_NAME)
+        if held is not None and held.digest not in candidates:
+            candidates[held.digest] = (held, holder)
+    for held, holder in sorted(candidates.values(), key=lambda c: (-c[0].created_unix, c[1])):
+        if live(held, views, present):
+            return on_rank(lambda: local.read(METADATA_NAME), holder), holder
+    mine = views[rank].documents
+    for name in sorted(name for name, held in mine.items() if held.save_id is None):
+        log.warning("ckptio: the node copy %s is damaged (not a ckptio document): passed over", local.describe(name))
+    fragments = [name for name, held in mine.items() if name != METADATA_NAME and live(held, views, present)]
+    merged = node_fragments_metadata(local, rank, all_gather, lambda fn: on_rank(fn, 0), fragments)
+    return None if merged is None else (merged, 0)
 
 
 def node_fragments_metadata(
-    local: FsspecStore, rank: int, all_gather: Callable[[Any], list], on_first_rank: Callable[[Callable[[], T]], T]
+    local: FsspecStore,
+    rank: int,
+    all_gather: Callable[[Any], list],
+    on_first_rank: Callable[[Callable[[], T]], T],
+    names: list[str] | None = None,
 ) -> bytes | None:
     """The merge of the fragments of a tiered save without a coordinator that the ranks' fast tiers
     (``local``: the node's copy of this rank, ``rank`` of its group) hold between them, or ``None`` unless
     they form one complete set. Every rank of the group calls it: ``all_gather(value)`` gives every rank's
     value, and ``on_first_rank(fn)`` runs ``fn`` on the first rank and gives every rank its result (or its
     ``CheckpointError``). Each fragment is read by the lowest rank that holds it; the first rank merges.
-    Every rank's fragments reach every rank: this runs only where a drain was cut off."""
-    names = sorted(fragments_in(local.list_names() or []))
+    Every rank's fragments reach every rank: this runs only where a drain was cut off. ``names``: the
+    fragments of this rank's node to count (default: all it holds; ``node_notes.live`` picks them)."""
+    names = sorted(fragments_in(local.list_names() or [] if names is None else names))
     views = all_gather(names)
     held = fragments_in(sorted({name for view in views for name in view}))
     try:

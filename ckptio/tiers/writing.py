@@ -45,6 +45,7 @@ from ckptio.tiers.drain import (
     references_of,
 )
 from ckptio.tiers.held_index import HeldIndex, held_items
+from ckptio.tiers.node_notes import node_step, note_begun, step_folder, superseded
 from ckptio.tiers.paths import HELD_SUFFIX, local_run_path, local_step_path, split_step
 
 log = logging.getLogger(__name__)
@@ -157,7 +158,8 @@ def queue_rank_drain(
         )
         queue.submit(save, upload, config.tuning.drain_timeout_s)
         if not coordinator:
-            queue.submit(save, AwaitCommit(durable, file, started), config.tuning.drain_timeout_s)
+            await_commit = AwaitCommit(durable, file, started, step_folder(local))
+            queue.submit(save, await_commit, config.tuning.drain_timeout_s)
     if not coordinator:
         queue_prune(save, durable, config)
 
@@ -170,10 +172,14 @@ def queue_commit(
     writers: dict[str, int],
     superseded: list[str],
     config: WriterConfig,
+    node: str | None = None,
 ) -> None:
     """The coordinator's jobs: commit ``document`` (whose ``header`` is given) once every rank's file
-    is there, then prune its fast tier."""
-    commit = Commit(durable, document, header.files, writers, superseded, config.overwrite, references_of(header))
+    is there (noted in ``node``, its node's folder of the step), then prune its fast tier."""
+    references = references_of(header)
+    commit = Commit(
+        durable, document, header.files, writers, superseded, config.overwrite, references, node, header.save_id
+    )
     drain_queue().submit(save, commit, config.tuning.drain_timeout_s)
     queue_prune(save, durable, config)
 
@@ -201,19 +207,59 @@ def commit_locally(local: FsspecStore, document: bytes, name: str = METADATA_NAM
         _warn_full(local.url)
 
 
-def refuse_committed_fragment(local: FsspecStore, durable: FsspecStore, name: str, config: WriterConfig) -> None:
-    """Before a rank's part of a tiered save without a coordinator: its fragment ``name`` committed on the
-    durable tier, or on the node (or the node's ``ckptio.json`` of the checkpoint, which loads would read
-    instead of the fragments) is replaced only with ``overwrite``; the node's ``ckptio.json`` then goes."""
+def refuse_committed_fragment(local: FsspecStore, name: str, config: WriterConfig) -> None:
+    """Before a rank's part of a tiered save without a coordinator: the node's live copy of this checkpoint
+    (its ``ckptio.json``, which loads would read instead of the fragments, or this rank's fragment ``name``:
+    ``live_node_document``) is replaced only with ``overwrite``; the node's ``ckptio.json`` then goes. What the
+    durable tier holds is the drain's to settle (``commit.publish_fragment``), alike for every rank."""
     if config.overwrite:
         local.delete_best_effort([METADATA_NAME])
         return
-    for store, held in ((local, METADATA_NAME), (local, name), (durable, name)):
-        if store.exists(held):
-            raise CheckpointExistsError(
-                f"{store.describe(held)} is a committed copy of this checkpoint; save to a new step, or pass "
-                "overwrite=True to replace it"
-            )
+    found = live_node_document(step_folder(local), (METADATA_NAME, name))
+    if found:
+        raise _node_copy_exists(found, config)
+
+
+def live_node_document(folder: str, names: tuple[str, ...] | None = None) -> str | None:
+    """The path of a node document of the step folder ``folder`` (of ``names``: any) that may still be the
+    only copy of its checkpoint, by what this node knows (``node_notes``): not passed over by
+    ``ckptio.latest``, not committed on the durable tier by its drain, and no later save begun on this node."""
+    step = node_step(folder)
+    for name, document in sorted(step.documents.items()):
+        if names is not None and name not in names:
+            continue
+        if document.save_id not in step.durable and not superseded(document, [step]):
+            return os.path.join(folder, name)
+    return None
+
+
+def refuse_live_copy(config: WriterConfig, durable_url: str, storage_options: dict[str, Any]) -> None:
+    """Before a tiered save with a coordinator (on the coordinator): its node's live copy of this checkpoint
+    (``live_node_document``) is replaced only with ``overwrite``."""
+    if config.overwrite:
+        return
+    found = live_node_document(local_step_path(config.local_tier, durable_url, storage_options))
+    if found:
+        raise _node_copy_exists(found, config)
+
+
+def _node_copy_exists(path: str, config: WriterConfig) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"this node's fast tier holds a committed copy of this checkpoint ({path}) whose upload to the durable "
+        "tier did not finish, so it may be the only one: ckptio.latest(...) resumes that upload on a restart. "
+        "To replace it, save with overwrite=True; to discard it, run "
+        f"`ckptio gc <run URL> --local-tier {config.local_tier} --delete` once ckptio.latest has passed it over"
+    )
+
+
+def begin_on_node(local: FsspecStore, started_unix: float, save_id: str | None) -> None:
+    """A tiered save to this step begins writing on this node: noted first (``node_notes``)."""
+    try:
+        local.prepare_directory()
+    except OSError as exc:  # a full or unwritable fast tier: the save goes on to the durable tier
+        log.debug("ckptio: cannot prepare %s: %s", local.url, exc)
+        return
+    note_begun(step_folder(local), started_unix, save_id)
 
 
 def commit_fragment(
@@ -225,12 +271,13 @@ def commit_fragment(
     files: dict[str, int],
     merge: tuple[str, int] | None,
     config: WriterConfig,
+    save_id: str | None = None,
 ) -> None:
     """A rank's fragment of a tiered save without a coordinator: committed on the node now (where the fast
     tier has room), and on the durable tier by the drain after the rank's upload, where rank 0 then merges
     the set (``merge``: its save id and rank count) once every rank's fragment is there."""
     commit_locally(local, document, name)
-    job = CommitFragment(durable, name, document, files, config.overwrite, merge)
+    job = CommitFragment(durable, name, document, files, config.overwrite, merge, step_folder(local), save_id)
     drain_queue().submit(save, job, config.tuning.drain_timeout_s)
     queue_prune(save, durable, config)
 

@@ -1,22 +1,26 @@
 """The checkpoint lifecycle as a stateful property: random sequences of saves (plain, tiered on one of two
 node tiers, tiered with a drain that never finishes, incremental, without a coordinator, tiered with any
-of these), overwrites, deletes, reused URLs, damaged and lost node copies, merges and restarts through
-``ckptio.latest``, in one process, against a model of what each URL and each node holds. Every load
-returns what the model says or raises a named ``CheckpointError``, never other values; ``latest`` always
-names a step that loads.
+of these), overwrites, deletes, reused URLs, damaged and lost node copies (their data or their documents),
+merges and restarts through ``ckptio.latest``, in one process, against a model of what each URL and each
+node holds. Every load returns what the model says or raises a named ``CheckpointError``, never other
+values; ``latest`` always names a step that loads, and never raises for a node copy.
 
 The model's rules (what ckptio promises across time):
 - a URL's checkpoint is its last committed save: ``ckptio.json`` (a save with a coordinator, a finished
   drain, a merge) or, where there is none, its complete fragment set. A save with a coordinator is refused
   (``CheckpointExistsError``) over a committed ``ckptio.json`` unless it overwrites, a save without one also
-  over committed fragments, a tiered save also where its node holds a committed copy of that URL (whole
-  or damaged: only ``overwrite`` or ``ckptio gc --local-tier`` replaces it);
+  over committed fragments, a tiered save also where its node holds a committed copy of that URL whose
+  drain has not committed it (its data whole or damaged; not its document: see below);
 - a node's copy is read only while nothing is committed at the URL (a drain that has not finished); a
-  copy damaged or lost on the node is never a source;
+  copy damaged or lost on the node is never a source, nor one whose drain committed it on the durable tier
+  once the URL is deleted there; a node copy whose drain has not committed refuses a save to its URL
+  (without ``overwrite``) until ``latest`` passes it over; a node document cut short is no copy and
+  refuses nothing;
 - ``latest`` on a node resumes the newest undamaged copy newer than every durable step (committing it),
   else names the newest durable step.
-Two-rank lifecycles (requeued attempts under one ``CKPTIO_JOB_ID``, ranks killed mid-save) are fixed
-examples in ``test_outside_findings.py`` and ``tests/tiers``.
+Lifecycles of several ranks and nodes (partner copies and node losses, requeued attempts under one
+``CKPTIO_JOB_ID``, ranks killed mid-save, loads racing a merge) and real process exits are fixed examples
+in ``test_one_answer.py``, ``test_outside_findings.py``, ``tests/tiers/test_exit.py`` and ``tests/tiers``.
 """
 
 from __future__ import annotations
@@ -78,7 +82,9 @@ class Lifecycle(RuleBasedStateMachine):
         self.run = os.path.join(self.root, "run")
         self.durable: dict[int, tuple[int, str]] = {}  # step -> (value, "json" or "fragments")
         self.node: dict[tuple[str, int], int] = {}  # (tier, step) -> value of the node's whole copy
-        self.node_commits: set[tuple[str, int]] = set()  # a node copy's ckptio.json, whole or damaged
+        # a node copy's document, whole or damaged, whose drain has not committed it (a save there is refused)
+        self.node_commits: set[tuple[str, int]] = set()
+        self.node_drained: set[tuple[str, int]] = set()  # a node copy its drain committed on the durable tier
         self.counter = 0
 
     def teardown(self) -> None:
@@ -167,11 +173,14 @@ class Lifecycle(RuleBasedStateMachine):
         if incremental:
             event(f"tiered save: incremental, {'references a base' if _references(self._tier(tier)) else 'in full'}")
         self.node[(tier, step)] = value
-        self.node_commits.add((tier, step))
         if drain_finishes:
             ckptio.wait_for_uploads()
             self.durable[step] = (value, "json")
+            self.node_commits.discard((tier, step))
+            self.node_drained.add((tier, step))
         else:
+            self.node_commits.add((tier, step))
+            self.node_drained.discard((tier, step))
             try:
                 ckptio.wait_for_uploads()
                 raise AssertionError("a drain at 1 byte/s finished within 0.5 s")
@@ -184,6 +193,9 @@ class Lifecycle(RuleBasedStateMachine):
         code = cli_main(["delete", "--force", self._url(step)])
         assert code == 0 or step not in self.durable, f"ckptio delete exited {code}"
         self.durable.pop(step, None)
+        for copy in [copy for copy in self.node_drained if copy[1] == step]:  # deleted where it was committed
+            self.node.pop(copy, None)
+            self.node_drained.discard(copy)
 
     @precondition(lambda self: any(kind == "fragments" for _, kind in self.durable.values()))
     @rule(data=st.data())
@@ -204,11 +216,29 @@ class Lifecycle(RuleBasedStateMachine):
             return
         del self.node[(tier, step)]  # no longer a copy of anything
 
+    @precondition(lambda self: self.node_commits or self.node)
+    @rule(data=st.data())
+    def damage_a_node_document(self, data):
+        """A node's ``ckptio.json`` or fragment cut short (a disk that lost its tail): no longer a copy of
+        anything, and no reason to refuse a save (issue 65, finding 4: ``latest`` raised on it)."""
+        tier, step = data.draw(st.sampled_from(sorted(self.node_commits | set(self.node))))
+        folder = next((top for top, _, _ in os.walk(self._tier(tier)) if top.endswith(f"step-{step}")), None)
+        names = [n for n in os.listdir(folder) if n == METADATA_NAME or n.startswith("ckptio.rank-")] if folder else []
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+        if names:
+            event("node document damaged")
+            self.node.pop((tier, step), None)
+            self.node_commits.discard((tier, step))
+
     @rule(tier=TIERS)
     def lose_a_node(self, tier):
         shutil.rmtree(self._tier(tier), ignore_errors=True)
         self.node = {key: value for key, value in self.node.items() if key[0] != tier}
         self.node_commits = {key for key in self.node_commits if key[0] != tier}
+        self.node_drained = {key for key in self.node_drained if key[0] != tier}
 
     # --- loads and restarts -----------------------------------------------------------------
     def _expected(self, step: int, tier: str | None) -> int | None:
@@ -245,11 +275,20 @@ class Lifecycle(RuleBasedStateMachine):
         ]
         url = ckptio.latest(self.run, local_tier=self._tier(tier) if tier else None)
         event(f"restart: {'resumes a node copy' if resumable else 'a durable step' if self.durable else 'nothing'}")
+        named = max(resumable, default=None)
+        # latest passes over the node's newer documents it does not resume: a save there is not refused
+        self.node_commits -= {
+            (node, step)
+            for node, step in self.node_commits
+            if node == tier and step != named and (newest_durable is None or step > newest_durable)
+        }
         if resumable:
             step = max(resumable)
             assert url == self._url(step), (url, step, self.durable, self.node)
             ckptio.wait_for_uploads()  # the resumed drain commits the node's copy
             self.durable[step] = (self.node[(tier, step)], "json")
+            self.node_commits.discard((tier, step))
+            self.node_drained.add((tier, step))
         elif newest_durable is None:
             assert url is None, url
             return
