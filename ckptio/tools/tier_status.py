@@ -19,9 +19,10 @@ import shutil
 from typing import Any
 
 from ckptio.errors import CheckpointError
-from ckptio.format.names import METADATA_NAME, parse_data_file_name
+from ckptio.format.names import METADATA_NAME, parse_data_file_name, parse_fragment_name
 from ckptio.storage import open_store
 from ckptio.tiers.held_index import HeldIndex
+from ckptio.tiers.node_notes import node_step
 from ckptio.tiers.paths import HELD_SUFFIX, local_run_path, local_step_path, normalized_url, step_order
 
 
@@ -54,6 +55,8 @@ def node_steps(run_url: str, local_tier: str, storage_options: dict[str, Any] | 
         if durable[step]:
             removable = step not in newest
             why = "on the durable tier; " + (f"beyond the newest {keep}" if removable else f"one of the newest {keep}")
+        elif (passed := _passed_over(entry.path)) is not None:
+            removable, why = True, passed
         elif newest_durable is not None and step_order(step) < step_order(newest_durable):
             removable = True
             why = (
@@ -76,6 +79,20 @@ def node_steps(run_url: str, local_tier: str, storage_options: dict[str, Any] | 
             )
         )
     return steps
+
+
+def _passed_over(path: str) -> str | None:
+    """Why a step not on the durable tier is no checkpoint any more (``node_notes``), or ``None``."""
+    noted = node_step(path)
+    held = [n for n in os.listdir(path) if n == METADATA_NAME or parse_fragment_name(n) is not None]
+    if held and not noted.documents:
+        return (
+            "passed over by ckptio.latest (incomplete, damaged, mixed, deleted or superseded on the durable tier); "
+            "a new save to this step replaces it"
+        )
+    if any(document.save_id in noted.durable for document in noted.documents.values()):
+        return "deleted on the durable tier after its drain had committed it there"
+    return None
 
 
 def remove_node_steps(steps: list[NodeStep]) -> dict[str, str]:
