@@ -109,7 +109,7 @@ class TieredLanding(DurableLanding):
         w, alone = self.writer, self.writer._fragment is not None
         if alone:
             name = fragment_name(w.rank, w._fragment.ranks)
-            writing.refuse_committed_fragment(self.local_store(), name, w.config)
+            writing.refuse_committed_fragment(self.local_store(), w._open_store(), name, w._fragment.save_id, w.config)
         writing.begin_on_node(self.local_store(), w._started_unix, w._fragment.save_id if alone else None)
         if not alone and not (durable_items or replicas):
             if not w.is_coordinator:

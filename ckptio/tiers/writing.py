@@ -30,6 +30,7 @@ from ckptio.errors import CheckpointExistsError
 from ckptio.format.names import METADATA_NAME, SIBLING_PREFIX, data_file_name, parse_data_file_name
 from ckptio.format.records import Header, Reference, StoredItem
 from ckptio.loading.fragment_set import fragments_in
+from ckptio.saving.commit import stale_fragment
 from ckptio.saving.data_file import encode_items, item_bytes
 from ckptio.saving.incremental import Base
 from ckptio.storage import FsspecStore
@@ -207,14 +208,23 @@ def commit_locally(local: FsspecStore, document: bytes, name: str = METADATA_NAM
         _warn_full(local.url)
 
 
-def refuse_committed_fragment(local: FsspecStore, name: str, config: WriterConfig) -> None:
-    """Before a rank's part of a tiered save without a coordinator: the node's live copy of this checkpoint
-    (its ``ckptio.json``, which loads would read instead of the fragments, or this rank's fragment ``name``:
-    ``live_node_document``) is replaced only with ``overwrite``; the node's ``ckptio.json`` then goes. What the
-    durable tier holds is the drain's to settle (``commit.publish_fragment``), alike for every rank."""
+def refuse_committed_fragment(
+    local: FsspecStore, durable: FsspecStore, name: str, save_id: str, config: WriterConfig
+) -> None:
+    """Before a rank's part of a tiered save without a coordinator: a committed set on the durable tier
+    (every rank's fragment of one save, as every rank sees it: ``commit.stale_fragment``), or the node's live
+    copy of this checkpoint (its ``ckptio.json``, which loads would read instead of the fragments, or this
+    rank's fragment ``name``: ``live_node_document``) is replaced only with ``overwrite``; the node's
+    ``ckptio.json`` then goes. A fragment of a set that never completed (a requeued job's earlier attempt)
+    refuses nothing."""
     if config.overwrite:
         local.delete_best_effort([METADATA_NAME])
         return
+    if durable.exists(name) and stale_fragment(durable, name, save_id) is None:
+        raise CheckpointExistsError(
+            f"{durable.url} holds a committed checkpoint, every rank's fragment of one save "
+            f"({durable.describe(name)} among them); save to a new step, or pass overwrite=True to replace it"
+        )
     found = live_node_document(step_folder(local), (METADATA_NAME, name))
     if found:
         raise _node_copy_exists(found, config)
@@ -223,12 +233,13 @@ def refuse_committed_fragment(local: FsspecStore, name: str, config: WriterConfi
 def live_node_document(folder: str, names: tuple[str, ...] | None = None) -> str | None:
     """The path of a node document of the step folder ``folder`` (of ``names``: any) that may still be the
     only copy of its checkpoint, by what this node knows (``node_notes``): not passed over by
-    ``ckptio.latest``, not committed on the durable tier by its drain, and no later save begun on this node."""
+    ``ckptio.latest``, not committed on the durable tier by its drain, no later save begun on this node, and
+    readable (a document cut short is no copy of anything)."""
     step = node_step(folder)
     for name, document in sorted(step.documents.items()):
         if names is not None and name not in names:
             continue
-        if document.save_id not in step.durable and not superseded(document, [step]):
+        if document.save_id is not None and document.save_id not in step.durable and not superseded(document, [step]):
             return os.path.join(folder, name)
     return None
 

@@ -23,6 +23,17 @@ def flip_a_byte(path: str, bit: int = 0x10) -> None:
         f.write(bytes([byte[0] ^ bit]))
 
 
+def as_if_cut_off(durable_step: str, tier: str) -> None:
+    """A drained step as if its drain had been cut off before its commit: the durable ``ckptio.json`` gone,
+    and the node's note that its drain committed it (which a cut-off drain never writes: ``node_notes``)."""
+    import glob
+
+    os.remove(os.path.join(durable_step, "ckptio.json"))
+    step = os.path.basename(durable_step)
+    for note in glob.glob(os.path.join(tier, "*", step, "ckptio.note-durable-*")):
+        os.remove(note)
+
+
 def node_tier(tier_base: str) -> str:
     """This rank's simulated node (two ranks a node): its fast tier, under ``tier_base``; the rank is
     placed there (``CKPTIO_NODE``, unless the test set ``LOCAL_WORLD_SIZE`` as a launcher would) so that

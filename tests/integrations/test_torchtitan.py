@@ -21,8 +21,9 @@ from ckptio.integrations.torchtitan import CheckpointManager  # noqa: E402
 from ckptio.tools import cli  # noqa: E402
 from tests.helpers import titan  # noqa: E402
 from tests.helpers.fragment_ranks import only_fragments
-from tests.helpers.harness import spawn  # noqa: E402
+from tests.helpers.harness import spawn
 from tests.helpers.models import differences  # noqa: E402
+from tests.helpers.tiered import as_if_cut_off  # noqa: E402
 
 
 def committed(folder: str) -> list[str]:
@@ -207,7 +208,7 @@ def test_tiered_checkpoints_resume_from_the_node_and_on_a_replaced_node(tmp_path
     folder, node, new_node = (str(tmp_path / name) for name in ("checkpoint", "node", "new-node"))
     first = spawn(2, titan.train_with, folder, "fsdp:2", 6, {"writer_options": {"local_tier": node}})
     assert committed(folder) == ["step-2", "step-4", "step-6"]  # drained before the processes ended
-    os.remove(os.path.join(folder, "step-6", "ckptio.json"))  # as if the drain of step 6 had been cut off
+    as_if_cut_off(os.path.join(folder, "step-6"), node)
     calls = [
         (titan.resume_or_error, (folder, "fsdp:2"), {"writer_options": {"local_tier": node}}),
         (ckptio.wait_for_uploads, (), {}),
