@@ -41,11 +41,10 @@ def tiered_metadata_bytes(
     committed there, the nodes' live copy (``node_document``), else the durable tier's error. Every rank gets
     the bytes or the error."""
     alone = group is direct or not dist.is_initialized() or dist.get_world_size(group) == 1
-    mine = node_step(step_folder(local))
 
     def committed_or_listing() -> tuple[bytes | None, dict]:
         committed = committed_durable(read_durable)
-        if committed is not None or not mine.documents and alone:
+        if committed is not None:
             return committed, {}
         try:
             return None, list_durable()
@@ -53,17 +52,19 @@ def tiered_metadata_bytes(
             log.warning("ckptio: cannot list %s to check the nodes' copies against it: %r", local.url, exc)
             return None, {}
 
+    # the nodes' copies are looked at only while nothing is committed at the URL
     if alone:
         committed, present = committed_or_listing()
         if committed is not None:
             return committed
+        mine = node_step(step_folder(local))
         chosen = node_document(local, [mine], present, 0, lambda value: [value], lambda fn, source: fn())
         return chosen[0] if chosen is not None else read_durable()
     committed, present = read_on(committed_or_listing, group, 0)
     if committed is not None:
         return committed
     rank = dist.get_rank(group)
-    views = all_objects(mine, group)
+    views = all_objects(node_step(step_folder(local)), group)
     chosen = node_document(
         local,
         views,

@@ -3,9 +3,9 @@ process per rank (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` in its environment; 
 It saves tiered, then its last line runs: no ``wait_for_uploads()``, no ``destroy_process_group()``. It
 prints ``saved <unix time>`` when its saves have returned, so the caller can time the exit itself.
 
-SPEC is JSON: ``url`` (a step URL; ``async`` saves also ``<url>-2``), ``tier``, ``endpoint`` (moto's or the
-fault proxy's), ``bandwidth`` (``drain_bandwidth``), ``copies`` (``local_tier_copies``), ``async`` (two
-``dcp.async_save``s, their futures awaited), ``raise`` (the script then dies of an exception), ``stall_s``
+SPEC is JSON: ``url`` (a step URL), ``tier``, ``endpoint`` (moto's or the fault proxy's), ``bandwidth``
+(``drain_bandwidth``), ``copies`` (``local_tier_copies``), ``async_saves`` (two ``dcp.async_save``s, of ``url``
+and ``<url>-2``, their futures awaited), ``raise`` (the script then dies of an exception), ``stall_s``
 (``process_exit.EXIT_STALL_S``, shortened for a test that waits for it)."""
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ def main(spec: dict) -> None:
     config = ckptio.WriterConfig(
         local_tier=spec["tier"], drain_bandwidth=spec.get("bandwidth"), local_tier_copies=spec.get("copies", 1)
     )
-    urls = [spec["url"], spec["url"] + "-2"] if spec.get("async") else [spec["url"]]
+    urls = [spec["url"], spec["url"] + "-2"] if spec.get("async_saves") else [spec["url"]]
     for step, url in enumerate(urls, 1):
         state = state_of(step)
         writer = ckptio.Writer(url, config, storage_options=options)
-        if spec.get("async"):
+        if spec.get("async_saves"):
             dcp.async_save(state, storage_writer=writer).result()
         else:
             dcp.save(state, storage_writer=writer)

@@ -32,6 +32,11 @@ def _entry(
     os.environ.clear()
     os.environ.update(env)
     result_path = os.path.join(out_dir, f"rank{rank}.pkl")
+    # A rank's process runs ckptio's exit hook (multiprocessing ends a child through threading's shutdown): work a
+    # test leaves behind that makes no progress (a merge waiting for a rank the test killed) holds it this long.
+    from ckptio import process_exit
+
+    process_exit.EXIT_STALL_S = float(env.get("CKPTIO_TEST_EXIT_STALL_S", 3.0))
     try:
         if world_size > 0:
             timeout = datetime.timedelta(seconds=float(env.get("CKPTIO_TEST_PG_TIMEOUT", 120)))

@@ -64,6 +64,11 @@ def _run_ranks(spec: dict, world: int = 1, nodes: int = 1, limit_s: float = 120.
     return results
 
 
+def _spec(url: str, tmp_path, endpoint: str, **extra) -> dict:
+    """The script's spec (``tests/helpers/exiting.py``): save ``url`` tiered through ``endpoint``."""
+    return {"url": url, "tier": str(tmp_path / "fast"), "endpoint": endpoint, **extra}
+
+
 def _loads_exactly(url: str, options: dict, step: int = 1) -> None:
     state = {f"w{i}": torch.zeros(ELEMENTS) for i in range(TENSORS)} | {"step": 0}
     dcp.load(state, storage_reader=ckptio.Reader(url, storage_options=options))
@@ -74,9 +79,10 @@ def _loads_exactly(url: str, options: dict, step: int = 1) -> None:
 def test_a_script_that_ends_during_its_drain_exits_once_the_upload_commits(s3, tmp_path):
     base, options = s3
     url = f"{base}/run/step-1"
-    bandwidth = 256 << 10  # 1 MiB of tensors: ~4 s of upload
-    spec = {"url": url, "tier": str(tmp_path / "fast"), "endpoint": options["client_kwargs"]["endpoint_url"]}
-    [(seconds, status)] = _run_ranks({**spec, "bandwidth": bandwidth})
+    bandwidth = 512 << 10  # 1 MiB of tensors: ~2 s of upload
+    [(seconds, status)] = _run_ranks(
+        _spec(url, tmp_path, options["client_kwargs"]["endpoint_url"], bandwidth=bandwidth)
+    )
     upload_s = TENSORS * ELEMENTS * 4 / bandwidth
     assert status == 0 and seconds < upload_s + EXIT_STALL_S, seconds
     assert "run/step-1/ckptio.json" in s3_objects(options, f"{base}/run/")
@@ -87,14 +93,8 @@ def test_a_script_that_ends_during_its_drain_exits_once_the_upload_commits(s3, t
 def test_ranks_with_copies_on_partner_nodes_exit_after_two_async_saves(s3, tmp_path):
     """Two ``dcp.async_save``s, ``local_tier_copies=2``, 2 ranks on 2 nodes: both exit, both steps commit."""
     base, options = s3
-    spec = {
-        "url": f"{base}/run/step-1",
-        "tier": str(tmp_path / "fast"),
-        "endpoint": options["client_kwargs"]["endpoint_url"],
-        "bandwidth": 512 << 10,
-        "copies": 2,
-        "async": True,
-    }
+    endpoint = options["client_kwargs"]["endpoint_url"]
+    spec = _spec(f"{base}/run/step-1", tmp_path, endpoint, bandwidth=512 << 10, copies=2, async_saves=True)
     results = _run_ranks(spec, world=2, nodes=2)
     assert all(status == 0 and seconds < 2 * 2 + EXIT_STALL_S + SLACK_S for seconds, status in results), results
     _loads_exactly(f"{base}/run/step-1", options, 1)
@@ -103,13 +103,8 @@ def test_ranks_with_copies_on_partner_nodes_exit_after_two_async_saves(s3, tmp_p
 
 def test_a_script_that_dies_of_an_exception_during_its_drain_still_exits(s3, tmp_path):
     base, options = s3
-    spec = {
-        "url": f"{base}/run/step-1",
-        "tier": str(tmp_path / "fast"),
-        "endpoint": options["client_kwargs"]["endpoint_url"],
-        "bandwidth": 1 << 20,
-        "raise": True,
-    }
+    spec = _spec(f"{base}/run/step-1", tmp_path, options["client_kwargs"]["endpoint_url"], bandwidth=1 << 20)
+    spec["raise"] = True
     [(seconds, status)] = _run_ranks(spec)
     assert status == 1 and seconds < 1 + EXIT_STALL_S, seconds
     _loads_exactly(f"{base}/run/step-1", options)  # the drain committed before the process ended
@@ -121,8 +116,8 @@ def test_a_drain_that_cannot_reach_the_store_ends_with_the_process_and_the_next_
     and ``ckptio.latest`` on the next start finishes the drain."""
     proxy, base, options = s3_proxy
     proxy.faults[:] = [Fault(lambda r: r.method == "PUT", 503)]
-    stall_s = 4.0  # the bound, shortened: this test waits for it
-    spec = {"url": f"{base}/run/step-1", "tier": str(tmp_path / "fast"), "endpoint": proxy.url, "stall_s": stall_s}
+    stall_s = 2.0  # the bound, shortened: this test waits for it
+    spec = _spec(f"{base}/run/step-1", tmp_path, proxy.url, stall_s=stall_s)
     [(seconds, status)] = _run_ranks(spec)
     assert status == 0 and stall_s < seconds < stall_s + SLACK_S, seconds
     assert "run/step-1/ckptio.json" not in s3_objects(options, f"{base}/run/")
