@@ -5,7 +5,8 @@ prints ``saved <unix time>`` when its saves have returned, so the caller can tim
 
 SPEC is JSON: ``url`` (a step URL), ``tier``, ``endpoint`` (moto's or the fault proxy's), ``bandwidth``
 (``drain_bandwidth``), ``copies`` (``local_tier_copies``), ``async_saves`` (two ``dcp.async_save``s, of ``url``
-and ``<url>-2``, their futures awaited), ``raise`` (the script then dies of an exception), ``stall_s``
+and ``<url>-2``, their futures awaited; else ``dcp.save``s), ``incremental`` (against "previous"),
+``collectives`` (False: saves without a coordinator), ``raise`` (the script then dies of an exception), ``stall_s``
 (``process_exit.EXIT_STALL_S``, shortened for a test that waits for it)."""
 
 from __future__ import annotations
@@ -45,16 +46,20 @@ def main(spec: dict) -> None:
         )
     options = {"client_kwargs": {"endpoint_url": spec["endpoint"]}, "key": "testing", "secret": "testing"}
     config = ckptio.WriterConfig(
-        local_tier=spec["tier"], drain_bandwidth=spec.get("bandwidth"), local_tier_copies=spec.get("copies", 1)
+        local_tier=spec["tier"],
+        drain_bandwidth=spec.get("bandwidth"),
+        local_tier_copies=spec.get("copies", 1),
+        incremental_from="previous" if spec.get("incremental") else None,
     )
-    urls = [spec["url"], spec["url"] + "-2"] if spec.get("async_saves") else [spec["url"]]
+    urls = [spec["url"], spec["url"] + "-2"] if spec.get("async_saves") or spec.get("two_saves") else [spec["url"]]
     for step, url in enumerate(urls, 1):
         state = state_of(step)
         writer = ckptio.Writer(url, config, storage_options=options)
+        collectives = {"use_collectives": spec.get("collectives", True)}
         if spec.get("async_saves"):
-            dcp.async_save(state, storage_writer=writer).result()
+            dcp.async_save(state, storage_writer=writer, **collectives).result()
         else:
-            dcp.save(state, storage_writer=writer)
+            dcp.save(state, storage_writer=writer, **collectives)
     print(f"saved {time.time()}", flush=True)
     if spec.get("raise"):
         raise RuntimeError("the training script failed after its save")
