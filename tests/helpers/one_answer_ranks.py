@@ -3,6 +3,7 @@ load reads, whether a save is refused, which step ``latest`` names), on gloo ran
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -52,8 +53,6 @@ STALLED = {"drain_bandwidth": 1, "tuning": ckptio.Tuning(drain_timeout_s=0.5)}
 
 def _node(tiers: str, ranks_per_node: int = 1) -> str:
     node = dist.get_rank() // ranks_per_node
-    import os
-
     os.environ["CKPTIO_NODE"] = f"node{node}"
     return os.path.join(tiers, f"node{node}")
 
@@ -136,8 +135,6 @@ def requeue_attempt(run: str, tiers: str, options: dict, attempt: int) -> tuple:
     """Finding 6: 4 ranks on 2 nodes, copies on the partner node, saves without a coordinator, one
     ``CKPTIO_JOB_ID``. Attempt 1 saves step-1 (committed) and step-2, whose drain is cut off with rank 3's
     fragment lost everywhere; attempt 2 restarts from ``latest`` and saves step-2 again, on every rank."""
-    import os
-
     from ckptio.saving.merge_once import settle
 
     tier = _node(tiers, ranks_per_node=2)
@@ -182,3 +179,62 @@ def requeue_attempt(run: str, tiers: str, options: dict, attempt: int) -> tuple:
         _load(f"{run}/step-2", tier, options),
         ckptio.latest(run, local_tier=tier, storage_options=options),
     )
+
+
+# --- the lifecycle of a job on two nodes (``test_nodes_lifecycle.py``) ----------------------------------------
+def run_program(run: str, tiers: str, options: dict, program: list[tuple]) -> list:
+    """Run ``program`` (a list of operations, the same on both ranks; rank r on node r; a save's copies on the
+    other node as it says) and return what each operation saw: a save ``"saved"`` or the error's name, a load
+    the value or the error's name, a restart ``(step, value)``. Every rank must see the same."""
+    import shutil
+
+    from ckptio.tiers.paths import local_step_path
+
+    tier = _node(tiers)
+    seen: list = []
+    for op in program:
+        kind = op[0]
+        if kind == "save":
+            _, step, value, collectives, finishes, overwrite, copies = op
+            cfg = ckptio.WriterConfig(
+                local_tier=tier, local_tier_copies=copies, overwrite=overwrite, **({} if finishes else STALLED)
+            )
+            writer = ckptio.Writer(f"{run}/step-{step}", cfg, storage_options=options)
+            try:
+                dcp.save(_state(float(value)), storage_writer=writer, use_collectives=collectives)
+                seen.append("saved")
+            except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException
+                seen.append(type(ckptio.unwrap(exc)).__name__)
+            try:
+                ckptio.wait_for_uploads()
+            except ckptio.DrainError:
+                pass
+        elif kind == "delete":
+            if dist.get_rank() == 0:
+                cli_main(["delete", "--force", f"{run}/step-{op[1]}", "--storage-options", _json(options)])
+            seen.append(None)
+        elif kind == "lose":
+            if dist.get_rank() == op[1]:
+                shutil.rmtree(tier, ignore_errors=True)
+            seen.append(None)
+        elif kind == "damage":
+            _, node, step = op
+            folder = local_step_path(tier, f"{run}/step-{step}", options)
+            if dist.get_rank() == node and os.path.isdir(folder):
+                for name in os.listdir(folder):
+                    if name == "ckptio.json" or name.startswith("ckptio.rank-"):
+                        with open(os.path.join(folder, name), "r+b") as f:
+                            f.truncate(os.path.getsize(os.path.join(folder, name)) // 2)
+            seen.append(None)
+        elif kind == "restart":
+            url = ckptio.latest(run, local_tier=tier, storage_options=options)
+            value = _load(url, tier, options) if url else None
+            try:
+                ckptio.wait_for_uploads()  # the resumed drain commits
+            except ckptio.DrainError:
+                pass
+            seen.append((int(url.rsplit("-", 1)[1]) if url else None, value))
+        elif kind == "load":
+            seen.append(_load(f"{run}/step-{op[1]}", tier, options))
+        dist.barrier()
+    return seen
