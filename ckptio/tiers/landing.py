@@ -76,6 +76,9 @@ class TieredLanding(DurableLanding):
         try:
             yield
             written = self._files_here(file) if job is not None else []
+        except BaseException:
+            self.finished()  # refused or failed: no commit follows, the partners are told there is no document
+            raise
         finally:
             if job is not None:
                 job.files.set_result(written)
