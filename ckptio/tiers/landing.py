@@ -51,7 +51,11 @@ class TieredLanding(DurableLanding):
     def clear_for_fragments(self) -> None:
         """Refuse a committed checkpoint now; an overwrite clears it after rank 0's upload
         (``drain.CommitFragment``): the durable tier keeps its checkpoint until then."""
-        check_target(self.writer._open_store(), self.writer.config.overwrite)
+        try:
+            check_target(self.writer._open_store(), self.writer.config.overwrite)
+        except BaseException:  # the other ranks go on alone to write: their partners still get this rank's offer
+            self._offer(self._replication_job(), [])
+            raise
 
     def write(
         self,
@@ -77,12 +81,18 @@ class TieredLanding(DurableLanding):
             yield
             written = self._files_here(file) if job is not None else []
         except BaseException:
-            self.finished()  # refused or failed: no commit follows, the partners are told there is no document
+            self._offer(job, [])
             raise
-        finally:
-            if job is not None:
-                job.files.set_result(written)
-                replication.replication_queue().submit(self.drain_key(), job, self.writer.config.tuning.drain_timeout_s)
+        self._offer(job, written, failed=False)
+
+    def _offer(self, job: replication.Replicate | None, written: list[str], failed: bool = True) -> None:
+        """Queue ``job``, this rank's offer of ``written`` to its partners (each expects one offer a save);
+        ``failed``: refused or failed, no commit follows, the partners are told there is no document."""
+        if failed:
+            self.finished()
+        if job is not None:
+            job.files.set_result(written)
+            replication.replication_queue().submit(self.drain_key(), job, self.writer.config.tuning.drain_timeout_s)
 
     def _replication_job(self) -> replication.Replicate | None:
         w = self.writer
