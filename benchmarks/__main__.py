@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 
-from . import report, usage_error, workload
+from . import lagging, report, usage_error, workload
 from .launch import launch
 from .writers import WRITERS, select
 
@@ -113,6 +113,20 @@ def _parser() -> argparse.ArgumentParser:
         help="on each S3 target, tiered saves (a node-local fast tier drained to S3) against direct and local-only "
         "saves: blocking time (sync and dcp.async_save), drain time and training speed during it, restart load "
         "from the fast tier vs from S3, S3 bytes with one rank's fast tier emptied (default on; --no-tiered skips)",
+    )
+    p.add_argument(
+        "--tiered-lagging",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --tiered: tiered incremental saves of a LoRA-shaped state about 1 s apart, the drain limited to "
+        "half the rate full saves would need and unlimited: bytes uploaded per save against bytes changed, saves "
+        "waiting to upload, every step loaded bit-exact from S3 (default on)",
+    )
+    p.add_argument(
+        "--lagging-saves",
+        type=int,
+        default=20,
+        help="with --tiered-lagging: saves per run (default 20)",
     )
     p.add_argument(
         "--incremental",
@@ -264,7 +278,7 @@ def run(args: argparse.Namespace) -> dict:
             state_records = _spawn_with_progress(args, runner.run_rank, state_cfg, progress_file, state_steps, backend)
             by_state[state_cfg["data"]] = [r for r in state_records if "raw_bandwidth" not in r]
         async_rows, plan_rows = _async_and_plan_sections(args, cfg, targets, progress_file, backend)
-        tiered_rows = _tiered_section(args, cfg, targets, progress_file, backend)
+        tiered_rows, lagging_rows = _tiered_section(args, cfg, targets, progress_file, backend)
         incremental_rows = _incremental_section(args, cfg, targets, progress_file, backend)
         listings = {r["url"]: r["listing"] for rows in by_state.values() for r in rows if "listing" in r}
         results = []
@@ -299,6 +313,7 @@ def run(args: argparse.Namespace) -> dict:
         "shared_reads": shared_reads,
         "async_saves": async_rows,
         "tiered": tiered_rows,
+        "tiered_lagging": lagging_rows,
         "incremental": incremental_rows,
         "plan_time": plan_rows,
         "scale": _scale_section(args),
@@ -379,13 +394,16 @@ def _async_and_plan_sections(args, cfg: dict, targets: list[dict], progress_file
     return async_rows, plan_rows
 
 
-def _tiered_section(args, cfg: dict, targets: list[dict], progress_file: str, backend: str) -> list[dict]:
-    """``--tiered`` on every S3 target, the fast tier on the local target's disk (else a temp dir)."""
+def _tiered_section(
+    args, cfg: dict, targets: list[dict], progress_file: str, backend: str
+) -> tuple[list[dict], list[dict]]:
+    """``--tiered`` (and ``--tiered-lagging``) on every S3 target, the fast tier on the local target's disk
+    (else a temp dir)."""
     from . import tiered
 
     s3_targets = [t for t in targets if t["kind"] == "s3"]
     if not args.tiered or not s3_targets:
-        return []
+        return [], []
     local = next((t for t in targets if t["kind"] == "local"), None)
     with contextlib.ExitStack() as stack:
         fast = (
@@ -397,7 +415,22 @@ def _tiered_section(args, cfg: dict, targets: list[dict], progress_file: str, ba
         records = _spawn_with_progress(
             args, tiered.run_rank, section, progress_file, args.repeats * len(s3_targets), backend
         )
-    return tiered.summarize(records)
+        lagging = _lagging_section(args, section, progress_file, backend)
+    return tiered.summarize(records), lagging
+
+
+def _lagging_section(args, section: dict, progress_file: str, backend: str) -> list[dict]:
+    """``--tiered-lagging``, on the tiered section's targets and fast tier."""
+
+    if not args.tiered_lagging:
+        return []
+    if args.lagging_saves < 2:
+        usage_error(f"--lagging-saves must be at least 2, got {args.lagging_saves}")
+    steps = args.repeats * len(section["targets"])
+    records = _spawn_with_progress(
+        args, lagging.run_rank, {**section, "lagging_saves": args.lagging_saves}, progress_file, steps, backend
+    )
+    return lagging.summarize(records)
 
 
 def _incremental_section(args, cfg: dict, targets: list[dict], progress_file: str, backend: str) -> list[dict]:
@@ -513,6 +546,10 @@ def main(argv: list[str] | None = None) -> int:
     if asynchronous:
         print("\nAsynchronous saves (training-step loop beside each; blocking = time in async_save):\n" + asynchronous)
     tiers = report.tiered_table(doc["tiered"])
+    lagging_rows = lagging.table(doc.get("tiered_lagging", []))
+    if lagging_rows:
+        title = "Tiered incremental saves about 1 s apart, the drain limited to half a full save's rate and not"
+        print(f"\n{title} (median (min-max) over repeats):\n{lagging_rows}")
     if tiers:
         print("\nTiered saves (fast tier on the local disk, drained to S3; slowest rank, median (min-max)):\n" + tiers)
     incremental = report.incremental_table(doc.get("incremental", []))
@@ -545,6 +582,11 @@ def main(argv: list[str] | None = None) -> int:
         if not r["bit_exact"]
     ]
     bad += [{"writer": "ckptio tiered", "target": r["target"]} for r in doc["tiered"] if not r["bit_exact"]]
+    bad += [
+        {"writer": f"ckptio tiered lagging ({r['drain']})", "target": r["target"]}
+        for r in doc.get("tiered_lagging", [])
+        if not r["bit_exact"]
+    ]
     bad += [
         {"writer": f"ckptio incremental ({r['state']})", "target": r["target"]}
         for r in doc.get("incremental", [])

@@ -188,6 +188,11 @@ class Tuning:
     #: Background uploads: how long one may take, retries and waiting for the other ranks' uploads
     #: included, before it fails (raised by ``ckptio.wait_for_uploads()`` or the next save).
     drain_timeout_s: float = 3600.0
+    #: Background uploads: a tiered save that finds this many earlier saves of its process still waiting
+    #: to upload waits for the oldest to finish first (logged), so the queue, and the fast tier's copies
+    #: it keeps, cannot grow without bound when the durable tier is slower than the saves. A drain a few
+    #: saves behind is warned about once per run, with its rates (``tiers/lag.py``).
+    drain_max_queued_saves: int = 8
 
     def __post_init__(self) -> None:
         if not is_block_size(self.max_block_size):
@@ -207,6 +212,8 @@ class Tuning:
             raise ValueError(f"incremental_min_fraction must be within [0, 1), got {self.incremental_min_fraction}")
         if not self.drain_timeout_s > 0:
             raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
+        if self.drain_max_queued_saves < 1:
+            raise ValueError(f"drain_max_queued_saves must be at least 1, got {self.drain_max_queued_saves}")
 
     @classmethod
     def from_environment(cls, **values: Any) -> "Tuning":

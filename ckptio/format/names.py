@@ -13,6 +13,8 @@ A checkpoint is a directory (or key prefix) holding::
     ckptio.referenced-by-<name>.json  an incremental save (``WriterConfig.incremental_from``, format
                                       version 7) named ``<name>``, a sibling in the same folder, reads
                                       data files of this checkpoint: deletes keep them (``references.py``)
+    ckptio.rebase                     a tiered incremental save's commit found its base missing: the ranks
+                                      upload the full copies it lists (``tiers/rebase.py``); gone once committed
 
 An incremental checkpoint names the data files of sibling checkpoints it references as
 ``../<sibling>/data-....ckio``: always the folder that wrote the bytes, so no load follows a chain.
@@ -56,6 +58,7 @@ _FRAGMENT_NAME = re.compile(r"ckptio\.rank-([0-9]{5,})-of-([0-9]{5,})\.json")
 _SIBLING = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._=+,@-]{0,254}")
 SIBLING_PREFIX = "../"
 REFERENCE_MARKER_PREFIX = "ckptio.referenced-by-"
+REBASE_NAME = "ckptio.rebase"
 
 
 class ItemKind(str, enum.Enum):

@@ -118,6 +118,8 @@ class ObjectReport:
     digests: dict[str, Digest]  # key -> digest of this rank's value
     copies: dict[str, StoredItem] = dataclasses.field(default_factory=dict)  # keep_per_rank: where this rank's value is
     mesh: MeshRecord | None = None  # the mesh of the first DTensor this rank saves
+    #: a tiered save against a base still draining: where this rank's items that reference it lie whole
+    full_copy: dict[MetadataIndex, StoredItem] | None = None
 
 
 def attach_report(results: list[WriteResult], report: ObjectReport) -> list[WriteResult]:

@@ -5,9 +5,12 @@ Rules, the same on every rank (each decides alone from the same base, no collect
 
 - The base is ``incremental_from``: a checkpoint URL, or ``"previous"``: the last checkpoint this
   process saved with ckptio beside the new one (saves to other folders in between do not count) that is
-  committed at its URL now (a tiered save's may still be on its way to the durable tier: the one before
-  it is the base then). It must be a sibling (a folder beside the new checkpoint's: the ``run/step-N``
-  layout), committed, and saved with block digests (any save with ``incremental_from`` set records them).
+  committed at its URL now, or a tiered save of this process whose drain is still queued ahead of this
+  one's (``note_queued``: each rank references its own records of it, and the drain commits the new save
+  after it; should it fail, the new save's commit makes it full from the node's full copies:
+  ``tiers/rebase.py``). A tiered save whose drain failed gives way to the one before it. It must be a
+  sibling (a folder beside the new checkpoint's: the ``run/step-N`` layout), committed (or so queued), and
+  saved with block digests (any save with ``incremental_from`` set records them).
   A named base that is not is an error; ``"previous"`` that is not starts the chain over with a full save
   (logged).
 - The chain is bounded: a save whose base is ``incremental_max_depth`` incremental saves from a full one,
@@ -32,12 +35,23 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
+
+from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ckptio.format.codec import block_digest
 from ckptio.format.names import SIBLING_PREFIX, is_sibling_name, sibling_file_name
-from ckptio.format.records import DIGEST_BYTES, NO_DIGEST, Extent, Manifest, StoredItem
+from ckptio.format.records import (
+    DIGEST_BYTES,
+    NO_DIGEST,
+    ChainRecord,
+    Extent,
+    Header,
+    Manifest,
+    Reference,
+    StoredItem,
+)
 from ckptio.loading.reader import read_manifest
 
 log = logging.getLogger(__name__)
@@ -57,6 +71,50 @@ SAVES_REMEMBERED = 8
 
 def note_saved(checkpoint_id: str) -> None:
     _last_saved[:] = [checkpoint_id, *(url for url in _last_saved if url != checkpoint_id)][:SAVES_REMEMBERED]
+    _queued.pop(checkpoint_id, None)  # a tiered save notes its part again (``note_queued``) once written
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuedPart:
+    """A tiered save of this process whose drain has not finished, as the next save's base: this rank's
+    records of it (what the rank writes again under the same assignment: DCP's plan is deterministic), its
+    depth in its chain, and ``drain_state()``: ``"queued"``, ``"failed"`` or ``"done"`` (``DrainQueue.state``)
+    of it and of the queued saves it references."""
+
+    manifest: Manifest
+    depth: int
+    drain_state: Callable[[], str]
+
+
+#: This process's tiered saves whose drain was queued: checkpoint URL -> this rank's part.
+_queued: dict[str, QueuedPart] = {}
+
+
+def note_queued(
+    checkpoint_id: str, records: Mapping[Any, StoredItem], base: "Base | None", drain_state: Callable[[], str]
+) -> None:
+    """A tiered save to ``checkpoint_id`` wrote ``records`` (this rank's durable items, against ``base``) and
+    queued its drain (``drain_state``): the next save may reference it before the drain commits it. The
+    drain is ordered, so its upload comes first; should it fail, a dependant's commit rebases the dependant
+    (``drain.Commit``)."""
+    from ckptio.saving.save_metadata import written  # that module builds on this one
+
+    if not records or not all(record.digests is not None for record in records.values() if record.file):
+        return
+    _, files, _ = written([[WriteResult(index, r.stored_bytes, r) for index, r in records.items()]], [])
+    for record in records.values():
+        files.update(getattr(record, "sibling_sizes", ()))
+    depth = base.depth if base is not None else 0
+    # Judged by its depth alone while it drains (each rank knows only its part of what it referenced).
+    header = Header(files=files, chain=ChainRecord(base.name, depth, 0, 0) if base is not None else None)
+    extents = {r.file: r.extents for r in records.values() if isinstance(r, Reference) and len(r.extents) > 1}
+    below = base.queued if base is not None else None
+
+    def state() -> str:
+        own = drain_state()
+        return "failed" if below is not None and below.drain_state() == "failed" else own
+
+    _queued[checkpoint_id] = QueuedPart(Manifest(header, None, dict(records), extents=extents), depth, state)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass
@@ -67,6 +125,7 @@ class Base:
     name: str
     manifest: Manifest
     depth: int
+    queued: QueuedPart | None = None  # a tiered save of this process still draining (``note_queued``)
     _sizes: dict[str, int] | None = dataclasses.field(default=None, repr=False)  # file -> size, new names
 
     def record(self, item: Any, block_size: int) -> StoredItem | None:
@@ -178,7 +237,14 @@ def resolve_base(checkpoint_id: str, config, open_store) -> Base | None:
     first_problem = None
     beside = [url for url in _last_saved if folder_and_name(url)[0] == folder_and_name(checkpoint_id)[0]]
     for url in beside:  # saves elsewhere in between (another run, an export) are not this run's previous
-        manifest, problem, uncommitted = _candidate(url, checkpoint_id, open_store)
+        queued = _queued.get(url)
+        state = queued.drain_state() if queued is not None else "done"
+        if state == "queued" and url != checkpoint_id:  # its drain is ahead of this save's: its part suffices
+            return _within_bounds(url, queued.manifest, checkpoint_id, config, queued)  # type: ignore[union-attr]
+        if state == "failed":
+            manifest, problem, uncommitted = None, "its drain failed", True
+        else:
+            manifest, problem, uncommitted = _candidate(url, checkpoint_id, open_store)
         if problem is None:
             if first_problem is not None:
                 log.info("ckptio: saving %s against %s: the later %s", checkpoint_id, url, first_problem)
@@ -225,7 +291,9 @@ def _candidate(url: str, checkpoint_id: str, open_store) -> tuple[Manifest | Non
     return manifest, None, False
 
 
-def _within_bounds(url: str, manifest: Manifest, checkpoint_id: str, config) -> Base | None:
+def _within_bounds(
+    url: str, manifest: Manifest, checkpoint_id: str, config, queued: QueuedPart | None = None
+) -> Base | None:
     """``url`` as the base, unless the chain would pass ``incremental_max_depth`` or the base referenced too
     little (``incremental_min_fraction``)."""
     chain = manifest.header.chain
@@ -243,7 +311,7 @@ def _within_bounds(url: str, manifest: Manifest, checkpoint_id: str, config) -> 
             config.tuning.incremental_min_fraction,
         )
         return None
-    return Base(folder_and_name(url)[1], manifest, depth)
+    return Base(folder_and_name(url)[1], manifest, depth, queued)
 
 
 def _digested(manifest: Manifest) -> bool:

@@ -56,8 +56,17 @@ class DurableLanding:
         items = item_bytes(durable_items, planner, objects)
         return encode_items(store, file, items, w.config, inline_limit, w._base)
 
-    def commit(self, document: bytes, header: Header, writers: dict[str, int], superseded: list[str]) -> None:
-        """The coordinator: publish ``ckptio.json``, create-only unless overwriting."""
+    #: where this rank's items referencing a base still draining lie whole (a tiered save: ``tiers/rebase.py``)
+    full_copy: dict | None = None
+
+    def written(self, records: dict) -> None:
+        """This rank's part of the save is written (``records``); a direct save has nothing to note."""
+
+    def commit(
+        self, document: bytes, header: Header, writers: dict[str, int], superseded: list[str], full: Any = None
+    ) -> None:
+        """The coordinator: publish ``ckptio.json``, create-only unless overwriting. (``full``: the same save
+        made full, for a tiered save whose base may not arrive.)"""
         w = self.writer
         publish(w._open_store(), document, header.files, superseded, w.config.overwrite)
 

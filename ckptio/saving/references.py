@@ -47,29 +47,52 @@ def by_sibling(files: Any) -> dict[str, list[str]]:
 
 
 def mark_references(
-    store: FsspecStore, files: dict[str, int], save_id: str | None, rank: int | None = None, pending_s: float = 0.0
+    store: FsspecStore,
+    files: dict[str, int],
+    save_id: str | None,
+    rank: int | None = None,
+    pending_s: float = 0.0,
+    checked_later: bool = False,
 ) -> None:
     """Before an incremental save at ``store`` commits: a marker in every sibling it references (``rank``'s
     own, for a rank's fragment of a save without a coordinator), then every referenced file checked
-    present at its recorded size (else the save fails, naming it). ``pending_s``: how long the commit may
-    still take (a tiered save's drain): the marker keeps the files that long even while the referrer's
-    folder is empty."""
+    present at its recorded size (else the save fails, naming it), unless ``checked_later`` (a tiered save's
+    commit, whose base may still be draining now). ``pending_s``: how long the commit may still take (a
+    tiered save's drain): the marker keeps the files that long even while the referrer's folder is empty."""
     referrer = folder_name(store)
     for sibling, names in sorted(by_sibling(files).items()):
         base = store.sibling(sibling)
         marker = {"referrer": referrer, "save_id": save_id, "files": sorted(names)}
         if pending_s:
             marker["pending_until"] = round(time.time() + pending_s, 3)
+        if checked_later:  # the base may still be on its way: its folder may not be there yet
+            base.prepare_directory()
         base.put_atomic(reference_marker_name(referrer, rank), json.dumps(marker).encode())
+    if not checked_later:
+        check_references(store, files)
+
+
+def missing_references(store: FsspecStore, files: dict[str, int]) -> list[tuple[str, bool]]:
+    """The sibling files among ``files`` (as the checkpoint at ``store`` names them) that are not at their
+    recorded size in their folders: each described, and whether it is gone (else its size changed)."""
+    missing = []
+    for sibling, names in sorted(by_sibling(files).items()):
+        base = store.sibling(sibling)
         present = base.list_sizes() or {}
         for name in names:
-            recorded = files[sibling_file_name(sibling, name)]
-            if present.get(name) != recorded:
-                raise CheckpointError(
-                    f"{base.describe(name)}, which this incremental save references, "
-                    f"{'is gone' if name not in present else 'changed size'} (deleted while the save ran?); the "
-                    "save was not committed. Save again (in full, or against a checkpoint that is still there)"
-                )
+            if present.get(name) != files[sibling_file_name(sibling, name)]:
+                missing.append((base.describe(name), name not in present))
+    return missing
+
+
+def check_references(store: FsspecStore, files: dict[str, int]) -> None:
+    """Every sibling file among ``files`` is present at its recorded size, else the save fails naming it."""
+    for where, gone in missing_references(store, files)[:1]:
+        raise CheckpointError(
+            f"{where}, which this incremental save references, {'is gone' if gone else 'changed size'} (deleted "
+            "while the save ran?); the save was not committed. Save again (in full, or against a checkpoint that "
+            "is still there)"
+        )
 
 
 def files_in_use(

@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -154,6 +154,22 @@ def _count_references(
         for name, size in item.sibling_sizes:
             files[name] = size
             writers.pop(name, None)
+
+
+def with_records(
+    results: list[list[WriteResult]], replacements: list[dict[MetadataIndex, StoredItem] | None]
+) -> list[list[WriteResult]]:
+    """Every rank's write results with the records its ``replacements`` (``None``: none) give in place."""
+    out = []
+    for rank_results, records in zip(results, replacements, strict=True):
+        records = records or {}
+        out.append(
+            [
+                WriteResult(r.index, records[r.index].stored_bytes, records[r.index]) if r.index in records else r
+                for r in rank_results
+            ]
+        )
+    return out
 
 
 _STORAGE_DATA = operator.attrgetter("storage_data")

@@ -28,7 +28,7 @@ from ckptio.config import StorageConfig, WriterConfig
 from ckptio.errors import CheckpointError
 from ckptio.format.document import encode_metadata
 from ckptio.format.names import METADATA_NAME, ItemKind, data_file_name
-from ckptio.format.records import MeshRecord
+from ckptio.format.records import Header, MeshRecord
 from ckptio.gc_pause import paused_gc
 from ckptio.saving import fragments, ordering, staging
 from ckptio.saving.consistency import (
@@ -45,7 +45,14 @@ from ckptio.saving.landing import landing_for
 from ckptio.saving.merge_once import settle
 from ckptio.saving.planning import Holdings, assign_writers
 from ckptio.saving.references import by_sibling, mark_references
-from ckptio.saving.save_metadata import chain_of, check_same_location, header_of, refuse_unloadable, written
+from ckptio.saving.save_metadata import (
+    chain_of,
+    check_same_location,
+    header_of,
+    refuse_unloadable,
+    with_records,
+    written,
+)
 from ckptio.state.keys import canonical_planner_data, canonical_write_items
 from ckptio.storage import open_store
 from ckptio.storage.location import CheckpointLocation
@@ -245,6 +252,8 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
         replicas = {k: v for k, v in held.items() if k not in assigned and k not in extras}
         stored = self._landing.write(file, {**assigned, **extras}, replicas, planner, objects, inline_limit)
         note_saved(self.checkpoint_id)
+        self._landing.written(stored)
+        report.full_copy = self._landing.full_copy
         if self.config.differing_objects == "keep_per_rank":
             report.copies = {idx.fqn: rec for idx, rec in stored.items() if rec.kind == ItemKind.BYTES}
         results = [WriteResult(it.index, stored[it.index].stored_bytes, stored[it.index]) for it in plan.items]
@@ -263,19 +272,42 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
             metadata.storage_meta = self.storage_meta()
             return
         results, reports = split_reports(results)
+        metadata.planner_data = canonical_planner_data(metadata.planner_data)
+        document, header, writers = self._document(metadata, results, reports)
+        full = None
+        if header.chain is not None and any(r.full_copy for r in reports):  # a base still draining: the same
+            # save made from the ranks' full copies instead, should that base not arrive (``tiers/rebase.py``)
+            replaced = with_records(results, [r.full_copy for r in reports])
+            full_document, full_header, full_writers = self._document(metadata, replaced, reports, rebased=True)
+            full = (full_document, full_header.files, full_writers)
+        if header.chain is not None:  # before the commit, tiered too: deletes keep what a drain will need
+            pending_s = self._landing.pending_s  # a tiered save's: its drain checks the files before it commits
+            mark_references(
+                self._open_store(), header.files, self._save_id, pending_s=pending_s, checked_later=bool(pending_s)
+            )
+        self._landing.commit(document, header, writers, self._superseded, full)
+        metadata.storage_meta = self.storage_meta()
+
+    def _document(
+        self, metadata: Metadata, results: list, reports: list, rebased: bool = False
+    ) -> tuple[bytes, Header, dict[str, int]]:
+        """The metadata document of ``results`` (every rank's), its header and each data file's writing rank.
+        (``rebased``: made full where it referenced a base still draining; what it still references, a rank
+        referenced in a committed base, ends its chain: the next save against it is a full one.)"""
         per_rank = per_rank_values(reports, self.config.differing_objects)
         items, files, writers = written(results, reports)
         mesh = next((r.mesh for r in reports if r.mesh), None)
         header = header_of(self.config, metadata, files, writers, mesh, self._save_id, world_size=len(results))
-        if by_sibling(files):
+        siblings = sorted(by_sibling(files))
+        if siblings and rebased:
+            chain = chain_of(self._base, self.config, items.values())
+            chain = dataclasses.replace(chain, base=siblings[-1], depth=self.config.tuning.incremental_max_depth)
+            header = dataclasses.replace(header, chain=chain)
+        elif siblings:
             header = dataclasses.replace(header, chain=chain_of(self._base, self.config, items.values()))
-        metadata.planner_data = canonical_planner_data(metadata.planner_data)
         document = encode_metadata(metadata, items, header, per_rank)
         refuse_unloadable(document, self._open_store().describe(METADATA_NAME))
-        if header.chain is not None:  # before the commit, tiered too: deletes keep what a drain will need
-            mark_references(self._open_store(), files, self._save_id, pending_s=self._landing.pending_s)
-        self._landing.commit(document, header, writers, self._superseded)
-        metadata.storage_meta = self.storage_meta()
+        return document, header, writers
 
     def incremental_base(self) -> Base | None:
         """The checkpoint this save references (``incremental.resolve_base``), or ``None``."""

@@ -28,17 +28,19 @@ from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError, DrainError
 from ckptio.format.codec import checksum
 from ckptio.format.document import decode_metadata
-from ckptio.format.names import METADATA_NAME, REFUSED_SUFFIX, own_file_names
+from ckptio.format.names import METADATA_NAME, REBASE_NAME, REFUSED_SUFFIX, own_file_names
 from ckptio.format.records import Extent, Header, StoredItem, placed_blocks
 from ckptio.saving.commit import clear_for_fragments, publish, publish_fragment
 from ckptio.saving.merge_once import merge_when_complete
-from ckptio.saving.references import by_sibling, mark_references
+from ckptio.saving.references import by_sibling, mark_references, missing_references, release
 from ckptio.storage import FsspecStore, LocalStore, open_store
+from ckptio.tiers import lag
 from ckptio.tiers.background import drain_storage_options
 from ckptio.tiers.held_index import holds_committed
 from ckptio.tiers.jobs import DrainQueue
 from ckptio.tiers.node_notes import note_durable
 from ckptio.tiers.paths import step_order
+from ckptio.tiers.rebase import Rebase, asked_to_upload
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ class Upload:
     def run(self, deadline: float) -> None:
         store = self.durable.store()
         store.prepare_directory()
+        began = time.monotonic()
         try:
             self._copy(store, deadline)
         except DrainTooSlow:  # not the copy's fault: a later drain (ckptio.latest) may upload it as it is
@@ -102,6 +105,7 @@ class Upload:
             raise
         if self.resumed:
             store.delete_best_effort([self.name + REFUSED_SUFFIX])
+        lag.uploaded(self.nbytes, time.monotonic() - began)
 
     def _copy(self, store: FsspecStore, deadline: float) -> None:
         pace = _Pace(self.bandwidth)
@@ -197,33 +201,59 @@ class Commit:
     node: str | None = None  # the step's folder on this node, where the commit is noted (``node_notes``)
     save_id: str | None = None
 
+    rebase: Rebase | None = None  # made against a base still draining: the save made full, should it not arrive
+
     def run(self, deadline: float) -> None:
         store = self.durable.store()
-        missing: list[str] = []
-        own = own_file_names(self.files)
-
-        def arrived() -> bool:
-            present = store.list_sizes() or {}
-            refused = [n for n in own if n + REFUSED_SUFFIX in present]
-            if refused:
-                raise _refused(store, refused[0], self.writers.get(refused[0], "?"))
-            missing[:] = sorted(n for n in own if present.get(n) != self.files[n])
-            return not missing
-
-        def late() -> DrainError:
-            shown = ", ".join(f"{n} (rank {self.writers.get(n, '?')})" for n in missing[:8])
-            return DrainError(
-                f"{len(missing)} data file(s) of {self.durable.url} did not reach the durable tier in time: "
-                f"{shown}{' ...' if len(missing) > 8 else ''}. Those ranks' uploads failed or were cut off; "
-                "their fast-tier copies are kept and ckptio.latest(...) finishes the drain on the next start"
+        wait_for_files(store, self.durable.url, self.files, self.writers, deadline)
+        document, files = self.document, self.files
+        if self.references is not None and self.rebase is not None and missing_references(store, self.files):
+            log.warning(
+                "ckptio: the base of %s did not reach the durable tier; uploading its ranks' full copies instead",
+                self.durable.url,
             )
-
-        _poll(arrived, deadline, late)
-        if self.references is not None:
-            mark_references(store, self.files, self.references)
-        publish(store, self.document, self.files, self.superseded, self.overwrite)
+            url = self.durable.url
+            self.rebase.run(store, deadline, lambda f, w: wait_for_files(store, url, f, w, deadline))
+            document, files = self.rebase.document, self.rebase.files
+            release(store, sorted(set(by_sibling(self.files)) - set(by_sibling(files))), rank=None)
+        if self.references is not None and by_sibling(files):  # (a rank may reference a committed base still)
+            mark_references(store, files, self.references)
+        publish(store, document, files, self.superseded, self.overwrite)
+        if self.rebase is not None:
+            store.delete_best_effort([REBASE_NAME])
         if self.node is not None:
             note_durable(self.node, self.save_id, METADATA_NAME)
+
+    def gave_up(self, failure: DrainError) -> None:
+        """The ranks awaiting this commit (``AwaitCommit``) end at once: a refusal of ``ckptio.json``."""
+        self.durable.store().put_atomic(METADATA_NAME + REFUSED_SUFFIX, f"{time.time():.3f}\n{failure}".encode())
+
+
+def wait_for_files(
+    store: FsspecStore, url: str, files: dict[str, int], writers: dict[str, int], deadline: float
+) -> None:
+    """Wait until every own data file of ``files`` is at ``store`` at its size; a refused one (its drain
+    found its copy damaged) or the deadline raises a ``DrainError`` naming the ranks (``writers``)."""
+    missing: list[str] = []
+    own = own_file_names(files)
+
+    def arrived() -> bool:
+        present = store.list_sizes() or {}
+        refused = [n for n in own if n + REFUSED_SUFFIX in present]
+        if refused:
+            raise _refused(store, refused[0], writers.get(refused[0], "?"))
+        missing[:] = sorted(n for n in own if present.get(n) != files[n])
+        return not missing
+
+    def late() -> DrainError:
+        shown = ", ".join(f"{n} (rank {writers.get(n, '?')})" for n in missing[:8])
+        return DrainError(
+            f"{len(missing)} data file(s) of {url} did not reach the durable tier in time: "
+            f"{shown}{' ...' if len(missing) > 8 else ''}. Those ranks' uploads failed or were cut off; "
+            "their fast-tier copies are kept and ckptio.latest(...) finishes the drain on the next start"
+        )
+
+    _poll(arrived, deadline, late)
 
 
 @dataclasses.dataclass
@@ -266,19 +296,32 @@ class AwaitCommit:
     name: str
     since: float = 0.0  # when this save began (unix time): older refusals there are of earlier saves
     node: str | None = None  # the step's folder on this node, where the commit is noted (``node_notes``)
+    rebase: Upload | None = None  # this rank's full copy, uploaded if the commit asks (``tiers/rebase.py``)
+    listed: bool = True  # the document names ``name``; else (nothing of this rank's is new) any commit since
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
         misses = itertools.count(1)
+        rebase = self.rebase
 
         def committed() -> bool:
+            nonlocal rebase
             try:
                 header = decode_metadata(store.read(METADATA_NAME), store.describe(METADATA_NAME)).header
-                if self.name in header.files and self.node is not None:
+                ours = self.name in header.files or (
+                    rebase is None and self.rebase is not None and self.rebase.name in header.files
+                )
+                if not self.listed and not ours:
+                    ours = header.created_unix >= self.since - REFUSAL_CLOCK_SKEW_S
+                if ours and self.node is not None:
                     note_durable(self.node, header.save_id, METADATA_NAME)
-                return self.name in header.files
+                if ours:
+                    return True
             except FileNotFoundError:
                 pass
+            if rebase is not None and asked_to_upload(store, rebase.name):
+                rebase.run(deadline)
+                rebase = None
             if next(misses) % REFUSAL_LISTING_EVERY == 0:  # a refused file of this save: the commit will not come
                 for note in [n for n in store.list_names(nested=True) or [] if n.endswith(REFUSED_SUFFIX)]:
                     refused_at, _ = _refusal(store, note)
@@ -307,6 +350,8 @@ def _refusal(store: FsspecStore, note: str) -> tuple[float, str]:
 
 def _refused(store: FsspecStore, name: str, rank: Any) -> DrainError:
     _, why = _refusal(store, name + REFUSED_SUFFIX)
+    if name == METADATA_NAME:
+        return DrainError(f"the coordinator's drain gave up committing {store.describe(name)}: {why}")
     return DrainError(
         f"{store.describe(name)} (rank {rank}) was refused by its drain, so this save does not commit on the "
         f"durable tier (it keeps its previous checkpoint): {why}"

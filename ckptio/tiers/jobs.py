@@ -43,6 +43,7 @@ class DrainQueue:
         self._jobs: deque[_Queued] = deque()
         self._cond = threading.Condition()
         self._busy = False
+        self._current: str | None = None  # the save of the job running
         self._failure: DrainError | None = None
         self._failed_saves: set[str] = set()
         self._thread: threading.Thread | None = None
@@ -72,6 +73,32 @@ class DrainQueue:
         if failure is not None:
             raise failure
 
+    def state(self, save: str) -> str:
+        """``"failed"``, ``"queued"`` (a job of ``save`` is queued or running) or ``"done"``."""
+        with self._cond:
+            if save in self._failed_saves:
+                return "failed"
+            running = self._busy and self._current == save
+            return "queued" if running or any(q.save == save for q in self._jobs) else "done"
+
+    def backlog(self) -> tuple[list[str], int]:
+        """The saves with jobs queued or running, oldest first, and the bytes their queued uploads hold."""
+        with self._cond:
+            jobs = [q.job for q in self._jobs]
+            saves = ([self._current] if self._busy and self._current else []) + [q.save for q in self._jobs]
+        return list(dict.fromkeys(saves)), sum(getattr(job, "nbytes", 0) for job in jobs)
+
+    def wait_for_save(self, save: str, timeout: float) -> bool:
+        """Block until no job of ``save`` is queued or running, at most ``timeout`` seconds; whether it is so."""
+        end = time.monotonic() + timeout
+        with self._cond:
+            while self._busy and self._current == save or any(q.save == save for q in self._jobs):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
     @property
     def pending(self) -> int:
         with self._cond:
@@ -84,13 +111,14 @@ class DrainQueue:
                 while not self._jobs:
                     self._cond.wait()
                 queued = self._jobs.popleft()
-                self._busy = True
+                self._busy, self._current = True, queued.save
             try:
                 if queued.save not in self._failed_saves or getattr(queued.job, "runs_after_failure", False):
                     _run_with_retries(queued)
             except Exception as exc:  # noqa: BLE001 - kept for wait_for_uploads / the next save
                 failure = _as_drain_error(exc, queued.save)
                 log.error("ckptio: %s", failure)
+                _tell(queued.job, failure)
                 with self._cond:
                     self._failed_saves.add(queued.save)
                     self._failure = self._failure or failure
@@ -99,6 +127,17 @@ class DrainQueue:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+
+def _tell(job: Any, failure: DrainError) -> None:
+    """A job that others wait for says it gave up (``gave_up``), so they end now, not at their deadline."""
+    gave_up = getattr(job, "gave_up", None)
+    if gave_up is None:
+        return
+    try:
+        gave_up(failure)
+    except Exception as exc:  # noqa: BLE001 - they end at their deadline then, as before
+        log.warning("ckptio: cannot record that %s gave up: %r", type(job).__name__, exc)
 
 
 def _as_drain_error(exc: Exception, save: str) -> DrainError:

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 from concurrent.futures import Future
-from typing import Iterator
+from typing import Any, Iterator
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
@@ -17,11 +17,13 @@ from ckptio.errors import StorageError
 from ckptio.format.names import METADATA_NAME, fragment_name
 from ckptio.format.records import Header, StoredItem
 from ckptio.saving.commit import check_target
+from ckptio.saving.incremental import note_queued
 from ckptio.saving.landing import DurableLanding, register_tiered
 from ckptio.storage import FsspecStore
-from ckptio.tiers import replication, writing
+from ckptio.tiers import lag, replication, writing
 from ckptio.tiers.drain import Durable, drain_queue
 from ckptio.tiers.paths import HELD_SUFFIX, local_step_path, local_step_store
+from ckptio.tiers.rebase import Rebase
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,13 @@ class TieredLanding(DurableLanding):
 
     def start(self) -> None:
         drain_queue().raise_failure()  # a failed background upload of an earlier save is raised here
+        w = self.writer
+        lag.save_begins(drain_queue(), w.checkpoint_id, w.config, says=w.rank == 0)
         replication.settle_documents()  # an earlier save that did not commit has no document to copy
         self._document: Future = replication.resolved(None)
+        self._on_tier = False  # this rank's part landed on the fast tier (``written``)
+        self.full_copy = None  # where its items referencing a base still draining lie whole (``rebase.py``)
+        self._full_upload = None  # their upload, should the commit rebase the save
 
     def check_target(self) -> list[str]:
         """A direct save's check, on a durable tier this save need not reach (when it is unreachable, the
@@ -132,24 +139,37 @@ class TieredLanding(DurableLanding):
         written = writing.write_rank_copy(
             local, file, durable_items, replicas, planner, objects, w.config, inline_limit, w._base
         )
-        records = written[0] if written else None
-        writing.queue_rank_drain(
+        records, nbytes, full_copy = written if written else (None, 0, None)
+        self._on_tier = records is not None
+        self.full_copy = full_copy.records if full_copy is not None else None
+        self._full_upload = writing.queue_rank_drain(
             self.drain_key(),
             self.durable(),
             local,
             file,
             (records or {}).values(),
-            written[1] if written else 0,
+            nbytes,
             w.config,
             w.is_coordinator or alone,  # a rank of a save without one commits its own fragment
             w._started_unix,
+            full_copy,
         )
         if records is None:  # the fast tier is full
             return super().write(file, durable_items, replicas, planner, objects, inline_limit)
         return records
 
-    def commit(self, document: bytes, header: Header, writers: dict[str, int], superseded: list[str]) -> None:
-        """On the node now (and on its partners); on the durable tier once every rank's upload is there."""
+    def written(self, records: dict) -> None:
+        """The next save may reference this one while it drains (``incremental.note_queued``); not a save
+        without a coordinator (each rank commits its own fragment), nor one the full fast tier sent direct."""
+        w, key = self.writer, self.drain_key()
+        if w._fragment is None and w.config.incremental_from is not None and self._on_tier:
+            note_queued(w.checkpoint_id, records, w._base, lambda: drain_queue().state(key))
+
+    def commit(
+        self, document: bytes, header: Header, writers: dict[str, int], superseded: list[str], full: Any = None
+    ) -> None:
+        """On the node now (and on its partners); on the durable tier once every rank's upload is there. (A
+        save against a base still draining: ``full``, the same save made full, if that base does not arrive.)"""
         writing.commit_locally(self.local_store(), document)
         _resolve(self._document, (METADATA_NAME, document))
         writing.queue_commit(
@@ -161,6 +181,7 @@ class TieredLanding(DurableLanding):
             superseded,
             self.writer.config,
             writing.step_folder(self.local_store()),
+            Rebase(*full, upload=self._full_upload) if full is not None else None,
         )
 
     def commit_fragment(self, name: str, document: bytes, files: dict[str, int], merge: tuple[str, int] | None) -> None:

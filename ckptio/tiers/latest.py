@@ -34,12 +34,13 @@ import torch.distributed as dist
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointError
 from ckptio.format.document import decode_metadata
-from ckptio.format.names import METADATA_NAME, own_file_names, parse_data_file_name
+from ckptio.format.names import METADATA_NAME, own_file_names, parse_data_file_name, sibling_file_name
 from ckptio.format.records import Manifest
 from ckptio.loading.exchange import all_objects
 from ckptio.loading.fragment_set import complete_set
 from ckptio.loading.read_once import outcome, read_on, result
 from ckptio.loading.together import fail_together
+from ckptio.saving.references import by_sibling
 from ckptio.storage import FsspecStore, open_store
 from ckptio.tiers.drain import (
     AfterLoad,
@@ -211,6 +212,7 @@ def _resume(
         for n in missing
         if uploader[n] == group.rank
     ]
+    mine += _missing_bases(group, durable, manifest, local_run)
     writers = dict(manifest.header.writer_ranks)
     references = references_of(manifest.header)
     node = os.path.join(local_run, step)
@@ -228,6 +230,28 @@ def _resume(
         log.warning("ckptio: %s/%s cannot be finished from the fast tiers: %s", run, step, exc)
         return False
     return True
+
+
+def _missing_bases(group: "_Group", durable: Durable, manifest: Manifest, local_run: str) -> list[Upload]:
+    """This rank's uploads of the base files ``manifest`` references that the durable tier lacks (a save made
+    while its base drained, both cut off): each from the node's copy of its base step, by the rank that wrote
+    it, where that copy is still there (else the commit finds it missing and fails, naming it)."""
+    run = durable.url.rsplit("/", 1)[0]
+    records = manifest.records()
+    uploads = []
+    for sibling, names in sorted(by_sibling(manifest.files).items()):
+        base = dataclasses.replace(durable, url=f"{run}/{sibling}")
+        present = group.one_rank(lambda base=base: base.store().list_sizes() or {})
+        for name in names:
+            named = sibling_file_name(sibling, name)
+            path = os.path.join(local_run, sibling, name)
+            size = manifest.files[named]
+            if present.get(name) == size or parse_data_file_name(name).rank != group.rank:
+                continue
+            if os.path.exists(path) and os.path.getsize(path) >= size:
+                segments = durable_segments(records, named, size, manifest.extents)
+                uploads.append(Upload(base, path, name, segments, resumed=True))
+    return uploads
 
 
 def _checked(local: FsspecStore, manifest: Manifest, group: "_Group") -> tuple[LocalCopies, list]:

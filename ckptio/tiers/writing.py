@@ -48,6 +48,7 @@ from ckptio.tiers.drain import (
 from ckptio.tiers.held_index import HeldIndex, held_items
 from ckptio.tiers.node_notes import node_step, note_begun, step_folder, superseded
 from ckptio.tiers.paths import HELD_SUFFIX, local_run_path, local_step_path, split_step
+from ckptio.tiers.rebase import FullCopy, Rebase
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +83,12 @@ def write_rank_copy(
     config: WriterConfig,
     inline_limit: int,
     base: Base | None = None,
-) -> tuple[dict[MetadataIndex, StoredItem], int] | None:
-    """Write this rank's fast-tier files and indexes; the records of the durable items and how many of
-    ``file``'s first bytes are its durable data file, or ``None`` when the fast tier is full (nothing of
-    this save is left on it). With a ``base``, the durable items reference it where unchanged. Each
-    file's index lists every item it holds (``HeldIndex.of``)."""
+) -> tuple[dict[MetadataIndex, StoredItem], int, FullCopy | None] | None:
+    """Write this rank's fast-tier files and indexes; the records of the durable items, how many of
+    ``file``'s first bytes are its durable data file, and (a base still draining) where the items that
+    reference it lie whole (``rebase.FullCopy``); or ``None`` when the fast tier is full (nothing of this
+    save is left on it). With a ``base``, the durable items reference it where unchanged. Each file's
+    index lists every item it holds (``HeldIndex.of``)."""
     names = [file, file + HELD_SUFFIX]
     inline_limit = inline_limit if not replicas else 0
     try:
@@ -95,10 +97,10 @@ def write_rank_copy(
             items = itertools.chain(item_bytes(durable_items, planner, objects), item_bytes(replicas, planner, objects))
             stored = encode_items(local, file, items, config, inline_limit)
             if not any(record.file for record in stored.values()):  # all inline in the metadata
-                return stored, 0
+                return stored, 0, None
             index = HeldIndex.of(file, stored, set(durable_items))
             local.put_atomic(file + HELD_SUFFIX, index.encode())
-            return {k: stored[k] for k in durable_items}, index.durable_bytes
+            return {k: stored[k] for k in durable_items}, index.durable_bytes, None
         stored = encode_items(local, file, item_bytes(durable_items, planner, objects), config, inline_limit, base)
         nbytes = local.size(file) if any(_in_file(record, file) for record in stored.values()) else 0
         if nbytes:
@@ -107,11 +109,16 @@ def write_rank_copy(
         referenced = {k: durable_items[k] for k, record in stored.items() if _references_base(record)}
         full = full_copy_name(file)
         names += [full, full + HELD_SUFFIX]
+        kept: dict[MetadataIndex, StoredItem] = {}
         if referenced or replicas:
             extras = itertools.chain(item_bytes(referenced, planner, objects), item_bytes(replicas, planner, objects))
             kept = encode_items(local, full, extras, config, digested=False)
             local.put_atomic(full + HELD_SUFFIX, HeldIndex.of(full, kept, set()).encode())
-        return stored, nbytes
+        if not referenced or base.queued is None:
+            return stored, nbytes, None
+        whole = {k: kept[k] for k in referenced}  # first in the full copy: what a rebase uploads
+        size = max((r.offset + r.stored_bytes for r in whole.values() if r.file), default=0)
+        return stored, nbytes, FullCopy(full, size, whole)
     except Exception as exc:
         if not tier_full(exc):
             raise
@@ -146,23 +153,32 @@ def queue_rank_drain(
     config: WriterConfig,
     coordinator: bool,
     started: float,
-) -> None:
+    full_copy: FullCopy | None = None,
+) -> Upload | None:
     """This rank's jobs: upload its durable bytes (the first ``nbytes`` of ``file``, holding the blocks
     of ``records``); a rank other than the coordinator then awaits the commit, which the coordinator's
-    ``Commit`` (queued by ``queue_commit``) makes, and prunes its fast tier (``coordinator``: the
-    coordinator, or a rank of a save without one, which commits its own fragment: ``commit_fragment``).
-    ``started``: when this save began (unix time); refusals noted at the URL before it are an earlier save's."""
+    ``Commit`` (queued by ``queue_commit``) makes, uploading its ``full_copy`` should that commit rebase the
+    save (``rebase.py``), and prunes its fast tier (``coordinator``: the coordinator, or a rank of a save
+    without one, which commits its own fragment: ``commit_fragment``). ``started``: when this save began
+    (unix time); refusals noted at the URL before it are an earlier save's. Returns the full copy's upload
+    (the coordinator's ``Commit`` runs its own)."""
     queue = drain_queue()
+    rebase = None
+    if full_copy is not None and full_copy.nbytes:
+        segments = durable_segments(full_copy.records.values(), full_copy.file, full_copy.nbytes)
+        rebase = Upload(durable, local.path(full_copy.file), full_copy.file, segments, config.drain_bandwidth)
     if nbytes:
         upload = Upload(
             durable, local.path(file), file, durable_segments(records, file, nbytes), config.drain_bandwidth
         )
         queue.submit(save, upload, config.tuning.drain_timeout_s)
-        if not coordinator:
-            await_commit = AwaitCommit(durable, file, started, step_folder(local))
-            queue.submit(save, await_commit, config.tuning.drain_timeout_s)
+    if not coordinator and (nbytes or rebase is not None):
+        name = file if nbytes else rebase.name  # type: ignore[union-attr]
+        await_commit = AwaitCommit(durable, name, started, step_folder(local), rebase, listed=bool(nbytes))
+        queue.submit(save, await_commit, config.tuning.drain_timeout_s)
     if not coordinator:
         queue_prune(save, durable, config)
+    return rebase
 
 
 def queue_commit(
@@ -174,12 +190,23 @@ def queue_commit(
     superseded: list[str],
     config: WriterConfig,
     node: str | None = None,
+    rebase: Rebase | None = None,
 ) -> None:
     """The coordinator's jobs: commit ``document`` (whose ``header`` is given) once every rank's file
-    is there (noted in ``node``, its node's folder of the step), then prune its fast tier."""
+    is there (noted in ``node``, its node's folder of the step), or ``rebase``'s full document should its
+    base not arrive, then prune its fast tier."""
     references = references_of(header)
     commit = Commit(
-        durable, document, header.files, writers, superseded, config.overwrite, references, node, header.save_id
+        durable,
+        document,
+        header.files,
+        writers,
+        superseded,
+        config.overwrite,
+        references,
+        node,
+        header.save_id,
+        rebase if references is not None else None,
     )
     drain_queue().submit(save, commit, config.tuning.drain_timeout_s)
     queue_prune(save, durable, config)

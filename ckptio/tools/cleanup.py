@@ -9,6 +9,7 @@ from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCh
 from ckptio.format.document import decode_fragment, decode_metadata
 from ckptio.format.names import (
     METADATA_NAME,
+    REBASE_NAME,
     REFUSED_SUFFIX,
     TORCH_DCP_METADATA_NAME,
     is_data_file_name,
@@ -54,7 +55,8 @@ def find_garbage(store: FsspecStore) -> Garbage:
     names = store.list_names(nested=True) or []
     in_use, stale_markers = files_in_use(store, names, saving_counts=False)
     orphans = orphaned_files(store, manifest, names, in_use)
-    refusals = [name for name in names if name.endswith(REFUSED_SUFFIX)]  # of drains that gave up
+    # of drains that gave up, and rebases whose commit did not come
+    refusals = [name for name in names if name.endswith(REFUSED_SUFFIX) or name == REBASE_NAME]
     return Garbage(stale_fragments(store, manifest) + stale_markers + orphans + refusals, uploads)
 
 

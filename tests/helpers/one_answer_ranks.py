@@ -187,7 +187,9 @@ def run_program(run: str, tiers: str, options: dict, program: list[tuple]) -> li
     other node as it says) and return what each operation saw: a save ``"saved"`` or the error's name, a load
     the value or the error's name, a restart ``(step, value)``. Every rank must see the same."""
     import shutil
+    import time
 
+    from ckptio.tiers.node_notes import CLOCK_SKEW_S
     from ckptio.tiers.paths import local_step_path
 
     tier = _node(tiers)
@@ -200,6 +202,9 @@ def run_program(run: str, tiers: str, options: dict, program: list[tuple]) -> li
                 local_tier=tier, local_tier_copies=copies, overwrite=overwrite, **({} if finishes else STALLED)
             )
             writer = ckptio.Writer(f"{run}/step-{step}", cfg, storage_options=options)
+            # Nodes order saves by their clocks, which may differ by CLOCK_SKEW_S: saves closer than that to the
+            # one before are not told apart (a restart after a cut-off save takes seconds).
+            time.sleep(CLOCK_SKEW_S + 0.05)
             try:
                 dcp.save(_state(float(value)), storage_writer=writer, use_collectives=collectives)
                 seen.append("saved")

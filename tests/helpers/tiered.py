@@ -183,3 +183,78 @@ def killed_during_incremental_save(run: str, tier_base: str, options, victim: in
     except Exception as exc:  # noqa: BLE001 - torch's CheckpointException or gloo's error
         return type(exc).__name__
     return "saved"
+
+
+def settling(step: int, empty: bool = False) -> dict:
+    """A state sharded over every rank: ``frozen`` never changes, ``moving`` changes every step, and ``settled``
+    appears at step 2 and then stays (step 3 references step 2's own bytes)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = scenarios.make_mesh((dist.get_world_size(),))
+    shapes = {"frozen": ((1024, 1024), 0), "moving": ((64, 1024), step)} | (
+        {"settled": ((512, 1024), 2)} if step >= 2 else {}
+    )
+    value = {}
+    for key, (shape, seed) in shapes.items():
+        full = torch.zeros(shape) if empty else torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        value[key] = distribute_tensor(full, mesh, [Shard(0)])
+    value["marker"] = torch.tensor([-1 if empty else step])
+    return value
+
+
+def save_while_draining(run: str, tier_base: str, options, steps: int, damaged_rank: int | None = None) -> str:
+    """Steps 1..``steps`` of ``settling``, each saved while the one before it drains (1 MiB/s a rank); rank
+    ``damaged_rank``'s node copy of step 2 damaged before its upload; what ``wait_for_uploads`` raised."""
+    tuning = {"inline_limit": 0, "drain_timeout_s": 60}
+    config = {"incremental_from": "previous", "drain_bandwidth": 1 << 20, "tuning": tuning}
+    for step in range(1, steps + 1):
+        dcp.save(settling(step), storage_writer=tiered_writer(run, step, tier_base, options, config))
+        if step == 2 and dist.get_rank() == damaged_rank:
+            import glob
+
+            folder = local_step_folder(run, tier_base, 2, options)
+            (own,) = [
+                p for p in glob.glob(f"{folder}/data-*-r{damaged_rank:05d}.ckio") if "f-r" not in os.path.basename(p)
+            ]
+            flip_a_byte(own)
+    pending = ckptio.uploads_pending()
+    try:
+        ckptio.wait_for_uploads()
+    except ckptio.DrainError as exc:
+        return f"{pending} {exc}"
+    return f"{pending} drained"
+
+
+def load_settling(url: str, options, step: int) -> bool:
+    value = settling(step, empty=True)
+    dcp.load(value, storage_reader=ckptio.Reader(url, storage_options=options))
+    want = settling(step)
+    return int(value["marker"]) == step and all(
+        torch.equal(value[k].full_tensor(), want[k].full_tensor()) for k in want if k != "marker"
+    )
+
+
+def save_while_draining_then_die(run: str, tier_base: str, options, steps: int) -> None:
+    """Steps 1..``steps`` of ``settling``, each saved while the one before drains (64 KiB/s a rank: none has
+    finished), then the job killed (SIGKILL, every rank)."""
+    config = {"incremental_from": "previous", "drain_bandwidth": 64 << 10, "tuning": {"inline_limit": 0}}
+    for step in range(1, steps + 1):
+        dcp.save(settling(step), storage_writer=tiered_writer(run, step, tier_base, options, config))
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def restart_settling(run: str, tier_base: str, options) -> tuple:
+    """A restart of ``save_while_draining_then_die``'s job: the newest step, loaded from the nodes, its drain
+    finished; whether the load was exact and what it read from the durable tier."""
+    url = ckptio.latest(run, local_tier=node_tier(tier_base), storage_options=options)
+    step = int(url.rsplit("-", 1)[1])
+    value = settling(step, empty=True)
+    reader = ckptio.Reader(url, storage_options=options, local_tier=node_tier(tier_base))
+    dcp.load(value, storage_reader=reader)
+    ckptio.wait_for_uploads()
+    want = settling(step)
+    exact = int(value["marker"]) == step and all(
+        torch.equal(value[k].full_tensor(), want[k].full_tensor()) for k in want if k != "marker"
+    )
+    return url, exact, reader.bytes_read["durable"]

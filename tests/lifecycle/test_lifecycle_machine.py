@@ -29,6 +29,8 @@ import json
 import os
 import shutil
 import tempfile
+import threading
+import time
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -39,6 +41,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import ckptio
 from ckptio.format.names import METADATA_NAME
 from ckptio.storage import open_store
+from ckptio.tiers.drain import drain_queue
 from ckptio.tiers.paths import step_order
 from ckptio.tools.cli import main as cli_main
 from tests.helpers.fragment_ranks import only_fragments
@@ -73,6 +76,20 @@ def _references(tier: str) -> bool:
     """Whether the newest save on the node ``tier`` references a base (it kept a full copy beside its file)."""
     newest = max((entry for entry in os.scandir(tier) for entry in os.scandir(entry)), key=lambda e: e.stat().st_mtime)
     return any(name.endswith("f-r00000.ckio") for name in os.listdir(newest))
+
+
+class HeldDrain:
+    """A job at the head of the drain queue that holds the uploads queued behind it until ``release()``."""
+
+    def __init__(self) -> None:
+        self._released = threading.Event()
+        drain_queue().submit("held", self, timeout_s=120)
+
+    def run(self, deadline: float) -> None:
+        self._released.wait(max(0.0, deadline - time.monotonic()))
+
+    def release(self) -> None:
+        self._released.set()
 
 
 class Lifecycle(RuleBasedStateMachine):
@@ -186,6 +203,50 @@ class Lifecycle(RuleBasedStateMachine):
                 raise AssertionError("a drain at 1 byte/s finished within 0.5 s")
             except ckptio.DrainError:
                 pass
+
+    @rule(tier=TIERS, first=st.integers(1, 2), damaged=st.booleans(), delete=st.none() | STEPS)
+    def saves_while_the_drain_lags(self, tier, first, damaged, delete):
+        """Two tiered incremental saves back to back while the drain is held (``HeldDrain``): the second
+        references the first while it waits to upload (issue 66). ``damaged``: the first's node file is
+        damaged before its upload, so its drain fails and the second is committed full from its node's full
+        copy; ``delete``: a step deleted while both wait (a base they reference keeps its files)."""
+        config = ckptio.WriterConfig(
+            local_tier=self._tier(tier), local_tier_keep=10, incremental_from="previous", tuning=TUNING
+        )
+        held = HeldDrain()
+        saved = []
+        for step in (first, first + 1):
+            refused = not config.overwrite and (self._json_committed(step) or (tier, step) in self.node_commits)
+            saved.append(self._save(step, config, refused))
+        if damaged and saved[0] is not None:
+            folder = next(top for top, _, _ in os.walk(self._tier(tier)) if top.endswith(f"step-{first}"))
+            for name in [n for n in os.listdir(folder) if n.endswith(".ckio")]:
+                flip_a_byte(os.path.join(folder, name))
+        if delete is not None and delete not in (first, first + 1):
+            self.delete(delete)
+        held.release()
+        try:
+            ckptio.wait_for_uploads()
+        except ckptio.DrainError:
+            assert damaged, "a drain failed that nothing damaged"
+        event(f"saves while the drain lags: {'base damaged' if damaged else 'drained'}")
+        if saved[1] is not None and saved[0] is not None:
+            chain = json.loads(open_store(self._url(first + 1)).read(METADATA_NAME)).get("chain")
+            base = chain and chain["base"] if not (damaged and saved[0] is not None) else "(rebased)"
+            base = "the first" if base == f"step-{first}" else base
+            event(f"saves while the drain lags: the second's base: {base}")
+        for step, value in zip((first, first + 1), saved, strict=True):
+            if value is None:
+                continue
+            if damaged and step == first:  # its drain refused the damaged copy: never durable, no copy
+                self.node.pop((tier, step), None)
+                self.node_commits.add((tier, step))
+                self.node_drained.discard((tier, step))
+                continue
+            self.node[(tier, step)] = value
+            self.durable[step] = (value, "json")
+            self.node_commits.discard((tier, step))
+            self.node_drained.add((tier, step))
 
     # --- time: deletes, merges, damage, lost nodes ----------------------------------------------
     @rule(step=STEPS)

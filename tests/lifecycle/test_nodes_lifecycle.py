@@ -199,7 +199,20 @@ ONE_RANK_REFUSED_EARLY = [
 ]
 
 
+#: A cut-off save and its overwrite closer than the nodes' clock skew: each node's partner copy of the first
+#: looked live beside the second's own fragment, and ``latest`` passed the mixed set over (the program now
+#: spaces saves by ``CLOCK_SKEW_S``, as real restarts are).
+SAVES_WITHIN_CLOCK_SKEW = [
+    ("save", 1, 1, False, False, False, 2),
+    ("save", 1, 2, False, False, True, 1),
+    ("restart",),
+    ("load", 1),
+    ("load", 2),
+]
+
+
 @pytest.mark.slow
+@example(program=SAVES_WITHIN_CLOCK_SKEW)
 @example(program=HANGS)
 @example(program=ONE_RANK_REFUSED_EARLY)
 @settings(

@@ -64,9 +64,10 @@ def test_a_rank_killed_mid_drain_restarts_locally_or_finishes_the_drain_or_falls
     outcomes = run_ranks(4, tiered.save_then_die, run, tiers, (2, 2), options, 1, config)
     assert outcomes[1] == ("died", -9)
     assert "did not reach the durable tier in time" in outcomes[0][1] and "(rank 1)" in outcomes[0][1]
-    assert all(status == "ok" and "was not committed in time" in text for status, text in outcomes[2:])
-    uploaded = _names(options, f"{run}/step-2/")
-    assert "ckptio.json" not in uploaded and len(uploaded) == 3  # rank 1's file never arrived
+    ended = ("was not committed in time", "gave up committing")  # at their deadline, or told by the coordinator
+    assert all(status == "ok" and any(e in text for e in ended) for status, text in outcomes[2:]), outcomes
+    uploaded = [name for name in _names(options, f"{run}/step-2/") if name.endswith(".ckio")]
+    assert "ckptio.json" not in _names(options, f"{run}/step-2/") and len(uploaded) == 3  # rank 1's never arrived
     assert spawn(4, tiered.load_durable, f"{run}/step-1", (2, 2), options, 1) == [[]] * 4  # the previous one stands
     snapshot = str(tmp_path / "snapshot")
     shutil.copytree(tiers, snapshot)

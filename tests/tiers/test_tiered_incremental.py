@@ -10,11 +10,13 @@ import json
 import os
 import shutil
 
+import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptio
+from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, reference_marker_name
 from ckptio.tools.cli import main as cli_main
 from tests.conftest import s3_objects
@@ -175,3 +177,102 @@ def test_a_rank_killed_while_it_writes_a_tiered_incremental_save_leaves_the_prev
     assert all(status in ("ok", "error") and value != "saved" for status, value in outcomes[:2] + outcomes[3:])
     restarted = spawn(4, tiered.restart, run, tiers, (2, 2), options, True, True)  # step 2 never committed
     assert [r[:2] for r in restarted] == [(f"{run}/step-1", [])] * 4
+
+
+def test_a_save_made_while_its_previous_drains_references_it_and_commits_after_it(tmp_path):
+    run, fast = tmp_path / "durable" / "run", tmp_path / "fast"
+    for step in (1, 2, 3):  # ~4 MiB at 4 MiB/s: each save is made while the one before it drains
+        _save(str(run / f"step-{step}"), fast, step, drain_bandwidth=4 << 20)
+    assert ckptio.uploads_pending() > 0
+    ckptio.wait_for_uploads()
+    for step in (2, 3):
+        url = str(run / f"step-{step}")
+        assert _base_of(url) == f"step-{step - 1}"
+        assert _data_bytes(url) <= 1.05 * _changed_bytes() + (1 << 20), _data_bytes(url)
+        assert _exact(_load(url)[0], step)
+
+
+def _settling(step: int) -> dict:
+    """A state that gains ``settled`` at step 2, which then stays: step 3 references step 2's own bytes."""
+    value = _lora(step)
+    if step >= 2:
+        value["settled"] = torch.randn(FROZEN // 2, generator=torch.Generator().manual_seed(2))
+    return value
+
+
+def test_a_save_whose_draining_base_never_arrives_is_committed_full_from_the_nodes_copy(tmp_path):
+    from ckptio.tiers.paths import local_step_path
+
+    run, fast = tmp_path / "durable" / "run", tmp_path / "fast"
+    dcp.save(_settling(1), storage_writer=ckptio.Writer(str(run / "step-1"), _config(fast, drain_bandwidth=2 << 20)))
+    for step in (2, 3):  # both saved while step 1 drains (~2 s): step 3 against step 2, step 2 against step 1
+        dcp.save(_settling(step), storage_writer=ckptio.Writer(str(run / f"step-{step}"), _config(fast)))
+        if step == 2:  # damaged on the node before its upload: its drain refuses it, step 2 never commits
+            folder = local_step_path(str(fast), str(run / "step-2"), None)
+            (durable,) = [p for p in glob.glob(f"{folder}/data-*.ckio") if "f-r" not in os.path.basename(p)]
+            tiered.flip_a_byte(durable)
+    with pytest.raises(ckptio.DrainError, match="changed after the save"):
+        ckptio.wait_for_uploads()
+    assert not os.path.exists(run / "step-2" / METADATA_NAME)
+    url = str(run / "step-3")
+    assert _base_of(url) is None  # committed full, from its node's full copy: it references nothing missing
+    assert not glob.glob(str(run / "step-*" / "ckptio.referenced-by-step-3*"))
+    assert not os.path.exists(run / "step-3" / "ckptio.rebase")
+    shutil.rmtree(fast)
+    value = {**_blank(), "settled": torch.zeros(FROZEN // 2), "step": -1}
+    dcp.load(value, storage_reader=ckptio.Reader(url))
+    want = _settling(3)
+    assert value["step"] == 3 and all(torch.equal(value[k], want[k]) for k in want if k != "step")
+
+
+def _chain(options, url: str):
+    with fsspec.open(f"{url}/{METADATA_NAME}", "rb", **options) as f:
+        return json.loads(f.read()).get("chain")
+
+
+def test_saves_on_two_nodes_made_while_the_drain_lags_stay_incremental_and_load_exactly(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    outcomes = spawn(4, tiered.save_while_draining, run, tiers, options, 3)
+    assert all(o.endswith(" drained") and int(o.split()[0]) > 0 for o in outcomes), outcomes  # it did lag
+    sizes = {
+        step: sum(n for key, n in s3_objects(options, f"{run}/step-{step}/").items() if key.endswith(".ckio"))
+        for step in (1, 2, 3)
+    }
+    changed = 64 * 1024 * 4  # ``moving``: every other byte is referenced
+    assert sizes[2] <= 1.05 * (changed + 512 * 1024 * 4) + (1 << 20) and sizes[3] <= 1.05 * changed + (1 << 20), sizes
+    for step in (2, 3):
+        assert _chain(options, f"{run}/step-{step}")["base"] == f"step-{step - 1}"
+    assert spawn(4, tiered.load_settling, f"{run}/step-3", options, 3) == [True] * 4
+
+
+def test_saves_on_two_nodes_whose_draining_base_is_refused_are_rebased_full_and_load_exactly(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    outcomes = spawn(4, tiered.save_while_draining, run, tiers, options, 3, 1)
+    assert all("refused" in o or "changed after the save" in o for o in outcomes), outcomes  # step 2, on every rank
+    names = [key.rsplit("/", 1)[1] for key in s3_objects(options, f"{run}/")]
+    assert METADATA_NAME not in [k.rsplit("/", 1)[1] for k in s3_objects(options, f"{run}/step-2/")]
+    with fsspec.open(f"{run}/step-3/{METADATA_NAME}", "rb", **options) as f:
+        files = decode_metadata(f.read(), "step-3").files
+    assert not [name for name in files if name.startswith("../step-2/")], files  # nothing of step 2, which failed
+    assert "ckptio.rebase" not in names
+    assert "ckptio.referenced-by-step-3.json" not in [
+        k.rsplit("/", 1)[1] for k in s3_objects(options, f"{run}/step-2/")
+    ]
+    shutil.rmtree(tiers)
+    assert spawn(4, tiered.load_settling, f"{run}/step-3", options, 3) == [True] * 4
+
+
+def test_a_job_killed_while_its_saves_wait_to_upload_restarts_from_the_newest_and_commits_it(s3, tmp_path):
+    base, options = s3
+    run, tiers = f"{base}/run", str(tmp_path / "tiers")
+    outcomes = run_ranks(4, tiered.save_while_draining_then_die, run, tiers, options, 3)
+    assert [status for status, _ in outcomes] == ["died"] * 4, outcomes
+    assert not [k for k in s3_objects(options, f"{run}/") if k.endswith(METADATA_NAME)]  # nothing committed
+
+    restarted = spawn(4, tiered.restart_settling, run, tiers, options)
+    assert restarted == [(f"{run}/step-3", True, 0)] * 4  # the newest, from the nodes alone
+    assert _chain(options, f"{run}/step-3")["base"] == "step-2"  # committed as saved: its bases' files uploaded
+    shutil.rmtree(tiers)
+    assert spawn(4, tiered.load_settling, f"{run}/step-3", options, 3) == [True] * 4
