@@ -69,7 +69,7 @@ def _run(run: str, tier: str, options, mesh, size: int, saves: int, bandwidth: i
     config = ckptio.WriterConfig(
         mode="replica_group", local_tier=tier, incremental_from="previous", drain_bandwidth=bandwidth
     )
-    changed, behind, expected = [], [], []
+    changed, behind, expected, rss = [], [], [], []
     start = time.monotonic()
     for step in range(saves):
         if step:
@@ -80,6 +80,7 @@ def _run(run: str, tier: str, options, mesh, size: int, saves: int, bandwidth: i
         dist.barrier()
         dcp.save(state, storage_writer=ckptio.Writer(f"{run}/step-{step}", config, storage_options=options))
         expected.append({k: (v.to_local().clone() if isinstance(v, DTensor) else v.clone()) for k, v in state.items()})
+        rss.append(counting.rss())
     saving_s = time.monotonic() - start
     ckptio.wait_for_uploads()
     drained_s = time.monotonic() - start
@@ -94,6 +95,7 @@ def _run(run: str, tier: str, options, mesh, size: int, saves: int, bandwidth: i
         "saving_s": saving_s,
         "drained_s": drained_s,
         "bit_exact": exact,
+        "rss_growth": rss[-1] - rss[1],  # after the second save (the first incremental one) to after the last
     }
 
 
@@ -145,6 +147,7 @@ def summarize(records: list[dict]) -> list[dict]:
                 "saves_on_the_one_before": stats(referenced),
                 "most_behind": stats(_slowest(recs, "most_behind")),
                 "drained_s": stats(_slowest(recs, "drained_s")),
+                "rss_growth_mib": max(r["rss_growth"] for r in recs) / MiB,  # the rank that grew most
                 "bit_exact": all(r["bit_exact"] for r in recs),
             }
         )
@@ -164,15 +167,16 @@ def table(rows: list[dict]) -> str:
         return ""
     lines = [
         "| target | drain | saves | full save | changed/save | uploaded/changed (worst save) | saves over 1.05x+1MiB "
-        "| based on the save before | most saves waiting | all drained after | bit-exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| based on the save before | most saves waiting | all drained after | RSS growth | bit-exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['target']} | {r['drain']} | {r['saves']} | {r['full_save_bytes'] / MiB:.1f} MiB "
             f"| {r['changed_bytes'] / MiB:.2f} MiB | {_stat(r['uploaded_over_changed_worst'], 'x', 3)} "
             f"| {r['saves_over_budget']} | {_stat(r['saves_on_the_one_before'], '', 0)} of {r['saves'] - 1} "
-            f"| {_stat(r['most_behind'], '', 0)} | {_stat(r['drained_s'], ' s', 1)} | {r['bit_exact']} |"
+            f"| {_stat(r['most_behind'], '', 0)} | {_stat(r['drained_s'], ' s', 1)} | {r['rss_growth_mib']:+.0f} MiB "
+            f"| {r['bit_exact']} |"
         )
     return "\n".join(lines)
 

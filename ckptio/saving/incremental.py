@@ -37,8 +37,6 @@ import os
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from torch.distributed.checkpoint.storage import WriteResult
-
 from ckptio.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ckptio.format.codec import block_digest
 from ckptio.format.names import SIBLING_PREFIX, is_sibling_name, sibling_file_name
@@ -91,17 +89,19 @@ _queued: dict[str, QueuedPart] = {}
 
 
 def note_queued(
-    checkpoint_id: str, records: Mapping[Any, StoredItem], base: "Base | None", drain_state: Callable[[], str]
+    checkpoint_id: str,
+    records: Mapping[Any, StoredItem],
+    files: dict[str, int],
+    base: "Base | None",
+    drain_state: Callable[[], str],
 ) -> None:
-    """A tiered save to ``checkpoint_id`` wrote ``records`` (this rank's durable items, against ``base``) and
-    queued its drain (``drain_state``): the next save may reference it before the drain commits it. The
-    drain is ordered, so its upload comes first; should it fail, a dependant's commit rebases the dependant
-    (``drain.Commit``)."""
-    from ckptio.saving.save_metadata import written  # that module builds on this one
-
+    """A tiered save to ``checkpoint_id`` wrote ``records`` (this rank's durable items, against ``base``, in
+    ``files``: name -> size) and queued its drain (``drain_state``): the next save may reference it before
+    the drain commits it. The drain is ordered, so its upload comes first; should it fail, a dependant's
+    commit rebases the dependant (``drain.Commit``)."""
     if not records or not all(record.digests is not None for record in records.values() if record.file):
         return
-    _, files, _ = written([[WriteResult(index, r.stored_bytes, r) for index, r in records.items()]], [])
+    files = dict(files)
     for record in records.values():
         files.update(getattr(record, "sibling_sizes", ()))
     depth = base.depth if base is not None else 0
@@ -115,6 +115,8 @@ def note_queued(
         return "failed" if below is not None and below.drain_state() == "failed" else own
 
     _queued[checkpoint_id] = QueuedPart(Manifest(header, None, dict(records), extents=extents), depth, state)  # type: ignore[arg-type]
+    for url in [url for url in _queued if url not in _last_saved]:  # as many as the saves remembered
+        del _queued[url]
 
 
 @dataclasses.dataclass

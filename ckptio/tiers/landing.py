@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptio.errors import StorageError
 from ckptio.format.names import METADATA_NAME, fragment_name
@@ -19,6 +20,7 @@ from ckptio.format.records import Header, StoredItem
 from ckptio.saving.commit import check_target
 from ckptio.saving.incremental import note_queued
 from ckptio.saving.landing import DurableLanding, register_tiered
+from ckptio.saving.save_metadata import written
 from ckptio.storage import FsspecStore
 from ckptio.tiers import lag, replication, writing
 from ckptio.tiers.drain import Durable, drain_queue
@@ -163,7 +165,8 @@ class TieredLanding(DurableLanding):
         without a coordinator (each rank commits its own fragment), nor one the full fast tier sent direct."""
         w, key = self.writer, self.drain_key()
         if w._fragment is None and w.config.incremental_from is not None and self._on_tier:
-            note_queued(w.checkpoint_id, records, w._base, lambda: drain_queue().state(key))
+            _, files, _ = written([[WriteResult(index, r.stored_bytes, r) for index, r in records.items()]], [])
+            note_queued(w.checkpoint_id, records, files, w._base, lambda: drain_queue().state(key))
 
     def commit(
         self, document: bytes, header: Header, writers: dict[str, int], superseded: list[str], full: Any = None
