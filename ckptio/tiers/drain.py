@@ -49,8 +49,9 @@ log = logging.getLogger(__name__)
 UPLOAD_PIECE_BYTES = 8 << 20
 #: Waits between polls of the durable tier (a commit waiting for other ranks' files): doubling.
 POLL_FIRST_S, POLL_MAX_S = 0.05, 2.0
-#: A rank awaiting the commit looks for refused files (one listing) every this many polls.
-REFUSAL_LISTING_EVERY = 8
+#: A rank awaiting the commit looks for refused files (one listing) every this many polls: the first within
+#: a second of its wait, then every 8 s (polls at ``POLL_MAX_S``).
+REFUSAL_LISTING_EVERY = 4
 #: Nodes' clocks may differ this much (NTP keeps them within milliseconds): a refusal noted up to this long
 #: before a save began counts as its own. One noted within it by the save before (saves less than this
 #: apart) makes the awaiting ranks raise a DrainError while the coordinator still commits: nothing is lost.

@@ -273,6 +273,8 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
         "2",
         "--plan-tensors",
         "10",
+        "--lagging-saves",
+        "3",
     ]
     assert bench_main(args) == 0
     printed = capsys.readouterr().out
@@ -332,6 +334,9 @@ def test_bench_cli_on_the_embedded_default(tmp_path, capsys):
     needed = tiered["emptied_needed_bytes"]
     assert needed <= tiered["emptied_s3_bytes"] <= needed + REMOTE_READ_GAP_BYTES
     assert tiered["rss_growth_saves"] == 8 and tiered["save_and_drain_cpu_s"]["median"] > 0
+    lagging = {r["drain"]: r for r in doc["tiered_lagging"]}  # saves faster than a drain at half their rate
+    assert set(lagging) == {"half", "unlimited"} and all(r["bit_exact"] for r in lagging.values())
+    assert lagging["half"]["saves_over_budget"] == 0 and lagging["half"]["saves"] == 3
     for made in (".md", ".png", "-async.png"):
         assert os.path.exists(path.replace(".json", made))
     # against that run, one writer on the local target alone (a row of its own, compared)

@@ -3,6 +3,7 @@ load reads, whether a save is refused, which step ``latest`` names), on gloo ran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -165,7 +166,7 @@ def requeue_attempt(run: str, tiers: str, options: dict, attempt: int) -> tuple:
 
         folder = local_step_path(tier, f"{run}/step-2", options)
         lost = os.path.join(folder, "ckptio.rank-00003-of-00004.json")
-        if os.path.exists(lost):
+        with contextlib.suppress(FileNotFoundError):  # both ranks of a node remove it
             os.remove(lost)  # rank 3's fragment is lost on both nodes
         return None
     url = ckptio.latest(run, local_tier=tier, storage_options=options)

@@ -124,9 +124,9 @@ def _save_with_a_damaged_rank_file(run: str, tier_base: str) -> tuple[str, float
         outcome = str(exc)
     waited = time.monotonic() - start
     # The same step saved again over the refused one: its note is an earlier save's, so rank 1, which awaits
-    # the commit past the 8th poll (rank 0's upload is slowed to ~10 s), must not take it for its own.
+    # the commit past its first listings (rank 0's upload is slowed to ~3 s), must not take it for its own.
     time.sleep(1.0)  # a later save: more than REFUSAL_CLOCK_SKEW_S after the refusal
-    slow = ckptio.WriterConfig(local_tier=tier, overwrite=True, drain_bandwidth=12_000 if rank == 0 else None)
+    slow = ckptio.WriterConfig(local_tier=tier, overwrite=True, drain_bandwidth=40_000 if rank == 0 else None)
     dcp.save({f"w{rank}": torch.arange(float(N)) - rank}, storage_writer=ckptio.Writer(f"{run}/step-1", slow))
     try:
         ckptio.wait_for_uploads()
