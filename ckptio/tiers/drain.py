@@ -418,6 +418,11 @@ class AfterLoad:
         _load_ended.wait(max(0.0, min(RESUME_HOLD_S, deadline - time.monotonic())))
         self.job.run(deadline)
 
+    def gave_up(self, failure: DrainError) -> None:
+        gave_up = getattr(self.job, "gave_up", None)
+        if gave_up is not None:
+            gave_up(failure)
+
 
 def hold_for_load() -> None:
     """Jobs queued as ``AfterLoad`` from now wait for the next ``load_ended``."""

@@ -44,6 +44,7 @@ from ckptio.saving.references import by_sibling
 from ckptio.storage import FsspecStore, open_store
 from ckptio.tiers.drain import (
     AfterLoad,
+    AwaitCommit,
     Commit,
     DrainError,
     Durable,
@@ -54,7 +55,7 @@ from ckptio.tiers.drain import (
     references_of,
 )
 from ckptio.tiers.held_index import LocalCopies, damaged_blocks, local_copies
-from ckptio.tiers.node_notes import NodeStep, node_step, note_passed_over
+from ckptio.tiers.node_notes import NodeStep, node_step, note_durable, note_passed_over
 from ckptio.tiers.nodes import this_node
 from ckptio.tiers.paths import local_run_path, normalized_url, step_order
 from ckptio.tiers.reading import node_document
@@ -216,10 +217,20 @@ def _resume(
     writers = dict(manifest.header.writer_ranks)
     references = references_of(manifest.header)
     node = os.path.join(local_run, step)
-    commit = Commit(durable, document, manifest.files, writers, [], False, references, node, manifest.header.save_id)
+    save_id = manifest.header.save_id
+    commit = Commit(durable, document, manifest.files, writers, [], False, references, node, save_id)
+    # Every node that holds a copy notes the commit, not the holder's alone (a restarted node may hold none):
+    # once the URL is deleted, a copy on a node without the note would look live (``node_notes.deleted``).
+    holds_copy = bool(views[group.rank].documents) and group.rank != holder
     if restarts_locally or on_the_nodes:  # load now (ranks fetch what their node lacks), finish the drain behind it
         hold_for_load()
-        for job in mine + ([commit] if group.rank == holder else []):
+        named = sorted(own_file_names(manifest.files))  # a file only this save's document names; else its time
+        noted = (
+            AwaitCommit(durable, named[0], time.time(), node)
+            if named
+            else AwaitCommit(durable, "", manifest.header.created_unix, node, listed=False)
+        )
+        for job in mine + ([commit] if group.rank == holder else [noted] if holds_copy else []):
             drain_queue().submit(durable.url + "#resumed", AfterLoad(job), RESUME_TIMEOUT_S)
         return True
     deadline = time.monotonic() + RESUME_TIMEOUT_S
@@ -229,6 +240,8 @@ def _resume(
     except DrainError as exc:  # a file refused on its way (damaged since the check): the step is passed over
         log.warning("ckptio: %s/%s cannot be finished from the fast tiers: %s", run, step, exc)
         return False
+    if holds_copy:
+        note_durable(node, save_id, METADATA_NAME)
     return True
 
 

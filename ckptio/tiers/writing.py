@@ -241,12 +241,18 @@ def refuse_committed_fragment(
     """Before a rank's part of a tiered save without a coordinator: a committed set on the durable tier
     (every rank's fragment of one save, as every rank sees it: ``commit.stale_fragment``), or the node's live
     copy of this checkpoint (its ``ckptio.json``, which loads would read instead of the fragments, or this
-    rank's fragment ``name``: ``live_node_document``) is replaced only with ``overwrite``; the node's
+    rank's fragment ``name``: ``live_node_document``), like a committed ``ckptio.json`` there, which rank 0
+    refuses before any rank writes, is replaced only with ``overwrite``; the node's
     ``ckptio.json`` then goes. A fragment of a set that never completed (a requeued job's earlier attempt)
     refuses nothing."""
     if config.overwrite:
         local.delete_best_effort([METADATA_NAME])
         return
+    if durable.exists(METADATA_NAME):  # rank 0 refuses it too (``clear_for_fragments``): every rank alike
+        raise CheckpointExistsError(
+            f"{durable.describe(METADATA_NAME)} already holds a committed checkpoint; save to a new step, or pass "
+            "overwrite=True to replace it"
+        )
     if durable.exists(name) and stale_fragment(durable, name, save_id) is None:
         raise CheckpointExistsError(
             f"{durable.url} holds a committed checkpoint, every rank's fragment of one save "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 
 import torch
@@ -196,6 +197,8 @@ def run_program(run: str, tiers: str, options: dict, program: list[tuple]) -> li
     tier = _node(tiers)
     seen: list = []
     for op in program:
+        if os.environ.get("CKPTIO_TRACE_OPS"):
+            print(f"rank {dist.get_rank()} {time.time():.2f} {op}", file=sys.stderr, flush=True)
         kind = op[0]
         if kind == "save":
             _, step, value, collectives, finishes, overwrite, copies = op
@@ -242,5 +245,7 @@ def run_program(run: str, tiers: str, options: dict, program: list[tuple]) -> li
             seen.append((int(url.rsplit("-", 1)[1]) if url else None, value))
         elif kind == "load":
             seen.append(_load(f"{run}/step-{op[1]}", tier, options))
+        if os.environ.get("CKPTIO_TRACE_OPS"):
+            print(f"rank {dist.get_rank()} {time.time():.2f} saw {seen[-1]}", file=sys.stderr, flush=True)
         dist.barrier()
     return seen

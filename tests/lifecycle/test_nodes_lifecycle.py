@@ -14,8 +14,10 @@ document (the program does so). Programs where the model says the two ranks of a
 would see different copies on their nodes (a step older than the one a restart resumed, copied to one node
 only) are left out: that is the one per-node input left (``docs/architecture.md``).
 
-CI draws a few programs beside the two it found (``CKPTIO_NODES_LIFECYCLE_EXAMPLES`` draws more: each takes 5-10 s);
-one hung at a restart (``HANGS``), one held a rank 60 s in a copy to its partner (``ONE_RANK_REFUSED_EARLY``).
+CI draws a few programs beside those it found (``CKPTIO_NODES_LIFECYCLE_EXAMPLES`` draws more: each takes 5-10 s);
+one hung at a restart (``HANGS``), one held a rank 60 s in a copy to its partner (``ONE_RANK_REFUSED_EARLY``), one
+served a deleted save from a partner node's copy after a resumed drain (``DELETED_AFTER_A_RESUME``).
+``CKPTIO_TRACE_OPS=1`` prints each rank's operations and what it saw, with times (where ranks part ways).
 """
 
 from __future__ import annotations
@@ -211,7 +213,23 @@ SAVES_WITHIN_CLOCK_SKEW = [
 ]
 
 
+#: A cut-off save without a coordinator whose copies were on both nodes, node 0 lost, and ``latest`` resuming the
+#: drain from node 1's copies: the commit was noted only on rank 0's new, empty node, so once the URL was
+#: deleted node 1's copy looked live and the next ``latest`` served the deleted save (every node holding a copy
+#: now notes the commit).
+DELETED_AFTER_A_RESUME = [
+    ("save", 1, 1, False, False, False, 2),
+    ("lose", 0),
+    ("restart",),
+    ("delete", 1),
+    ("restart",),
+    ("load", 1),
+    ("load", 2),
+]
+
+
 @pytest.mark.slow
+@example(program=DELETED_AFTER_A_RESUME)
 @example(program=SAVES_WITHIN_CLOCK_SKEW)
 @example(program=HANGS)
 @example(program=ONE_RANK_REFUSED_EARLY)
