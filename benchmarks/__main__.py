@@ -118,9 +118,9 @@ def _parser() -> argparse.ArgumentParser:
         "--tiered-lagging",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with --tiered: tiered incremental saves of a LoRA-shaped state about 1 s apart, the drain limited to "
-        "half the rate full saves would need and unlimited: bytes uploaded per save against bytes changed, saves "
-        "waiting to upload, every step loaded bit-exact from S3 (default on)",
+        help="with --tiered: tiered incremental saves of a LoRA-shaped state (48MiB, or --size if smaller) about "
+        "1 s apart, the drain limited to half the rate full saves would need and unlimited: bytes uploaded per save "
+        "against bytes changed, saves waiting to upload, every step loaded bit-exact from S3 (default on)",
     )
     p.add_argument(
         "--lagging-saves",
@@ -427,9 +427,9 @@ def _lagging_section(args, section: dict, progress_file: str, backend: str) -> l
     if args.lagging_saves < 2:
         usage_error(f"--lagging-saves must be at least 2, got {args.lagging_saves}")
     steps = args.repeats * len(section["targets"])
-    records = _spawn_with_progress(
-        args, lagging.run_rank, {**section, "lagging_saves": args.lagging_saves}, progress_file, steps, backend
-    )
+    size = min(lagging.LAGGING_SIZE, section["size_bytes"])  # the drain is limited relative to it: it lags anyway
+    cfg = {**section, "lagging_saves": args.lagging_saves, "lagging_size": size}
+    records = _spawn_with_progress(args, lagging.run_rank, cfg, progress_file, steps, backend)
     return lagging.summarize(records)
 
 

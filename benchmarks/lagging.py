@@ -1,13 +1,13 @@
 """``--tiered-lagging``: tiered incremental saves made faster than the drain uploads them, on every S3 target.
 
 The LoRA-shaped state of ``--incremental`` (a frozen bf16 base, 95% of the bytes; fp32 adapters with their
-AdamW moments, 5%, changed every step), ``LAGGING_SIZE`` bytes on the run's mesh, saved ``--lagging-saves``
-times about ``SAVE_EVERY_S`` apart with ``local_tier`` and ``incremental_from="previous"``: once with the
-drain limited (``drain_bandwidth``) to half the rate a full save every ``SAVE_EVERY_S`` needs, once
-unlimited. Per save, from the S3 listings once ``wait_for_uploads()`` returned: the data bytes its folder
-holds (what its drain uploaded) against the bytes training changed; per run, the most saves that waited to
-upload when a save began, the saves whose base was the save before (still draining or not), and whether
-every step loads bit-exact from S3 alone.
+AdamW moments, 5%, changed every step), ``LAGGING_SIZE`` bytes (or ``--size``, if smaller) on the run's mesh,
+saved ``--lagging-saves`` times about ``SAVE_EVERY_S`` apart with ``local_tier`` and
+``incremental_from="previous"``: once with the drain limited (``drain_bandwidth``) to half the rate a full
+save every ``SAVE_EVERY_S`` needs, once unlimited. Per save, from the S3 listings once ``wait_for_uploads()``
+returned: the data bytes its folder holds (what its drain uploaded) against the bytes training changed; per
+run, the most saves that waited to upload when a save began, the saves whose base was the save before (still
+draining or not), and whether every step loads bit-exact from S3 alone.
 """
 
 from __future__ import annotations
