@@ -12,6 +12,7 @@ draining or not), and whether every step loads bit-exact from S3 alone.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -38,6 +39,7 @@ LAGGING_SIZE = 48 << 20
 SAVE_EVERY_S = 1.0
 SAVES = 20
 MiB = 1 << 20
+MAX_DEPTH = ckptio.Tuning().incremental_max_depth  # the default, which the saves use
 
 
 def run_rank(cfg: dict) -> list[dict]:
@@ -79,18 +81,19 @@ def _run(run: str, tier: str, options, mesh, size: int, saves: int, bandwidth: i
         behind.append(len(drain_queue().backlog()[0]))
         dist.barrier()
         dcp.save(state, storage_writer=ckptio.Writer(f"{run}/step-{step}", config, storage_options=options))
-        expected.append({k: (v.to_local().clone() if isinstance(v, DTensor) else v.clone()) for k, v in state.items()})
+        expected.append(_digests(state))  # not copies: the RSS measured is ckptio's
         rss.append(counting.rss())
     saving_s = time.monotonic() - start
     ckptio.wait_for_uploads()
     drained_s = time.monotonic() - start
     dist.barrier()
-    uploaded, bases = ([], []) if dist.get_rank() else _listed(run, options, saves)
+    uploaded, bases, depths = ([], [], []) if dist.get_rank() else _listed(run, options, saves)
     exact = all(_loads_exactly(f"{run}/step-{step}", options, mesh, size, expected[step]) for step in range(saves))
     return {
         "changed_bytes": changed,
         "uploaded_bytes": uploaded,
         "bases": bases,
+        "depths": depths,
         "most_behind": max(behind),
         "saving_s": saving_s,
         "drained_s": drained_s,
@@ -99,16 +102,17 @@ def _run(run: str, tier: str, options, mesh, size: int, saves: int, bandwidth: i
     }
 
 
-def _listed(run: str, options, saves: int) -> tuple[list[int], list[str | None]]:
-    """Per step, the data bytes its folder holds on S3 and the base its document names."""
-    uploaded, bases = [], []
+def _listed(run: str, options, saves: int) -> tuple[list[int], list[str | None], list[int]]:
+    """Per step, the data bytes its folder holds on S3, the base its document names and its chain depth."""
+    uploaded, bases, depths = [], [], []
     for step in range(saves):
         url = f"{run}/step-{step}"
         files = counting.checkpoint_files(url, options)
         uploaded.append(sum(n for name, n in files.items() if name.endswith(".ckio")))
         chain = json.loads(open_store(url, options).read(METADATA_NAME)).get("chain")
         bases.append(chain and chain["base"])
-    return uploaded, bases
+        depths.append(chain["depth"] if chain else 0)
+    return uploaded, bases, depths
 
 
 def _loads_exactly(url: str, options, mesh, size: int, expected: dict) -> bool:
@@ -116,24 +120,41 @@ def _loads_exactly(url: str, options, mesh, size: int, expected: dict) -> bool:
     for value in target.values():
         (value.to_local() if isinstance(value, DTensor) else value).zero_()
     dcp.load(target, storage_reader=ckptio.Reader(url, storage_options=options))
-    return all(torch.equal(v.to_local() if isinstance(v, DTensor) else v, expected[k]) for k, v in target.items())
+    return _digests(target) == expected
+
+
+def _digests(state: dict) -> dict[str, str]:
+    """Each tensor's local bytes, hashed."""
+    out = {}
+    for key, value in state.items():
+        local = (value.to_local() if isinstance(value, DTensor) else value).contiguous()
+        out[key] = hashlib.blake2b(local.view(-1).view(torch.uint8).numpy()).hexdigest()
+    return out
 
 
 def summarize(records: list[dict]) -> list[dict]:
     """One row per (target, drain): per save after the first, uploaded bytes against changed bytes (the
-    worst save's ratio, and its slack against 1.05x changed + 1 MiB), medians (min-max) over repeats."""
+    worst save's ratio, and its slack against 1.05x changed + 1 MiB), medians (min-max) over repeats. A save
+    full because its chain reached ``incremental_max_depth`` is counted apart: that is the chain's bound, not
+    the drain's lag."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         groups[(r["target"], r["drain"])].append(r)
     rows = []
     for (target, drain), recs in groups.items():
         first = sorted((r for r in recs if r["rank"] == 0), key=lambda r: r["repeat"])
-        worst, over_budget, referenced = [], [], []
+        worst, over_budget, referenced, restarts = [], [], [], []
         for r in first:
-            later = list(zip(r["uploaded_bytes"][1:], r["changed_bytes"], strict=True))
+            depth_bound = [r["bases"][k] is None and r["depths"][k - 1] >= MAX_DEPTH for k in range(len(r["bases"]))]
+            later = [
+                (up, changed)
+                for k, (up, changed) in enumerate(zip(r["uploaded_bytes"][1:], r["changed_bytes"], strict=True), 1)
+                if not depth_bound[k]
+            ]
             worst.append(max(up / changed for up, changed in later))
             over_budget.append(sum(up > 1.05 * changed + MiB for up, changed in later))
             referenced.append(sum(base == f"step-{k}" for k, base in enumerate(r["bases"][1:])))
+            restarts.append(sum(depth_bound))
         rows.append(
             {
                 "target": target,
@@ -145,6 +166,7 @@ def summarize(records: list[dict]) -> list[dict]:
                 "uploaded_over_changed_worst": stats(worst),
                 "saves_over_budget": max(over_budget),
                 "saves_on_the_one_before": stats(referenced),
+                "full_by_depth_bound": max(restarts),
                 "most_behind": stats(_slowest(recs, "most_behind")),
                 "drained_s": stats(_slowest(recs, "drained_s")),
                 "rss_growth_mib": max(r["rss_growth"] for r in recs) / MiB,  # the rank that grew most
@@ -167,14 +189,16 @@ def table(rows: list[dict]) -> str:
         return ""
     lines = [
         "| target | drain | saves | full save | changed/save | uploaded/changed (worst save) | saves over 1.05x+1MiB "
-        "| based on the save before | most saves waiting | all drained after | RSS growth | bit-exact |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| full by the chain's depth bound ({MAX_DEPTH}) | based on the save before | most saves waiting "
+        "| all drained after | RSS growth | bit-exact |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['target']} | {r['drain']} | {r['saves']} | {r['full_save_bytes'] / MiB:.1f} MiB "
             f"| {r['changed_bytes'] / MiB:.2f} MiB | {_stat(r['uploaded_over_changed_worst'], 'x', 3)} "
-            f"| {r['saves_over_budget']} | {_stat(r['saves_on_the_one_before'], '', 0)} of {r['saves'] - 1} "
+            f"| {r['saves_over_budget']} | {r['full_by_depth_bound']} "
+            f"| {_stat(r['saves_on_the_one_before'], '', 0)} of {r['saves'] - 1 - r['full_by_depth_bound']} "
             f"| {_stat(r['most_behind'], '', 0)} | {_stat(r['drained_s'], ' s', 1)} | {r['rss_growth_mib']:+.0f} MiB "
             f"| {r['bit_exact']} |"
         )
