@@ -167,14 +167,15 @@ def queue_rank_drain(
     if full_copy is not None and full_copy.nbytes:
         segments = durable_segments(full_copy.records.values(), full_copy.file, full_copy.nbytes)
         rebase = Upload(durable, local.path(full_copy.file), full_copy.file, segments, config.drain_bandwidth)
-    if nbytes:
+    named = bool(nbytes) or any(_in_file(record, file) for record in records)  # empty: all reference a base
+    if named:
         upload = Upload(
             durable, local.path(file), file, durable_segments(records, file, nbytes), config.drain_bandwidth
         )
         queue.submit(save, upload, config.tuning.drain_timeout_s)
-    if not coordinator and (nbytes or rebase is not None):
-        name = file if nbytes else rebase.name  # type: ignore[union-attr]
-        await_commit = AwaitCommit(durable, name, started, step_folder(local), rebase, listed=bool(nbytes))
+    if not coordinator and (named or rebase is not None):
+        name = file if named else rebase.name  # type: ignore[union-attr]
+        await_commit = AwaitCommit(durable, name, started, step_folder(local), rebase, listed=named)
         queue.submit(save, await_commit, config.tuning.drain_timeout_s)
     if not coordinator:
         queue_prune(save, durable, config)
