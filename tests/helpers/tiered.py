@@ -11,7 +11,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import ckptio
+from ckptio.format.names import parse_data_file_name
 from tests.helpers import combinations, scenarios
+
+
+def is_full_copy(path: str) -> bool:
+    """Whether ``path`` is a node's full copy beside a durable data file (``writing.full_copy_name``: a save
+    id one digit longer, ending in ``f``), not the data file itself (whose random id may end in ``f`` too)."""
+    parsed = parse_data_file_name(os.path.basename(path))
+    return parsed is not None and len(parsed.save_id) == 17
 
 
 def flip_a_byte(path: str, bit: int = 0x10) -> None:
@@ -213,9 +221,7 @@ def save_while_draining(run: str, tier_base: str, options, steps: int, damaged_r
             import glob
 
             folder = local_step_folder(run, tier_base, 2, options)
-            (own,) = [
-                p for p in glob.glob(f"{folder}/data-*-r{damaged_rank:05d}.ckio") if "f-r" not in os.path.basename(p)
-            ]
+            (own,) = [p for p in glob.glob(f"{folder}/data-*-r{damaged_rank:05d}.ckio") if not is_full_copy(p)]
             flip_a_byte(own)
     pending = ckptio.uploads_pending()
     try:

@@ -45,7 +45,7 @@ from ckptio.tiers.drain import drain_queue
 from ckptio.tiers.paths import step_order
 from ckptio.tools.cli import main as cli_main
 from tests.helpers.fragment_ranks import only_fragments
-from tests.helpers.tiered import flip_a_byte
+from tests.helpers.tiered import flip_a_byte, is_full_copy
 
 N = 1 << 15  # fp32 elements per tensor: past the inline limit, several blocks
 STEPS = st.integers(1, 3)
@@ -75,7 +75,7 @@ def _value_of(loaded: dict) -> int:
 def _references(tier: str) -> bool:
     """Whether the newest save on the node ``tier`` references a base (it kept a full copy beside its file)."""
     newest = max((entry for entry in os.scandir(tier) for entry in os.scandir(entry)), key=lambda e: e.stat().st_mtime)
-    return any(name.endswith("f-r00000.ckio") for name in os.listdir(newest))
+    return any(is_full_copy(name) for name in os.listdir(newest))
 
 
 class HeldDrain:

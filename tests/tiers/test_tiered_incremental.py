@@ -209,7 +209,7 @@ def test_a_save_whose_draining_base_never_arrives_is_committed_full_from_the_nod
         dcp.save(_settling(step), storage_writer=ckptio.Writer(str(run / f"step-{step}"), _config(fast)))
         if step == 2:  # damaged on the node before its upload: its drain refuses it, step 2 never commits
             folder = local_step_path(str(fast), str(run / "step-2"), None)
-            (durable,) = [p for p in glob.glob(f"{folder}/data-*.ckio") if "f-r" not in os.path.basename(p)]
+            (durable,) = [p for p in glob.glob(f"{folder}/data-*.ckio") if not tiered.is_full_copy(p)]
             tiered.flip_a_byte(durable)
     with pytest.raises(ckptio.DrainError, match="changed after the save"):
         ckptio.wait_for_uploads()
