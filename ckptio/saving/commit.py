@@ -34,7 +34,7 @@ def check_target(store: FsspecStore, overwrite: bool) -> list[str]:
     committed beside them is what loads read, and they are left for ``gc``."""
     files = _committed_files(store, METADATA_NAME, decode_metadata)
     if files is not None and not overwrite:
-        raise _exists(store.describe(METADATA_NAME))
+        raise exists_error(store.describe(METADATA_NAME))
     return files or []
 
 
@@ -54,7 +54,8 @@ def _committed_files(store: FsspecStore, name: str, decode: Callable[[bytes, str
         return []
 
 
-def _exists(what: str) -> CheckpointExistsError:
+def exists_error(what: str) -> CheckpointExistsError:
+    """The refusal of a save over the committed checkpoint ``what`` (every rank that refuses says the same)."""
     return CheckpointExistsError(
         f"{what} already holds a committed checkpoint; save to a new path, or pass overwrite=True "
         "(ckptio.Writer(path, overwrite=True) or WriterConfig(overwrite=True)) to replace it (the old one stays "
@@ -72,7 +73,7 @@ def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
     if files is None:
         return
     if not overwrite:
-        raise _exists(store.describe(METADATA_NAME))
+        raise exists_error(store.describe(METADATA_NAME))
     merged = _merged_from_fragments(store)
     store.remove(METADATA_NAME)
     if not merged:
@@ -202,7 +203,7 @@ def _taken(what: str, coordinated: bool) -> CheckpointExistsError:
             f"another save committed {what} while this one was writing; this save's data files were removed and "
             "the other checkpoint is intact. Save each job to its own path"
         )
-    return _exists(f"{what} (this rank's fragment of an earlier save without a coordinator)")
+    return exists_error(f"{what} (this rank's fragment of an earlier save without a coordinator)")
 
 
 def commit_merged(

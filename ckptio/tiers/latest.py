@@ -224,13 +224,11 @@ def _resume(
     holds_copy = bool(views[group.rank].documents) and group.rank != holder
     if restarts_locally or on_the_nodes:  # load now (ranks fetch what their node lacks), finish the drain behind it
         hold_for_load()
-        named = sorted(own_file_names(manifest.files))  # a file only this save's document names; else its time
-        noted = (
-            AwaitCommit(durable, named[0], time.time(), node)
-            if named
-            else AwaitCommit(durable, "", manifest.header.created_unix, node, listed=False)
-        )
-        for job in mine + ([commit] if group.rank == holder else [noted] if holds_copy else []):
+        if group.rank == holder:
+            mine.append(commit)
+        elif holds_copy:
+            mine.append(_await_resumed_commit(durable, manifest, node))
+        for job in mine:
             drain_queue().submit(durable.url + "#resumed", AfterLoad(job), RESUME_TIMEOUT_S)
         return True
     deadline = time.monotonic() + RESUME_TIMEOUT_S
@@ -243,6 +241,15 @@ def _resume(
     if holds_copy:
         note_durable(node, save_id, METADATA_NAME)
     return True
+
+
+def _await_resumed_commit(durable: Durable, manifest: Manifest, node: str) -> AwaitCommit:
+    """Another rank's commit of a resumed drain, awaited to note it on this node: by a file only this save's
+    document names (refusals noted since now end it), or, where it has none, by its creation time."""
+    named = sorted(own_file_names(manifest.files))
+    if named:
+        return AwaitCommit(durable, named[0], time.time(), node)
+    return AwaitCommit(durable, "", manifest.header.created_unix, node, listed=False)
 
 
 def _missing_bases(group: "_Group", durable: Durable, manifest: Manifest, local_run: str) -> list[Upload]:

@@ -30,7 +30,7 @@ from ckptio.errors import CheckpointExistsError
 from ckptio.format.names import METADATA_NAME, SIBLING_PREFIX, data_file_name, parse_data_file_name
 from ckptio.format.records import Header, Reference, StoredItem
 from ckptio.loading.fragment_set import fragments_in
-from ckptio.saving.commit import stale_fragment
+from ckptio.saving.commit import exists_error, stale_fragment
 from ckptio.saving.data_file import encode_items, item_bytes
 from ckptio.saving.incremental import Base
 from ckptio.storage import FsspecStore
@@ -250,10 +250,7 @@ def refuse_committed_fragment(
         local.delete_best_effort([METADATA_NAME])
         return
     if durable.exists(METADATA_NAME):  # rank 0 refuses it too (``clear_for_fragments``): every rank alike
-        raise CheckpointExistsError(
-            f"{durable.describe(METADATA_NAME)} already holds a committed checkpoint; save to a new step, or pass "
-            "overwrite=True to replace it"
-        )
+        raise exists_error(durable.describe(METADATA_NAME))
     if durable.exists(name) and stale_fragment(durable, name, save_id) is None:
         raise CheckpointExistsError(
             f"{durable.url} holds a committed checkpoint, every rank's fragment of one save "
