@@ -25,6 +25,17 @@ def open_store(
 
         fs, root = url_to_fs(url, **s3_storage_options(storage_options))
         return S3Store(fs, root, url, config)
+    protocol = url.partition("://")[0] if "://" in url else ""
+    if protocol in ("gs", "gcs"):
+        from ckptio.storage.gcs import GCSStore, gcs_filesystem
+
+        fs = gcs_filesystem(storage_options)
+        return GCSStore(fs, fs._strip_protocol(url), url, config)
+    if protocol in ("az", "abfs", "abfss"):
+        from ckptio.storage.azure import AzureStore, azure_filesystem
+
+        fs = azure_filesystem(storage_options)
+        return AzureStore(fs, fs._strip_protocol(url), url, config)
     fs, root = url_to_fs(url, **(storage_options or {}))
     if isinstance(fs, LocalFileSystem):
         return LocalStore(fs, root, url, config)

@@ -25,6 +25,7 @@ RETRYABLE_CODES = {
     "BadDigest",
     "IncompleteBody",
     "XAmzContentSHA256Mismatch",
+    "OperationTimedOut",  # Azure
     "500",
     "502",
     "503",
@@ -33,6 +34,8 @@ RETRYABLE_CODES = {
 #: Answers that mean "too many requests": the store asks for fewer (``throttle.py`` sends fewer).
 THROTTLING_CODES = {
     "SlowDown",
+    "ServerBusy",  # Azure
+    "rateLimitExceeded",  # GCS
     "Throttling",
     "ThrottlingException",
     "TooManyRequests",
@@ -45,14 +48,29 @@ BASE_DELAY_S = 0.05
 MAX_DELAY_S = 5.0
 
 
-def s3_error(exc: BaseException | None) -> tuple[str, int | None] | None:
-    """``(error code, HTTP status)`` of an error answer from the store (botocore's ``response``);
-    ``None`` for an error that is not one (a timeout, a dropped connection)."""
+class StoreAnswer(Exception):
+    """An error answer of a store whose client raises no exception of its own that says one
+    (``gcs.py``): its error code and HTTP status."""
+
+    def __init__(self, message: str, code: str, status: int):
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+def store_answer(exc: BaseException | None) -> tuple[str, int | None] | None:
+    """``(error code, HTTP status)`` of an error answer from the store: botocore's ``response``, Azure's
+    ``status_code`` and ``error_code``, or a ``StoreAnswer``; ``None`` for an error that is not one (a
+    timeout, a dropped connection)."""
+    if isinstance(exc, StoreAnswer):
+        return exc.code, exc.status
     response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None
-    code = (response.get("Error") or {}).get("Code")
-    return ("" if code is None else str(code)), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    if isinstance(response, dict):
+        code = (response.get("Error") or {}).get("Code")
+        return ("" if code is None else str(code)), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    status = getattr(exc, "status_code", None)
+    if isinstance(status, int) and type(exc).__module__.startswith("azure."):
+        return str(getattr(exc, "error_code", None) or status), status
+    return None
 
 
 def is_throttling_answer(code: str | None, status: int | None) -> bool:
@@ -63,23 +81,27 @@ def is_throttling_answer(code: str | None, status: int | None) -> bool:
 
 def is_throttling(exc: BaseException) -> bool:
     """True for an error that is such an answer (``is_throttling_answer``)."""
-    answer = s3_error(exc)
+    answer = store_answer(exc)
     return answer is not None and is_throttling_answer(*answer)
 
 
 def is_retryable(exc: BaseException) -> bool:
     """True for throttling, 5xx, timeouts and dropped connections; False for e.g. 403 or 404."""
-    answer = s3_error(exc)
+    answer = store_answer(exc)
     if answer is not None:
         code, status = answer
         if code in NOT_RETRYABLE_CODES or status == 501:
             return False
-        return code in RETRYABLE_CODES or is_throttling(exc) or (isinstance(status, int) and status >= 500)
+        return (
+            code in RETRYABLE_CODES
+            or is_throttling(exc)
+            or (isinstance(status, int) and (status >= 500 or status == 408))
+        )
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError, ConnectionError, OSError)):
         return not isinstance(exc, (FileNotFoundError, PermissionError))
     module = type(exc).__module__ or ""
-    # aiohttp client/payload errors and botocore connection/read-timeout errors
-    return module.startswith(("aiohttp", "botocore.exceptions", "urllib3", "http.client"))
+    # aiohttp client/payload errors, botocore's and Azure's connection and read-timeout errors
+    return module.startswith(("aiohttp", "botocore.exceptions", "urllib3", "http.client", "azure.core.exceptions"))
 
 
 async def with_retries(fn: Callable[[], Awaitable[T]], *, attempts: int, deadline_s: float, what: str) -> T:

@@ -5,23 +5,18 @@ configured so botocore does not retry on its own: one policy, one place."""
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import concurrent.futures
 import logging
 from typing import Any, AsyncIterator, Sequence
 
 import fsspec
-from fsspec.asyn import sync
 
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointNotFoundError, StorageError
 from ckptio.storage import s3_checksums
-from ckptio.storage.base import FsspecStore, RangeRequest, ReadRequest
+from ckptio.storage.object_store import ObjectStore, PartStream, PreconditionFailed, read_chunks_into
 from ckptio.storage.request_body import RequestBody
-from ckptio.storage.retry import s3_error, with_retries
+from ckptio.storage.retry import store_answer
 from ckptio.storage.s3_checksums import EndpointChecksums, crc32c_header
-from ckptio.storage.throttle import AdaptiveLimit, limit_for
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +52,13 @@ def s3_storage_options(storage_options: dict[str, Any] | None) -> dict[str, Any]
     return options
 
 
-class S3Store(FsspecStore):
+class S3Store(ObjectStore):
+    read_operation = "get_object"
+
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
         super().__init__(fs, root, url, config)
-        self.bucket, _, self.prefix = root.partition("/")
-        self.part_size = config.part_size
-        self.concurrency = config.max_concurrency
-        self.attempts = config.retry_attempts
-        self.deadline_s = config.retry_deadline_s
         self._unsigned: fsspec.AbstractFileSystem | None = None
         self._endpoint: EndpointChecksums | None = None
-        self._limit: AdaptiveLimit | None = None
-
-    def key(self, name: str) -> str:
-        return self.path(name).partition("/")[2]
 
     # --- the request primitive ----------------------------------------------------------
     async def _client(self, fs: fsspec.AbstractFileSystem | None = None) -> Any:
@@ -96,38 +84,23 @@ class S3Store(FsspecStore):
         ``unsigned``: through the client that does not SHA-256 the payload (``s3_checksums``);
         ``into``: a GET's buffers, filled as the body arrives (the byte count is returned)."""
         client = await self._client(self._unsigned_fs() if unsigned else None)
-        limit = await self.limit()
 
         async def attempt() -> Any:
             if body is not None:
                 params["Body"] = RequestBody(body)  # a fresh one per attempt
-            async with limit.slot():
-                response = await getattr(client, operation)(Bucket=self.bucket, **params)
-                if operation == "get_object":
-                    async with response["Body"] as body_stream:
-                        if into is not None:
-                            return await _read_body_into(body_stream, into, self.describe(name))
-                        return await body_stream.read()
-                return response
+            response = await getattr(client, operation)(Bucket=self.bucket, **params)
+            if operation == "get_object":
+                async with response["Body"] as body_stream:
+                    if into is not None:
+                        return await read_chunks_into(_body_chunks(body_stream), into, self.describe(name))
+                    return await body_stream.read()
+            return response
 
-        return await with_retries(
-            attempt, attempts=self.attempts, deadline_s=self.deadline_s, what=f"{operation} {self.describe(name)}"
-        )
+        return await self.retried(operation, name, attempt)
 
-    async def limit(self) -> AdaptiveLimit:
-        """This process's adaptive limit on requests in flight to this bucket (``throttle.py``)."""
-        if self._limit is None:
-            client = await self._client()
-            endpoint = str(client.meta.endpoint_url or "")
-            self._limit = limit_for(asyncio.get_running_loop(), endpoint, self.bucket, self.concurrency)
-        return self._limit
-
-    def _sync(self, operation: str, name: str, fn: Any, *args: Any, **params: Any) -> Any:
-        """Run coroutine function ``fn`` on fsspec's loop and wait for it; its errors as ckptio's."""
-        try:
-            return sync(self.fs.loop, fn, *args, **params)
-        except Exception as exc:
-            raise self._translate(exc, operation, name) from exc
+    async def endpoint(self) -> str:
+        client = await self._client()
+        return str(client.meta.endpoint_url or "")
 
     def _run(self, operation: str, name: str, **params: Any) -> Any:
         return self._sync(operation, name, self._request, operation, name, **params)
@@ -184,11 +157,11 @@ class S3Store(FsspecStore):
     def _translate(self, exc: BaseException, operation: str, name: str) -> BaseException:
         if isinstance(exc, StorageError):
             return exc
-        code = (s3_error(exc) or ("", None))[0]
+        code = (store_answer(exc) or ("", None))[0]
         if code in ("NoSuchKey", "404", "NotFound"):
             return FileNotFoundError(self.describe(name))
         if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
-            return _PreconditionFailed(self.describe(name))
+            return PreconditionFailed(self.describe(name))
         if code == "NoSuchBucket":
             kind = CheckpointNotFoundError if operation in ("get_object", "head_object") else StorageError
             return kind(
@@ -200,10 +173,7 @@ class S3Store(FsspecStore):
                 f"access denied: {operation} {self.describe(name)} ({code}); check the credentials and region in "
                 "storage_options or the AWS environment, and the bucket policy"
             )
-        return StorageError(
-            f"{operation} {self.describe(name)} failed after retries (up to {self.attempts} attempts within "
-            f"{self.deadline_s:.0f}s): {type(exc).__name__}: {exc}"
-        )
+        return self.failed_after_retries(operation, name, exc)
 
     # --- small objects ------------------------------------------------------------------
     def exists(self, name: str) -> bool:
@@ -227,10 +197,10 @@ class S3Store(FsspecStore):
         S3-compatible stores without conditional writes get the generic check-then-write (racy)."""
         try:
             self._run_upload("put_object", name, [(data, None)], IfNoneMatch="*")
-        except _PreconditionFailed:
+        except PreconditionFailed:
             raise FileExistsError(self.describe(name)) from None
         except StorageError as exc:
-            if (s3_error(exc.__cause__) or ("", None))[0] not in ("NotImplemented", "501"):
+            if (store_answer(exc.__cause__) or ("", None))[0] not in ("NotImplemented", "501"):
                 raise
             log.warning("ckptio: %s does not support conditional writes; committing without them (racy)", self.url)
             super().put_if_absent(name, data)
@@ -265,52 +235,12 @@ class S3Store(FsspecStore):
         except FileNotFoundError:
             pass
 
-    def prepare_directory(self) -> None:
-        """Object stores have no directories: nothing to create, no request to make."""
-
     # --- data objects -------------------------------------------------------------------
     def open_sink(self, name: str) -> "MultipartSink":
         return MultipartSink(self, name)
 
-    def read_ranges(self, requests: Sequence[RangeRequest]) -> list[bytes]:
-        return self._get_all([(r.name, r.start, r.end, None) for r in requests])
-
-    def read_into(self, requests: Sequence[ReadRequest]) -> list[int]:
-        """Each request one ranged GET, its body copied into the buffers as it arrives (no joined
-        copy of the whole range first)."""
-        return self._get_all([(r.name, r.offset, r.offset + r.length, r.buffers) for r in requests])
-
-    def _get_all(self, requests: list[tuple[str, int, int, Sequence[memoryview] | None]]) -> list:
-        if not requests:
-            return []
-
-        async def fetch_all() -> list:
-            # at most max_concurrency GETs in flight, fewer while the store throttles (``throttle.py``)
-            async def fetch(name: str, start: int, end: int, into: Sequence[memoryview] | None):
-                return await self._request(
-                    "get_object", name, into=into, Key=self.key(name), Range=f"bytes={start}-{end - 1}"
-                )
-
-            return await asyncio.gather(*(fetch(*r) for r in requests))
-
-        return self._sync("get_object", requests[0][0], fetch_all)
-
-
-async def _read_body_into(stream: Any, buffers: Sequence[memoryview], where: str) -> int:
-    """Copy a GET's body into ``buffers`` chunk by chunk as aiohttp receives it; return the bytes
-    received (fewer than the buffers hold at the end of the object)."""
-    filled, index, at = 0, 0, 0
-    async for chunk in _body_chunks(stream):
-        while len(chunk):
-            if index == len(buffers):
-                raise StorageError(f"GET {where} returned more bytes than the range asked for")
-            buffer = buffers[index]
-            n = min(len(chunk), len(buffer) - at)
-            buffer[at : at + n] = chunk[:n]
-            chunk, at, filled = chunk[n:], at + n, filled + n
-            if at == len(buffer):
-                index, at = index + 1, 0
-    return filled
+    async def _get_range(self, name: str, start: int, end: int, into: Sequence[memoryview] | None) -> Any:
+        return await self._request("get_object", name, into=into, Key=self.key(name), Range=f"bytes={start}-{end - 1}")
 
 
 async def _body_chunks(stream: Any) -> AsyncIterator[memoryview]:
@@ -322,89 +252,45 @@ async def _body_chunks(stream: Any) -> AsyncIterator[memoryview]:
         yield memoryview(chunk)
 
 
-class _PreconditionFailed(Exception):
-    """A conditional request found the object in a state it did not allow."""
+class MultipartSink(PartStream):
+    """Streams one S3 object (``PartStream``): a single PUT if it stays under 1.25 x ``part_size``,
+    otherwise a multipart upload. Part sizes grow with the part count (``part_size_for``) to stay
+    within S3's limits; each part's CRC32C is combined from the pieces' own (only a split piece is
+    read for it)."""
 
-
-class MultipartSink:
-    """Streams one object: a single PUT if it stays under 1.25 x ``part_size``, otherwise a
-    multipart upload whose parts go up in parallel (at most ``max_concurrency`` in flight,
-    bounding memory). A part leaves only once a quarter part more is buffered, so the tail
-    joins the last part instead of costing a request of its own (S3's last part may be any size).
-    Part sizes grow with the part count (``part_size_for``) to stay within S3's limits.
-
-    Nothing is copied here: a part is the list of views of the written pieces it spans (the one
-    piece that straddles a part boundary is split as two views), sent as they are, and its CRC32C
-    is combined from the pieces' own (only a split piece is read for it). Written data must
-    therefore stay unchanged until ``close`` returns (``Sink``)."""
+    max_part_bytes = MAX_PART_BYTES
 
     def __init__(self, store: S3Store, name: str):
-        self.store, self.name = store, name
+        super().__init__(store, name)
+        self.store: S3Store = store
         self.key = store.key(name)
-        self.pending: collections.deque[tuple[memoryview, int | None]] = collections.deque()  # (data, CRC32C)
-        self.pending_bytes = 0
         self.upload_id: str | None = None
-        self.parts: list[concurrent.futures.Future] = []
 
-    def write(self, data: bytes | memoryview, crc: int | None = None) -> None:
-        view = memoryview(data).cast("B")
-        if not len(view):
-            return
-        self.pending.append((view, crc))
-        self.pending_bytes += len(view)
-        while True:
-            # The next part leaves once a quarter more than it is buffered (a short tail joins the
-            # last part), but never past what one part or one PUT may hold.
-            size = part_size_for(len(self.parts) + 1, self.store.part_size)
-            if self.pending_bytes < min(size + size // 4, MAX_PART_BYTES):
-                return
-            self._send_part(self._take(size))
+    def next_part_size(self) -> int:
+        return part_size_for(len(self.parts) + 1, self.store.part_size)
 
-    def _take(self, size: int) -> list[tuple[memoryview, int | None]]:
-        """The pending pieces that make up the next ``size`` bytes (a split piece's halves without a CRC32C)."""
-        pieces, need = [], size
-        while need:
-            head, crc = self.pending[0]
-            if len(head) <= need:
-                pieces.append(self.pending.popleft())
-                need -= len(head)
-            else:
-                pieces.append((head[:need], None))
-                self.pending[0] = (head[need:], None)
-                need = 0
-        self.pending_bytes -= size
-        return pieces
-
-    def _send_part(self, pieces: list[tuple[memoryview, int | None]]) -> None:
+    def send_part(self, pieces: list[tuple[memoryview, int | None]]) -> None:
         if self.upload_id is None:
             self.upload_id = self.store._run_upload("create_multipart_upload", self.name)["UploadId"]
-        in_flight = [f for f in self.parts if not f.done()]
-        if len(in_flight) >= self.store.concurrency:
-            concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
-        for done in (f for f in self.parts if f.done()):
-            done.result()  # surface a failed part now, not at the end
         number = len(self.parts) + 1
         if number > MAX_PARTS:
             raise StorageError(
                 f"{self.store.describe(self.name)} needs more than S3's {MAX_PARTS} parts per upload: "
                 f"raise part_size (now {self.store.part_size} bytes) so that parts can hold this rank's data"
             )
-        coro = self.store._upload(
-            "upload_part", self.name, pieces, Key=self.key, UploadId=self.upload_id, PartNumber=number
+        self.submit(
+            self.store._upload(
+                "upload_part", self.name, pieces, Key=self.key, UploadId=self.upload_id, PartNumber=number
+            )
         )
-        self.parts.append(asyncio.run_coroutine_threadsafe(coro, self.store.fs.loop))
 
     def close(self) -> None:
         if self.upload_id is None:
-            self.store._run_upload("put_object", self.name, list(self.pending))
-            self.pending.clear()
+            self.store._run_upload("put_object", self.name, self.take_rest())
             return
-        try:
-            if self.pending:
-                self._send_part(self._take(self.pending_bytes))
-            answers = [f.result() for f in self.parts]
-        except Exception as exc:
-            raise self.store._translate(exc, "upload_part", self.name) from exc
+        if self.pending:
+            self.send_last_part(self.take_rest(), "upload_part")
+        answers = self.results("upload_part")
         parts = [{"ETag": response["ETag"], "PartNumber": n} for n, (response, _) in enumerate(answers, 1)]
         if all(crc is not None for _, crc in answers):  # all or none: a store that refused some takes none
             for part, (_, crc) in zip(parts, answers, strict=True):
@@ -418,10 +304,7 @@ class MultipartSink:
         )
 
     def abort(self) -> None:
-        for f in self.parts:
-            f.cancel()
-        concurrent.futures.wait(self.parts)
-        self.pending.clear()
+        self.cancel_parts()
         if self.upload_id is not None:
             try:
                 self.store._run("abort_multipart_upload", self.name, Key=self.key, UploadId=self.upload_id)

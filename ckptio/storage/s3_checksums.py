@@ -16,7 +16,7 @@ import threading
 from typing import Any, Sequence
 
 from ckptio.format.codec import checksum_of_pieces
-from ckptio.storage.retry import s3_error
+from ckptio.storage.retry import store_answer
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class EndpointChecksums:
         """What ``exc`` says if it may be the store refusing the header (``None`` otherwise); the
         caller retries without it and calls ``refused_by`` only if that succeeds, so an error some
         other header caused changes nothing."""
-        answer = s3_error(exc)
+        answer = store_answer(exc)
         if self.accepted or answer is None:
             return None
         code, status = answer

@@ -1,0 +1,208 @@
+"""Azure Blob Storage: ckptio's requests through the async client of azure-storage-blob that adlfs builds
+from the user's ``storage_options`` (adlfs's meaning: ``connection_string``, ``account_name`` with
+``account_key``, ``sas_token`` or ``credential``; without them, ``DefaultAzureCredential``), every request
+retried by ckptio's one policy (the SDK's own retries are off per request: ``retry_total=0``). The commit is
+a create-only upload (``If-None-Match: *``); each upload carries its MD5 (``validate_content``), which the
+service checks; data objects go up as blocks staged in parallel (Put Block), then committed in order (Put
+Block List)."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import secrets
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+
+import fsspec
+
+from ckptio.config import StorageConfig
+from ckptio.errors import CheckpointNotFoundError, StorageError
+from ckptio.storage.object_store import ObjectStore, PartStream, PreconditionFailed, read_chunks_into
+from ckptio.storage.retry import store_answer
+
+log = logging.getLogger(__name__)
+
+#: Azure's limits: blocks per blob, bytes per block.
+MAX_BLOCKS = 50_000
+MAX_BLOCK_BYTES = 4000 << 20
+#: Requests made here are retried by ``retry.with_retries`` alone.
+NO_SDK_RETRIES = {"retry_total": 0}
+
+
+def azure_filesystem(storage_options: dict[str, Any] | None) -> fsspec.AbstractFileSystem:
+    """adlfs's filesystem for the user's options (adlfs reads ``AZURE_STORAGE_CONNECTION_STRING`` and
+    ``AZURE_STORAGE_ACCOUNT_NAME`` too, and uses ``DefaultAzureCredential`` where nothing else is given)."""
+    try:
+        import adlfs
+    except ImportError as exc:
+        raise StorageError("az:// and abfs:// need adlfs, which is not installed: pip install 'ckptio[azure]'") from exc
+    return adlfs.AzureBlobFileSystem(**dict(storage_options or {}))
+
+
+class AzureStore(ObjectStore):
+    read_operation = "download"
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
+        super().__init__(fs, root, url, config)
+        self._container: Any = None
+
+    def _blob(self, name: str) -> Any:
+        if self._container is None:
+            self._container = self.fs.service_client.get_container_client(self.bucket)
+        return self._container.get_blob_client(self.key(name))
+
+    async def endpoint(self) -> str:
+        return str(self.fs.service_client.url)
+
+    async def _call(self, operation: str, name: str, request: Callable[[Any], Awaitable[Any]]) -> Any:
+        """``request(blob client)``, retried."""
+        blob = self._blob(name)
+        return await self.retried(operation, name, lambda: request(blob))
+
+    def _run(self, operation: str, name: str, request: Callable[[Any], Awaitable[Any]]) -> Any:
+        return self._sync(operation, name, self._call, operation, name, request)
+
+    def _translate(self, exc: BaseException, operation: str, name: str) -> BaseException:
+        if isinstance(exc, (StorageError, FileNotFoundError, PreconditionFailed)):
+            return exc
+        code, status = store_answer(exc) or ("", None)
+        if code == "ContainerNotFound":
+            kind = CheckpointNotFoundError if operation in ("properties", "download") else StorageError
+            return kind(
+                f"container {self.bucket!r} does not exist ({operation} {self.describe(name)}); check the URL and "
+                "the account, or create the container first"
+            )
+        if status == 404:
+            return FileNotFoundError(self.describe(name))
+        if code == "BlobAlreadyExists" or status in (409, 412):
+            return PreconditionFailed(self.describe(name))
+        if status in (401, 403):
+            return StorageError(
+                f"access denied: {operation} {self.describe(name)} ({status} {code}); check the credentials in "
+                "storage_options (connection_string, account_name with account_key, sas_token, credential) or "
+                "the environment DefaultAzureCredential reads, and the roles docs/stores.md lists"
+            )
+        return self.failed_after_retries(operation, name, exc)
+
+    # --- small objects ------------------------------------------------------------------
+    def exists(self, name: str) -> bool:
+        try:
+            self.size(name)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def size(self, name: str) -> int:
+        return int(self._run("properties", name, lambda b: b.get_blob_properties(**NO_SDK_RETRIES)).size)
+
+    def read(self, name: str) -> bytes:
+        async def download(blob: Any) -> bytes:
+            stream = await blob.download_blob(max_concurrency=1, **NO_SDK_RETRIES)
+            return await stream.readall()
+
+        return self._run("download", name, download)
+
+    def _put(self, name: str, pieces: Sequence[Any], overwrite: bool) -> None:
+        self._run(
+            "upload",
+            name,
+            lambda b: b.upload_blob(
+                _joined(pieces),
+                overwrite=overwrite,
+                validate_content=True,
+                max_concurrency=1,
+                **NO_SDK_RETRIES,
+            ),
+        )
+
+    def put_atomic(self, name: str, data: bytes) -> None:
+        self._put(name, [data], overwrite=True)
+
+    def put_if_absent(self, name: str, data: bytes) -> None:
+        """A create-only upload (``If-None-Match: *``): the service refuses it if the blob exists, atomically."""
+        try:
+            self._put(name, [data], overwrite=False)
+        except PreconditionFailed:
+            raise FileExistsError(self.describe(name)) from None
+
+    def remove(self, name: str) -> None:
+        try:
+            self._run("delete", name, lambda b: b.delete_blob(**NO_SDK_RETRIES))
+        except FileNotFoundError:
+            pass
+
+    def delete_best_effort(self, names: Sequence[str]) -> None:
+        for name in names:
+            try:
+                self.remove(name)
+            except StorageError as exc:
+                log.warning("ckptio: could not delete superseded %s: %s", self.describe(name), exc)
+
+    # --- data objects -------------------------------------------------------------------
+    def open_sink(self, name: str) -> "BlockSink":
+        return BlockSink(self, name)
+
+    async def _get_range(self, name: str, start: int, end: int, into: Sequence[memoryview] | None) -> Any:
+        async def download(blob: Any) -> Any:
+            stream = await blob.download_blob(offset=start, length=end - start, max_concurrency=1, **NO_SDK_RETRIES)
+            if into is None:
+                return await stream.readall()
+            return await read_chunks_into(_chunks(stream), into, self.describe(name))
+
+        return await self._call(self.read_operation, name, download)
+
+
+def _joined(pieces: Sequence[Any]) -> bytes:
+    """The pieces as one ``bytes`` (the SDK hashes and sends a body it holds whole): one copy."""
+    return b"".join(pieces)
+
+
+async def _chunks(stream: Any) -> AsyncIterator[memoryview]:
+    async for chunk in stream.chunks():
+        yield memoryview(chunk)
+
+
+class BlockSink(PartStream):
+    """One blob (``PartStream``): one upload if it stays under 1.25 x ``part_size``, else blocks staged
+    in parallel (each with its MD5) and committed as the block list, in order."""
+
+    max_part_bytes = MAX_BLOCK_BYTES
+
+    def __init__(self, store: AzureStore, name: str):
+        super().__init__(store, name)
+        self.store: AzureStore = store
+        self.upload_id = secrets.token_hex(4)
+        self.block_ids: list[str] = []
+
+    def send_part(self, pieces: list[tuple[memoryview, int | None]]) -> None:
+        if len(self.block_ids) == MAX_BLOCKS:
+            raise StorageError(
+                f"{self.store.describe(self.name)} needs more than Azure's {MAX_BLOCKS} blocks per blob: raise "
+                f"part_size (now {self.store.part_size} bytes)"
+            )
+        # Block ids of one blob must all have the same length; this upload's own prefix keeps a
+        # concurrent writer's uncommitted blocks apart.
+        block_id = base64.b64encode(f"{self.upload_id}-{len(self.block_ids):06d}".encode()).decode("ascii")
+        self.block_ids.append(block_id)
+        data = _joined([p for p, _ in pieces])
+        self.submit(
+            self.store._call(
+                "stage block",
+                self.name,
+                lambda b: b.stage_block(block_id, data, length=len(data), validate_content=True, **NO_SDK_RETRIES),
+            )
+        )
+
+    def close(self) -> None:
+        if not self.parts:
+            self.store._put(self.name, [p for p, _ in self.take_rest()], overwrite=True)
+            return
+        if self.pending:
+            self.send_last_part(self.take_rest(), "stage block")
+        self.results("stage block")
+        blocks = list(self.block_ids)
+        self.store._run("commit", self.name, lambda b: b.commit_block_list(blocks, **NO_SDK_RETRIES))
+
+    def abort(self) -> None:
+        # staged blocks that are never committed are discarded by the service (after a week)
+        self.cancel_parts()

@@ -1,0 +1,231 @@
+"""What every object store shares (S3, GCS, Azure Blob): each request retried by ``retry.with_retries``
+under the process's adaptive limit on requests in flight (``throttle.py``), on fsspec's event loop;
+ranged reads in parallel, each copied into its buffers as the body arrives; data objects streamed as
+parts sent in parallel (``PartStream``). A backend says how one request is made and what its answers
+mean (``s3.py``, ``gcs.py``, ``azure.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+
+import fsspec
+from fsspec.asyn import sync
+
+from ckptio.config import StorageConfig
+from ckptio.errors import StorageError
+from ckptio.storage.base import FsspecStore, RangeRequest, ReadRequest
+from ckptio.storage.retry import with_retries
+from ckptio.storage.throttle import AdaptiveLimit, limit_for
+
+T = TypeVar("T")
+
+
+class PreconditionFailed(Exception):
+    """A conditional request found the object in a state it did not allow."""
+
+
+class ObjectStore(FsspecStore):
+    """A bucket (or container) and a key prefix; the root is ``bucket/prefix``."""
+
+    #: The operation a ranged read is reported as (``_translate`` tells a missing bucket on a read by it).
+    read_operation = "read"
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
+        super().__init__(fs, root, url, config)
+        self.bucket, _, self.prefix = self.root.partition("/")
+        self.part_size = config.part_size
+        self.concurrency = config.max_concurrency
+        self.attempts = config.retry_attempts
+        self.deadline_s = config.retry_deadline_s
+        self._limit: AdaptiveLimit | None = None
+
+    def key(self, name: str) -> str:
+        return self.path(name).partition("/")[2]
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.fs.loop
+
+    # --- what a backend provides ------------------------------------------------------
+    async def endpoint(self) -> str:
+        """The service's address (the adaptive limit is per endpoint and bucket)."""
+        raise NotImplementedError
+
+    def _translate(self, exc: BaseException, operation: str, name: str) -> BaseException:
+        """``exc`` as ckptio's error: ``FileNotFoundError``, ``PreconditionFailed``, or a ``StorageError``
+        that says what to do."""
+        raise NotImplementedError
+
+    async def _get_range(self, name: str, start: int, end: int, into: Sequence[memoryview] | None) -> Any:
+        """Bytes ``start`` to ``end`` of ``name``: returned, or copied into ``into`` (the count returned)."""
+        raise NotImplementedError
+
+    # --- requests ---------------------------------------------------------------------
+    async def limit(self) -> AdaptiveLimit:
+        """This process's adaptive limit on requests in flight to this bucket (``throttle.py``)."""
+        if self._limit is None:
+            endpoint = await self.endpoint()
+            self._limit = limit_for(asyncio.get_running_loop(), endpoint, self.bucket, self.concurrency)
+        return self._limit
+
+    async def retried(self, operation: str, name: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt()`` under the adaptive limit, retried by the one policy (``retry.py``)."""
+        limit = await self.limit()
+
+        async def limited() -> T:
+            async with limit.slot():
+                return await attempt()
+
+        return await with_retries(
+            limited, attempts=self.attempts, deadline_s=self.deadline_s, what=f"{operation} {self.describe(name)}"
+        )
+
+    def _sync(self, operation: str, name: str, fn: Any, *args: Any, **params: Any) -> Any:
+        """Run coroutine function ``fn`` on fsspec's loop and wait for it; its errors as ckptio's."""
+        try:
+            return sync(self.loop, fn, *args, **params)
+        except Exception as exc:
+            raise self._translate(exc, operation, name) from exc
+
+    def failed_after_retries(self, operation: str, name: str, exc: BaseException) -> StorageError:
+        return StorageError(
+            f"{operation} {self.describe(name)} failed after retries (up to {self.attempts} attempts within "
+            f"{self.deadline_s:.0f}s): {type(exc).__name__}: {exc}"
+        )
+
+    # --- reads ------------------------------------------------------------------------
+    def prepare_directory(self) -> None:
+        """Object stores have no directories: nothing to create, no request to make."""
+
+    def read_ranges(self, requests: Sequence[RangeRequest]) -> list[bytes]:
+        return self._get_all([(r.name, r.start, r.end, None) for r in requests])
+
+    def read_into(self, requests: Sequence[ReadRequest]) -> list[int]:
+        """Each request one ranged GET, its body copied into the buffers as it arrives (no joined
+        copy of the whole range first)."""
+        return self._get_all([(r.name, r.offset, r.offset + r.length, r.buffers) for r in requests])
+
+    def _get_all(self, requests: list[tuple[str, int, int, Sequence[memoryview] | None]]) -> list:
+        if not requests:
+            return []
+
+        async def fetch_all() -> list:
+            # at most max_concurrency GETs in flight, fewer while the store throttles (``throttle.py``)
+            return await asyncio.gather(*(self._get_range(*r) for r in requests))
+
+        return self._sync(self.read_operation, requests[0][0], fetch_all)
+
+
+async def read_chunks_into(chunks: AsyncIterator[memoryview], buffers: Sequence[memoryview], where: str) -> int:
+    """Copy a GET's body into ``buffers`` chunk by chunk as it arrives; return the bytes received
+    (fewer than the buffers hold at the end of the object)."""
+    filled, index, at = 0, 0, 0
+    async for chunk in chunks:
+        while len(chunk):
+            if index == len(buffers):
+                raise StorageError(f"GET {where} returned more bytes than the range asked for")
+            buffer = buffers[index]
+            n = min(len(chunk), len(buffer) - at)
+            buffer[at : at + n] = chunk[:n]
+            chunk, at, filled = chunk[n:], at + n, filled + n
+            if at == len(buffer):
+                index, at = index + 1, 0
+    return filled
+
+
+async def aiohttp_chunks(content: Any) -> AsyncIterator[memoryview]:
+    """The chunks of an aiohttp ``StreamReader`` as they arrive."""
+    while chunk := await content.readany():
+        yield memoryview(chunk)
+
+
+class PartStream:
+    """A data object written front to back and sent as parts in parallel: at most ``max_concurrency``
+    in flight, bounding memory. A part leaves only once a quarter part more is buffered, so the tail
+    joins the last part instead of costing a request of its own; an object that stays under 1.25 parts
+    goes up as one request at ``close``.
+
+    Nothing is copied here: a part is the list of views of the written pieces it spans (the one piece
+    that straddles a part boundary is split as two views, without a CRC32C), sent as they are. Written
+    data must therefore stay unchanged until ``close`` returns (``Sink``)."""
+
+    #: The most bytes one part may hold.
+    max_part_bytes = 5 << 30
+
+    def __init__(self, store: ObjectStore, name: str):
+        self.store, self.name = store, name
+        self.pending: collections.deque[tuple[memoryview, int | None]] = collections.deque()  # (data, CRC32C)
+        self.pending_bytes = 0
+        self.parts: list[concurrent.futures.Future] = []
+
+    def next_part_size(self) -> int:
+        return self.store.part_size
+
+    def write(self, data: bytes | memoryview, crc: int | None = None) -> None:
+        view = memoryview(data).cast("B")
+        if not len(view):
+            return
+        self.pending.append((view, crc))
+        self.pending_bytes += len(view)
+        while True:
+            size = self.next_part_size()
+            if self.pending_bytes < min(size + size // 4, self.max_part_bytes):
+                return
+            self.send_part(self.take(size))
+
+    def take(self, size: int) -> list[tuple[memoryview, int | None]]:
+        """The pending pieces that make up the next ``size`` bytes."""
+        pieces, need = [], size
+        while need:
+            head, crc = self.pending[0]
+            if len(head) <= need:
+                pieces.append(self.pending.popleft())
+                need -= len(head)
+            else:
+                pieces.append((head[:need], None))
+                self.pending[0] = (head[need:], None)
+                need = 0
+        self.pending_bytes -= size
+        return pieces
+
+    def take_rest(self) -> list[tuple[memoryview, int | None]]:
+        pieces = list(self.pending)
+        self.pending.clear()
+        self.pending_bytes = 0
+        return pieces
+
+    def send_part(self, pieces: list[tuple[memoryview, int | None]]) -> None:
+        raise NotImplementedError
+
+    def submit(self, coro: Awaitable[Any]) -> None:
+        """Start one part's upload once fewer than ``max_concurrency`` are in flight; a part that
+        failed surfaces now, not at the end."""
+        in_flight = [f for f in self.parts if not f.done()]
+        if len(in_flight) >= self.store.concurrency:
+            concurrent.futures.wait(in_flight, return_when=concurrent.futures.FIRST_COMPLETED)
+        for done in (f for f in self.parts if f.done()):
+            done.result()
+        self.parts.append(asyncio.run_coroutine_threadsafe(coro, self.store.loop))
+
+    def send_last_part(self, pieces: list[tuple[memoryview, int | None]], operation: str) -> None:
+        try:
+            self.send_part(pieces)
+        except Exception as exc:
+            raise self.store._translate(exc, operation, self.name) from exc
+
+    def results(self, operation: str) -> list[Any]:
+        """Every part's answer, in order; the first failure as ckptio's error."""
+        try:
+            return [f.result() for f in self.parts]
+        except Exception as exc:
+            raise self.store._translate(exc, operation, self.name) from exc
+
+    def cancel_parts(self) -> None:
+        for f in self.parts:
+            f.cancel()
+        concurrent.futures.wait(self.parts)
+        self.pending.clear()
+        self.pending_bytes = 0
