@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 
@@ -21,17 +22,93 @@ def moto_server():
 S3_SERVERS = ["moto", "radosgw"]
 
 
+#: Every object store a test can ask the ``store`` fixture for: ``@pytest.mark.parametrize("store", STORES,
+#: indirect=True)`` runs it on S3 (moto and radosgw), GCS (fake-gcs-server) and Azure Blob (Azurite).
+STORES = ["moto", "radosgw", "gcs", "azure"]
+
+
+def _bucket_name(request) -> str:
+    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]
+    return f"ckptio-{request.node.originalname.lower().replace('_', '-')[:40]}-{digest}"
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """fake-gcs-server on 127.0.0.1 for the session (``ckptio.bench.emulators``); yields its endpoint, or
+    skips saying why it cannot run."""
+    from ckptio.bench import emulators
+
+    try:
+        with emulators.local_gcs_server() as endpoint:
+            yield endpoint
+    except emulators.Unavailable as exc:
+        pytest.skip(f"fake-gcs-server unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def azure_server():
+    """Azurite's blob service on 127.0.0.1 for the session; yields its connection string, or skips saying
+    why it cannot run (``make azurite`` installs it)."""
+    from ckptio.bench import emulators
+
+    try:
+        with emulators.local_azure_server() as connection_string:
+            yield connection_string
+    except emulators.Unavailable as exc:
+        pytest.skip(f"Azurite unavailable: {exc}")
+
+
 @pytest.fixture
-def s3(moto_server, monkeypatch, request):
+def store(request):
+    """A fresh bucket or container on the object store the test is parametrized with (moto unless
+    parametrized; ``STORES``); yields (base URL, storage_options)."""
+    return object_store(request, getattr(request, "param", "moto"))
+
+
+def object_store(request, kind: str) -> tuple[str, dict]:
+    """What the ``store`` fixture yields, for a test whose own parameter names the store (``kind``: one of
+    ``STORES``, or ``s3`` for moto)."""
+    from ckptio.bench import emulators
+
+    name = _bucket_name(request)
+    if kind == "gcs":
+        endpoint = request.getfixturevalue("gcs_server")
+        emulators.create_gcs_bucket(endpoint, name)
+        return f"gs://{name}", emulators.gcs_options(endpoint)
+    if kind == "azure":
+        connection_string = request.getfixturevalue("azure_server")
+        emulators.create_azure_container(connection_string, name)
+        return f"az://{name}", emulators.azure_options(connection_string)
+    return _s3_bucket(request, "moto" if kind == "s3" else kind)
+
+
+def cli_storage_options(options: dict | None) -> list[str]:
+    """The CLI arguments that hand ``options`` to a command."""
+    return ["--storage-options", json.dumps(options)] if options else []
+
+
+def store_objects(url: str, options: dict) -> dict[str, int]:
+    """Every object below ``url`` on any store: name relative to ``url`` -> size."""
+    from ckptio.storage import open_store
+
+    return open_store(url, options).list_sizes() or {}
+
+
+@pytest.fixture
+def s3(request):
     """A fresh bucket on the S3 server (moto, or radosgw when parametrized so), with the AWS_* variables
     naming its credentials; yields (base URL, storage_options)."""
-    digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]
-    bucket = f"ckptio-{request.node.originalname.lower().replace('_', '-')[:40]}-{digest}"
-    if getattr(request, "param", "moto") == "radosgw":
+    return _s3_bucket(request, getattr(request, "param", "moto"))
+
+
+def _s3_bucket(request, server: str):
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    bucket = _bucket_name(request)
+    if server == "radosgw":
         gateway = request.getfixturevalue("radosgw")
         key, secret, endpoint = gateway.storage_options["key"], gateway.storage_options["secret"], gateway.endpoint
     else:
-        key, secret, endpoint = "testing", "testing", moto_server
+        key, secret, endpoint = "testing", "testing", request.getfixturevalue("moto_server")
     for name, value in {
         "AWS_ACCESS_KEY_ID": key,
         "AWS_SECRET_ACCESS_KEY": secret,
@@ -118,7 +195,7 @@ def pytest_collection_modifyitems(config, items):
 
     def needs_radosgw(item) -> bool:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        return "radosgw" in getattr(item, "fixturenames", ()) or params.get("s3") == "radosgw"
+        return "radosgw" in getattr(item, "fixturenames", ()) or "radosgw" in (params.get("s3"), params.get("store"))
 
     on_radosgw = [item for item in items if needs_radosgw(item)]
     if on_radosgw:

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 import ckptio
 from ckptio.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptio.hf.format import HEADER_PROBE_BYTES, parse_header, parse_index
-from tests.conftest import S3_SERVERS
+from tests.conftest import STORES
 from tests.helpers import hf
 from tests.helpers.harness import spawn
 
@@ -338,9 +338,9 @@ def test_s3_loads_read_each_needed_byte_once(s3_proxy, s3, weights, layout, read
         assert needed > data and served <= 1.05 * needed + _probes(sizes), (served, needed)
 
 
-@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
-def test_the_exporters_files_on_s3_load_into_fsdp(s3, tmp_path):
-    base, options = s3
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_the_exporters_files_on_an_object_store_load_into_fsdp(store, tmp_path):
+    base, options = store
     out = f"{base}/exported"
     full = spawn(4, hf.exported_from, "dp_tp:2x2", str(tmp_path / "ck"), out, options)[0]
     assert "model.safetensors.index.json" in hf.file_names(out, options)

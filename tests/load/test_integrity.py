@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckptio
 from ckptio.tools.cli import main as cli_main
-from tests.conftest import S3_SERVERS
+from tests.conftest import S3_SERVERS, STORES, store_objects
 from tests.helpers.documents import STATE, fresh, saved
 from tests.helpers.faultproxy import Fault
 from tests.helpers.metadata_view import readable_metadata
@@ -57,18 +57,20 @@ def test_truncated_and_missing_data_files(tmp_path):
         ckptio.load(fresh(), url)
 
 
-@pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)
-def test_nonexistent_path_and_bucket(tmp_path, s3):
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_nonexistent_path_and_bucket(tmp_path, store):
     with pytest.raises(ckptio.CheckpointNotFoundError, match="does not exist"):
         ckptio.load(fresh(), str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ckptio.CheckpointNotFoundError, match="'ckptio.json' is missing"):
         ckptio.load(fresh(), str(tmp_path / "empty"))
-    _, options = s3
+    base, options = store
+    missing = f"{base.partition('://')[0]}://no-such-bucket-ckptio/x"
     with pytest.raises(ckptio.CheckpointNotFoundError, match="does not exist"):
-        ckptio.load(fresh(), "s3://no-such-bucket-ckptio/x", storage_options=options)
-    with pytest.raises(ckptio.StorageError, match="bucket 'no-such-bucket-ckptio' does not exist"):
-        ckptio.save(STATE, "s3://no-such-bucket-ckptio/x", storage_options=options)
+        ckptio.load(fresh(), missing, storage_options=options)
+    with pytest.raises(ckptio.StorageError, match="(bucket|container) 'no-such-bucket-ckptio' does not exist"):
+        ckptio.save(STATE, missing, storage_options=options)
+    assert store_objects(base, options) == {}
 
 
 @pytest.mark.parametrize("s3", S3_SERVERS, indirect=True)

@@ -16,6 +16,7 @@ import ckptio
 from ckptio.format.names import METADATA_NAME, data_file_name, parse_data_file_name
 from ckptio.storage import open_store
 from ckptio.tools.cli import main as cli_main
+from tests.conftest import cli_storage_options, object_store
 from tests.helpers import reshard_ranks
 from tests.helpers.documents import fresh, load_error, read_doc, read_stored_doc, rewrite_in_version, saved, write_doc
 from tests.helpers.faultproxy import PrefixRateLimit
@@ -40,11 +41,11 @@ def _same(loaded: dict, state: dict) -> bool:
 def _target(where: str, tmp_path, request) -> tuple[str, dict | None, list[str]]:
     if where == "local":
         return str(tmp_path / "ckpt"), None, []
-    base, options = request.getfixturevalue("s3")
-    return f"{base}/ckpt", options, ["--endpoint-url", options["client_kwargs"]["endpoint_url"]]
+    base, options = object_store(request, where)
+    return f"{base}/ckpt", options, cli_storage_options(options)
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", "s3", "gcs", "azure"])
 def test_a_spread_checkpoint_through_every_reader_and_cli_verb(where, tmp_path, request, capsys):
     url, options, cli_options = _target(where, tmp_path, request)
     state = _state()

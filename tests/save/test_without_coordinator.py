@@ -20,6 +20,7 @@ from ckptio.format.names import METADATA_NAME, fragment_name, parse_data_file_na
 from ckptio.storage import open_store
 from ckptio.tools.cleanup import find_garbage
 from ckptio.tools.cli import main as cli_main
+from tests.conftest import cli_storage_options, object_store
 from tests.helpers import fragment_ranks
 from tests.helpers.fragment_ranks import only_fragments
 from tests.helpers.harness import run_ranks, spawn
@@ -208,13 +209,13 @@ def test_saving_again_without_overwrite_is_refused_on_every_rank_and_with_it_rep
     assert sorted(find_garbage(open_store(url)).files) == [fragment_name(r, 4) for r in range(4)]
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", "s3", "gcs", "azure"])
 def test_a_fragment_checkpoint_through_every_reader_and_cli_verb(where, tmp_path, request, capsys):
     if where == "local":
         url, options, cli = str(tmp_path / "ckpt"), None, []
     else:
-        base, options = request.getfixturevalue("s3")
-        url, cli = f"{base}/ckpt", ["--endpoint-url", options["client_kwargs"]["endpoint_url"]]
+        base, options = object_store(request, where)
+        url, cli = f"{base}/ckpt", cli_storage_options(options)
     case = {**CASE, "save_world": 2, "save_mesh": [1, 2], "key_prefix": "hash", "storage_options": options}
     case["per_rank"] = False  # convert and export take one value per key
     case["save_placements"] = {"model.w": [("R",), ("S", 1)], "model.e": [("R",), ("S", 0)]}

@@ -18,8 +18,9 @@ import torch.distributed.checkpoint as dcp
 import ckptio
 from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, reference_marker_name
+from ckptio.storage import open_store
 from ckptio.tools.cli import main as cli_main
-from tests.conftest import s3_objects
+from tests.conftest import STORES, s3_objects, store_objects
 from tests.helpers import tiered
 from tests.helpers.harness import run_ranks, spawn
 
@@ -226,17 +227,17 @@ def test_a_save_whose_draining_base_never_arrives_is_committed_full_from_the_nod
 
 
 def _chain(options, url: str):
-    with fsspec.open(f"{url}/{METADATA_NAME}", "rb", **options) as f:
-        return json.loads(f.read()).get("chain")
+    return json.loads(open_store(url, options).read(METADATA_NAME)).get("chain")
 
 
-def test_saves_on_two_nodes_made_while_the_drain_lags_stay_incremental_and_load_exactly(s3, tmp_path):
-    base, options = s3
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_saves_on_two_nodes_made_while_the_drain_lags_stay_incremental_and_load_exactly(store, tmp_path):
+    base, options = store
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
     outcomes = spawn(4, tiered.save_while_draining, run, tiers, options, 3)
     assert all(o.endswith(" drained") and int(o.split()[0]) > 0 for o in outcomes), outcomes  # it did lag
     sizes = {
-        step: sum(n for key, n in s3_objects(options, f"{run}/step-{step}/").items() if key.endswith(".ckio"))
+        step: sum(n for key, n in store_objects(f"{run}/step-{step}", options).items() if key.endswith(".ckio"))
         for step in (1, 2, 3)
     }
     changed = 64 * 1024 * 4  # ``moving``: every other byte is referenced

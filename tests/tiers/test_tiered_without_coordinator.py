@@ -8,17 +8,20 @@ from __future__ import annotations
 import os
 import shutil
 
-from tests.conftest import s3_objects
+import pytest
+
+from tests.conftest import STORES, store_objects
 from tests.helpers import tiered
 from tests.helpers.harness import spawn
 
 
 def _names(options, url):
-    return sorted(key.rsplit("/", 1)[1] for key in s3_objects(options, url))
+    return sorted(key.rsplit("/", 1)[-1] for key in store_objects(url, options))
 
 
-def test_fragments_drain_merge_once_and_each_node_restarts_from_its_own_copy(s3, tmp_path):
-    base, options = s3
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_fragments_drain_merge_once_and_each_node_restarts_from_its_own_copy(store, tmp_path):
+    base, options = store
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
     config = {"mode": "replica_group", "tuning": {"inline_limit": 0}}  # a fragment keeps small items inline by default
     spawn(4, tiered.save_steps, run, tiers, (2, 2), [1], options, config, False)

@@ -1,0 +1,52 @@
+"""Two jobs saving to one fresh URL at once: on every object store exactly one commits (the store's own
+create-only precondition), the other is refused, and the URL loads the committed job's values."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+import ckptio
+from ckptio.format.names import METADATA_NAME
+from tests.conftest import STORES, store_objects
+
+ROUNDS = 5
+
+
+def _save_each_round(urls: list[str], options: dict, value: int, barrier, results) -> None:
+    state = {"w": torch.full((50_000,), float(value)), "who": value}
+    for round_, url in enumerate(urls):
+        barrier.wait()  # both jobs start each round's save together
+        try:
+            ckptio.save(state, url, storage_options=options)
+            results.put((round_, value, "committed"))
+        except ckptio.CheckpointExistsError:
+            results.put((round_, value, "refused"))
+        except Exception as exc:  # noqa: BLE001 - reported, and fails the test below
+            results.put((round_, value, f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_of_two_jobs_committing_to_one_url_at_once_exactly_one_succeeds(store):
+    base, options = store
+    context = multiprocessing.get_context("spawn")
+    urls = [f"{base}/race-{round_}" for round_ in range(ROUNDS)]
+    barrier, results = context.Barrier(2), context.Queue()
+    jobs = [context.Process(target=_save_each_round, args=(urls, options, who, barrier, results)) for who in (1, 2)]
+    for job in jobs:
+        job.start()
+    rounds: dict[int, dict[int, str]] = {}
+    for _ in range(2 * ROUNDS):
+        round_, who, outcome = results.get(timeout=120)
+        rounds.setdefault(round_, {})[who] = outcome
+    for job in jobs:
+        job.join(30)
+    for url, outcomes in zip(urls, (rounds[r] for r in range(ROUNDS)), strict=True):
+        assert sorted(outcomes.values()) == ["committed", "refused"], outcomes
+        (winner,) = [who for who, outcome in outcomes.items() if outcome == "committed"]
+        loaded = {"w": torch.zeros(50_000), "who": 0}
+        ckptio.load(loaded, url, storage_options=options)
+        assert loaded["who"] == winner and torch.equal(loaded["w"], torch.full((50_000,), float(winner)))
+        assert METADATA_NAME in store_objects(url, options)
