@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 import threading
 
@@ -29,7 +30,8 @@ STORES = ["moto", "radosgw", "gcs", "azure"]
 
 def _bucket_name(request) -> str:
     digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:10]
-    return f"ckptio-{request.node.originalname.lower().replace('_', '-')[:40]}-{digest}"
+    stem = request.node.originalname.lower().replace("_", "-")[:40].strip("-")
+    return f"ckptio-{re.sub('-+', '-', stem)}-{digest}"  # Azure refuses '--' in a container's name
 
 
 @pytest.fixture(scope="session")
@@ -161,6 +163,34 @@ def s3_proxy(s3):
     s3_checksums._endpoints.pop(proxy.url, None)
     s3_checksums._endpoints.pop(proxy.url.rstrip("/"), None)
     yield proxy, base, {**direct, "client_kwargs": {"endpoint_url": proxy.url}}
+    proxy.close()
+
+
+@pytest.fixture
+def store_proxy(store):
+    """The fault-injecting proxy in front of the ``store`` fixture's server (any of ``STORES``); yields
+    (proxy, base URL, storage_options via the proxy)."""
+    from ckptio.storage import s3_checksums
+    from tests.helpers.faultproxy import FaultProxy
+
+    base, direct = store
+    if "client_kwargs" in direct:  # S3
+        upstream = direct["client_kwargs"]["endpoint_url"]
+    elif "endpoint_url" in direct:  # GCS
+        upstream = direct["endpoint_url"]
+    else:  # Azure: the connection string's blob endpoint
+        upstream = direct["connection_string"].split("BlobEndpoint=")[1].split(";")[0]
+    proxy = FaultProxy(upstream)
+    s3_checksums._endpoints.pop(proxy.url, None)  # see s3_proxy
+    s3_checksums._endpoints.pop(proxy.url.rstrip("/"), None)
+    if "client_kwargs" in direct:
+        options = {**direct, "client_kwargs": {"endpoint_url": proxy.url}}
+    elif "endpoint_url" in direct:
+        options = {**direct, "endpoint_url": proxy.url}
+    else:
+        endpoint = upstream.split("://", 1)[1].split("/", 1)[0]
+        options = {"connection_string": direct["connection_string"].replace(endpoint, proxy.url.split("://")[1])}
+    yield proxy, base, options
     proxy.close()
 
 

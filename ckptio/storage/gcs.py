@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import secrets
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 from urllib.parse import quote
 
 import fsspec
@@ -81,26 +81,43 @@ class GCSStore(ObjectStore):
         body: Sequence[Any] | None = None,
         into: Sequence[memoryview] | None = None,
         reported_as: str | None = None,
+        check: Callable[[Any], Awaitable[None]] | None = None,
     ) -> Any:
         """One request, retried; its body as bytes, parsed JSON (``application/json``), or the count
-        of bytes copied into ``into``."""
-        session = await self._session()
+        of bytes copied into ``into``. ``check(answer)`` runs within each attempt (its error retries it)."""
 
         async def attempt() -> Any:
-            data = RequestBody(body) if body is not None else None
-            async with session.request(
-                method, url, params=params, headers=self.fs._get_headers(headers), data=data
-            ) as response:
-                if response.status >= 400:
-                    raise _answer(response.status, await response.read(), method, self.describe(name))
-                if into is not None:
-                    return await read_chunks_into(aiohttp_chunks(response.content), into, self.describe(name))
-                content = await response.read()
-                if response.content_type == "application/json" and content:
-                    return json.loads(content)
-                return content
+            answer = await self._once(method, name, url, params=params, headers=headers, body=body, into=into)
+            if check is not None:
+                await check(answer)
+            return answer
 
         return await self.retried(reported_as or method, name, attempt)
+
+    async def _once(
+        self,
+        method: str,
+        name: str,
+        url: str,
+        *,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+        body: Sequence[Any] | None = None,
+        into: Sequence[memoryview] | None = None,
+    ) -> Any:
+        session = await self._session()
+        data = RequestBody(body) if body is not None else None  # a fresh one per attempt
+        async with session.request(
+            method, url, params=params, headers=self.fs._get_headers(headers), data=data
+        ) as response:
+            if response.status >= 400:
+                raise _answer(response.status, await response.read(), method, self.describe(name))
+            if into is not None:
+                return await read_chunks_into(aiohttp_chunks(response.content), into, self.describe(name))
+            content = await response.read()
+            if response.content_type == "application/json" and content:
+                return json.loads(content)
+            return content
 
     def _run(self, operation: str, name: str, method: str, url: str, **kwargs: Any) -> Any:
         return self._sync(operation, name, self._call, method, name, url, reported_as=operation, **kwargs)
@@ -163,7 +180,17 @@ class GCSStore(ObjectStore):
         params = {"uploadType": "multipart"}
         if if_absent:
             params["ifGenerationMatch"] = "0"
-        answer = await self._call(
+
+        async def check(answer: Any) -> None:
+            try:
+                _check_crc32c(answer, crc, self.describe(name))
+            except StoreAnswer:
+                if if_absent:  # this attempt created it, damaged: remove that generation, so the retry may create it
+                    generation = {"ifGenerationMatch": str(answer["generation"])}
+                    await self._once("DELETE", name, self._object_url(name), params=generation)
+                raise
+
+        return await self._call(
             "POST",
             name,
             self._object_url(name, upload=True),
@@ -171,9 +198,8 @@ class GCSStore(ObjectStore):
             headers={"Content-Type": f"multipart/related; boundary={boundary}"},
             body=[head, *(data for data, _ in pieces), tail],
             reported_as="upload",
+            check=check,
         )
-        _check_crc32c(answer, crc, self.describe(name))
-        return answer
 
     def put_atomic(self, name: str, data: bytes) -> None:
         self._sync("upload", name, self._upload, name, self.key(name), [(data, None)])
@@ -233,17 +259,21 @@ class GCSStore(ObjectStore):
             "sourceObjects": [{"name": source} for source in sources],
             "destination": {"contentType": "application/octet-stream"},
         }
-        answer = await self._call(
+
+        async def check(answer: Any) -> None:
+            if int(answer.get("size", -1)) != size:
+                raise StorageError(f"compose {self.describe(name)}: {answer.get('size')} bytes, expected {size}")
+            _check_crc32c(answer, crc32c_value(crc), self.describe(name))
+
+        await self._call(
             "POST",
             name,
             url,
             headers={"Content-Type": "application/json"},
             body=[json.dumps(request).encode()],
             reported_as="compose",
+            check=check,
         )
-        if int(answer.get("size", -1)) != size:
-            raise StorageError(f"compose {self.describe(name)}: {answer.get('size')} bytes, expected {size}")
-        _check_crc32c(answer, crc32c_value(crc), self.describe(name))
 
 
 def _answer(status: int, content: bytes, method: str, where: str) -> StoreAnswer:

@@ -26,6 +26,7 @@ RETRYABLE_CODES = {
     "IncompleteBody",
     "XAmzContentSHA256Mismatch",
     "OperationTimedOut",  # Azure
+    "Md5Mismatch",  # Azure: a block or blob damaged in flight
     "500",
     "502",
     "503",
@@ -69,7 +70,10 @@ def store_answer(exc: BaseException | None) -> tuple[str, int | None] | None:
         return ("" if code is None else str(code)), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
     status = getattr(exc, "status_code", None)
     if isinstance(status, int) and type(exc).__module__.startswith("azure."):
-        return str(getattr(exc, "error_code", None) or status), status
+        code = str(getattr(exc, "error_code", None) or status)
+        if status == 400 and "contentmd5 doesn't match" in str(exc).lower():
+            code = "Md5Mismatch"  # Azurite's InvalidOperation for what Azure answers as Md5Mismatch
+        return code, status
     return None
 
 

@@ -29,6 +29,8 @@ ERROR_BODIES = {
     b"</Error>",
     500: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code><Message>We encountered an "
     b"internal error. Please try again.</Message></Error>",
+    429: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>TooManyRequests</Code><Message>Too many requests."
+    b"</Message></Error>",
     501: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NotImplemented</Code><Message>A header you provided "
     b"implies functionality that is not implemented.</Message></Error>",
     400: b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InvalidArgument</Code><Message>Unsupported header "
