@@ -35,6 +35,7 @@ def check_target(store: FsspecStore, overwrite: bool) -> list[str]:
     files = _committed_files(store, METADATA_NAME, decode_metadata)
     if files is not None and not overwrite:
         raise exists_error(store.describe(METADATA_NAME))
+    store.check_conditional_writes()
     return files or []
 
 
@@ -70,6 +71,7 @@ def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
     ``ckptio merge``), its data files are theirs and stay: the set still loads until each rank's new
     fragment replaces its own and deletes its files (``publish_fragment``); else they go with it."""
     files = _committed_files(store, METADATA_NAME, decode_metadata)
+    store.check_conditional_writes()
     if files is None:
         return
     if not overwrite:

@@ -113,6 +113,9 @@ class FsspecStore:
             raise FileExistsError(self.describe(name))
         self.put_atomic(name, data)
 
+    def check_conditional_writes(self) -> None:
+        """Object stores prove their create-only precondition before a save (``object_store.py``)."""
+
     def list_names(self, strict: bool = False, nested: bool = False) -> list[str] | None:
         """Names directly under the root (``nested``: of every file below it, a data file under its key
         prefix as ``xx/data-....ckio``), or ``None`` when the root does not exist. A failed listing is

@@ -56,6 +56,7 @@ def crc32c_value(crc: int) -> str:
 
 class GCSStore(ObjectStore):
     read_operation = "get"
+    precondition = "ifGenerationMatch=0"
 
     async def _session(self) -> Any:
         await self.fs._set_session()

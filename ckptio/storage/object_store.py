@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import secrets
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import fsspec
@@ -21,6 +22,10 @@ from ckptio.storage.retry import with_retries
 from ckptio.storage.throttle import AdaptiveLimit, limit_for
 
 T = TypeVar("T")
+
+#: The object ``check_conditional_writes`` creates twice (and deletes) in a checkpoint's folder.
+PROBE_PREFIX = ".ckptio-precondition-probe."
+_conditional_writes_proven: set = set()
 
 
 class PreconditionFailed(Exception):
@@ -95,6 +100,34 @@ class ObjectStore(FsspecStore):
             f"{operation} {self.describe(name)} failed after retries (up to {self.attempts} attempts within "
             f"{self.deadline_s:.0f}s): {type(exc).__name__}: {exc}"
         )
+
+    # --- the commit's precondition ----------------------------------------------------
+    def check_conditional_writes(self) -> None:
+        """Before a save writes anything: prove once per process and bucket that the store refuses a
+        create-only write over an existing object (an emulator or gateway may ignore the precondition,
+        and then two jobs saving to one URL would both commit). A probe object is created twice, then
+        deleted; a second create that succeeds is a ``StorageError``."""
+        key = (type(self), self.loop, id(self.fs), self.bucket)
+        if key in _conditional_writes_proven:
+            return
+        probe = f"{PROBE_PREFIX}{secrets.token_hex(8)}"
+        try:
+            self.put_if_absent(probe, b"ckptio checks that this store honours create-only writes")
+            try:
+                self.put_if_absent(probe, b"a second create, which the store must refuse")
+            except FileExistsError:
+                _conditional_writes_proven.add(key)
+                return
+        finally:
+            self.delete_best_effort([probe])
+        raise StorageError(
+            f"{self.url}: the store accepted a second create-only write of {self.describe(probe)} "
+            f"({self.precondition}): it ignores the precondition, so two jobs saving to one URL could both commit. "
+            "Nothing was saved. Use a store or emulator version that honours it (docs/stores.md)"
+        )
+
+    #: The store's create-only precondition, as its documentation spells it.
+    precondition = "If-None-Match: *"
 
     # --- reads ------------------------------------------------------------------------
     def prepare_directory(self) -> None:

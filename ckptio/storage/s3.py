@@ -55,6 +55,10 @@ def s3_storage_options(storage_options: dict[str, Any] | None) -> dict[str, Any]
 class S3Store(ObjectStore):
     read_operation = "get_object"
 
+    def check_conditional_writes(self) -> None:
+        """S3 answers a conditional PUT it does not implement with 501, which ``put_if_absent`` handles (one
+        warning, then check-then-write); no probe (its requests are counted per save)."""
+
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
         super().__init__(fs, root, url, config)
         self._unsigned: fsspec.AbstractFileSystem | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import collections
 import http.client
+import re
 import socket
 import threading
 import time
@@ -100,8 +101,8 @@ class Fault:
     reproducible), at most ``times`` times."""
 
     match: Callable[[Request], bool]
-    # 503, 501, 500, 403, 400, "drop", "stall", "flip" or "ignore_range" (forwarded without its Range header);
-    # a list is cycled through
+    # 503, 501, 500, 429, 403, 400, "drop", "stall", "flip", "ignore_range" (forwarded without its Range header)
+    # or "ignore_precondition" (a create-only write that succeeds over an existing object); a list is cycled through
     action: int | str | list
     fraction: float = 1.0
     times: int | None = None
@@ -209,9 +210,13 @@ class FaultProxy:
                     if self.command != "HEAD":
                         self.wfile.write(payload)
                     return
-                status, headers, data = proxy._forward(
-                    self.command, self.path, self.headers, body, drop=("range",) if action == "ignore_range" else ()
-                )
+                target, drop = self.path, ("range",) if action == "ignore_range" else ()
+                if action == "ignore_precondition":  # as a store that does not implement it
+                    target = re.sub(r"[?&]ifGenerationMatch=0", "", target)
+                status, headers, data = proxy._forward(self.command, target, self.headers, body, drop=drop)
+                if action == "ignore_precondition" and status in (409, 412):
+                    # If-None-Match is signed (Azure, S3): it reaches the store, whose refusal is hidden
+                    status, headers, data = 201, [("Content-Type", "application/octet-stream")], b""
                 with proxy.lock:
                     proxy.stats.answers[req.operation, status] += 1
                 if req.operation == "GET" and status in (200, 206):

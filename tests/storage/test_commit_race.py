@@ -11,6 +11,7 @@ import torch
 import ckptio
 from ckptio.format.names import METADATA_NAME
 from tests.conftest import STORES, store_objects
+from tests.helpers.faultproxy import Fault
 
 ROUNDS = 5
 
@@ -50,3 +51,15 @@ def test_of_two_jobs_committing_to_one_url_at_once_exactly_one_succeeds(store):
         ckptio.load(loaded, url, storage_options=options)
         assert loaded["who"] == winner and torch.equal(loaded["w"], torch.full((50_000,), float(winner)))
         assert METADATA_NAME in store_objects(url, options)
+
+
+@pytest.mark.parametrize("store", ["gcs", "azure"], indirect=True)
+def test_a_store_that_ignores_the_create_only_precondition_is_refused_before_anything_is_written(store_proxy):
+    proxy, base, options = store_proxy
+    proxy.faults.append(Fault(lambda r: True, "ignore_precondition"))
+    with pytest.raises(ckptio.StorageError, match="ignores the precondition.*Nothing was saved"):
+        ckptio.save({"w": torch.ones(3)}, f"{base}/unsafe", storage_options=options)
+    assert store_objects(base, options) == {}
+    proxy.faults.clear()
+    ckptio.save({"w": torch.ones(3)}, f"{base}/safe", storage_options=options)
+    assert METADATA_NAME in store_objects(f"{base}/safe", options)
