@@ -41,14 +41,14 @@ $(WHEEL_VENV)/.installed: pyproject.toml setup.py Makefile $(VENV)/.installed
 wheel: $(VENV)/.installed
 	rm -rf $(WHEEL_DIR) build/lib && $(PY) -m pip wheel -q --no-deps --no-build-isolation -w $(WHEEL_DIR) .
 
-.PHONY: bench test test-fast test-torch-newest lint radosgw
+.PHONY: bench test test-fast test-torch-newest lint radosgw azurite
 bench: $(VENV)/.installed
 	$(VENV)/bin/ckptio bench $(ARGS)
 
 # Lint and format checks first: seconds, and they fail before minutes of tests. radosgw's packages
 # install meanwhile (independent of the venv the lint step builds on first use).
 test:
-	@$(MAKE) --no-print-directory radosgw & \
+	@$(MAKE) --no-print-directory radosgw & $(MAKE) --no-print-directory azurite & \
 	$(MAKE) --no-print-directory lint && wait && $(PY) -m pytest -q $(ARGS) && \
 	$(MAKE) --no-print-directory test-installed && \
 	$(MAKE) --no-print-directory test-torch-newest
@@ -84,3 +84,11 @@ lint: $(VENV)/.installed
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+# Azurite, the Azure Blob emulator the Azure tests and `ckptio bench --target azure` run against (npm, ~20 s
+# once, into .azurite/). Without npm, its tests skip and say so. fake-gcs-server comes with the test extra.
+AZURITE_VERSION ?= 3.37.0
+azurite:
+	@[ -x .azurite/node_modules/.bin/azurite-blob ] || { command -v npm >/dev/null && \
+	  npm install -s --no-audit --no-fund --prefix .azurite azurite@$(AZURITE_VERSION) >/dev/null; } || \
+	  echo "Azurite not installed: its tests will skip (npm install --prefix .azurite azurite)"

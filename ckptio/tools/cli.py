@@ -15,7 +15,10 @@ from ckptio.errors import CheckpointError
 def _storage_options(args: argparse.Namespace) -> dict:
     options = json.loads(args.storage_options) if args.storage_options else {}
     if getattr(args, "endpoint_url", None):
-        options.setdefault("client_kwargs", {})["endpoint_url"] = args.endpoint_url
+        if str(getattr(args, "url", "")).startswith(("gs://", "gcs://")):
+            options["endpoint_url"] = args.endpoint_url  # gcsfs's own option
+        else:
+            options.setdefault("client_kwargs", {})["endpoint_url"] = args.endpoint_url
     return options
 
 
@@ -245,7 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
     def with_url(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("url", help="checkpoint location (path, file://, s3://, memory://...)")
         p.add_argument("--storage-options", help="fsspec storage_options as JSON")
-        p.add_argument("--endpoint-url", help="S3-compatible endpoint (shortcut for client_kwargs.endpoint_url)")
+        p.add_argument(
+            "--endpoint-url", help="S3-compatible or GCS endpoint (client_kwargs.endpoint_url; gcsfs's endpoint_url)"
+        )
         return p
 
     p = with_url(sub.add_parser("inspect", help="show what a checkpoint holds"))
