@@ -86,6 +86,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--s3", help="s3://bucket/prefix to benchmark (standard AWS credentials)")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint for --s3")
     p.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        help="a further store to benchmark, repeatable: gcs or azure (fake-gcs-server or Azurite, started on "
+        "127.0.0.1 by this run), or a gs://bucket/prefix or az://container/prefix URL (credentials: "
+        "--storage-options, else Application Default Credentials / DefaultAzureCredential). With --target "
+        "alone, the local and moto defaults do not run",
+    )
+    p.add_argument("--storage-options", help="fsspec storage_options as JSON, for --target URLs")
+    p.add_argument(
         "--radosgw",
         action="store_true",
         help="also benchmark a Ceph radosgw this run starts on 127.0.0.1 (a one-node in-memory cluster; Debian "
@@ -186,7 +196,8 @@ def targets_for(args: argparse.Namespace):
     run_id = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     with contextlib.ExitStack() as stack:
         targets = []
-        if args.path or not args.s3:
+        defaults = not (args.s3 or args.path or args.target)
+        if args.path or defaults:
             base = args.path or stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptio-bench-"))
             targets.append(
                 {"name": "local", "kind": "local", "base": os.path.join(base, run_id), "embedded": not args.path}
@@ -204,7 +215,8 @@ def targets_for(args: argparse.Namespace):
             )
         if args.radosgw:
             targets.append(_radosgw_target(stack, run_id))
-        if not args.s3 and not args.path:
+        targets += [_store_target(stack, args, target, run_id) for target in args.target]
+        if defaults:
             endpoint = stack.enter_context(local_s3_server())
             use_test_credentials()
             create_bucket(endpoint, "ckptio-bench")
@@ -219,6 +231,35 @@ def targets_for(args: argparse.Namespace):
                 }
             )
         yield targets
+
+
+def _store_target(stack: contextlib.ExitStack, args: argparse.Namespace, target: str, run_id: str) -> dict:
+    """``--target``: an emulator this run starts (``gcs``, ``azure``), or a bucket's URL."""
+    from . import emulators
+
+    kinds = {"gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+    if "://" in target:
+        kind = kinds.get(target.partition("://")[0])
+        if kind is None:
+            usage_error(f"--target {target}: a gs:// or az:// URL, or gcs or azure (the emulators)")
+        options = json.loads(args.storage_options) if args.storage_options else {}
+        base = f"{target.rstrip('/')}/{run_id}"
+        return {"name": kind, "kind": kind, "base": base, "storage_options": options, "embedded": False}
+    try:
+        if target == "gcs":
+            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # gcsfs 2026.10 probes a new bucket
+            endpoint = stack.enter_context(emulators.local_gcs_server())
+            emulators.create_gcs_bucket(endpoint, "ckptio-bench")
+            options, name, url = emulators.gcs_options(endpoint), "gcs (fake-gcs-server)", "gs://ckptio-bench"
+        elif target == "azure":
+            connection_string = stack.enter_context(emulators.local_azure_server())
+            emulators.create_azure_container(connection_string, "ckptio-bench")
+            options, name, url = emulators.azure_options(connection_string), "azure (Azurite)", "az://ckptio-bench"
+        else:
+            usage_error(f"--target {target}: gcs, azure, or a gs:// or az:// URL")
+    except emulators.Unavailable as exc:
+        usage_error(f"--target {target}: {exc}")
+    return {"name": name, "kind": target, "base": f"{url}/{run_id}", "storage_options": options, "embedded": True}
 
 
 def _radosgw_target(stack: contextlib.ExitStack, run_id: str) -> dict:

@@ -13,11 +13,14 @@ from ckptio.torch_seam import FsspecReader, FsspecWriter
 
 from . import usage_error
 
+#: The kinds of object-store target (``__main__.targets_for``).
+OBJECT_STORES = ("s3", "gcs", "azure")
+
 
 @dataclass(frozen=True)
 class WriterSpec:
     name: str
-    targets: tuple[str, ...]  # "local", "s3"
+    targets: tuple[str, ...]  # "local", "s3", "gcs", "azure"
     make_writer: Callable[[str, dict | None], object]
     make_reader: Callable[[str, dict | None], object]
     make_planner: Callable[[], object | None] = lambda: None
@@ -30,7 +33,7 @@ def _ckptio(mode: str, compression: str | None = None) -> WriterSpec:
     suffix = f"+{compression}" if compression else ""
     return WriterSpec(
         f"ckptio {mode}{suffix}",
-        ("local", "s3"),
+        ("local", *OBJECT_STORES),
         lambda url, opts: ckptio.Writer(
             url, ckptio.WriterConfig(mode=mode, compression=compression), storage_options=opts
         ),
@@ -44,13 +47,13 @@ def _without_coordinator(spec: WriterSpec) -> WriterSpec:
 
 
 def _torch_writer(url: str, opts: dict | None):
-    if url.startswith("s3://"):
+    if "://" in url:
         return FsspecWriter(url, **(opts or {}))
     return dcp.FileSystemWriter(url)
 
 
 def _torch_reader(url: str, opts: dict | None):
-    if url.startswith("s3://"):
+    if "://" in url:
         return FsspecReader(url, **(opts or {}))
     return dcp.FileSystemReader(url)
 
@@ -72,10 +75,10 @@ WRITERS = [
     WriterSpec("torch FileSystemWriter+zstd", ("local",), _torch_zstd_writer, _torch_reader),
     WriterSpec(
         "torch FsspecWriter",
-        ("local", "s3"),
+        ("local", *OBJECT_STORES),
         lambda url, opts: FsspecWriter(url, **(opts or {})),
         lambda url, opts: FsspecReader(url, **(opts or {})),
-        default_targets=("s3",),  # locally, FileSystemWriter is torch's writer
+        default_targets=OBJECT_STORES,  # locally, FileSystemWriter is torch's writer
     ),
     WriterSpec(
         "torch dedup_save_to_lowest_rank",
