@@ -2,13 +2,16 @@
 from the user's ``storage_options`` (adlfs's meaning: ``connection_string``, ``account_name`` with
 ``account_key``, ``sas_token`` or ``credential``; without them, ``DefaultAzureCredential``), every request
 retried by ckptio's one policy (the SDK's own retries are off per request: ``retry_total=0``). The commit is
-a create-only upload (``If-None-Match: *``); each upload carries its MD5 (``validate_content``), which the
-service checks; data objects go up as blocks staged in parallel (Put Block), then committed in order (Put
+a create-only upload (``If-None-Match: *``); each upload carries its MD5 (``Content-MD5``), which the
+service checks, computed in a worker thread (the SDK's ``validate_content`` hashes on the event loop, one
+block at a time); data objects go up as blocks staged in parallel (Put Block), then committed in order (Put
 Block List)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import hashlib
 import logging
 import secrets
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
@@ -27,6 +30,9 @@ MAX_BLOCKS = 50_000
 MAX_BLOCK_BYTES = 4000 << 20
 #: Requests made here are retried by ``retry.with_retries`` alone.
 NO_SDK_RETRIES = {"retry_total": 0}
+#: The SDK splits a single upload above this many bytes into blocks of its own (its max_single_put_size):
+#: a larger object goes up as blocks here, each with its own MD5.
+MAX_SINGLE_PUT_BYTES = 64 << 20
 
 
 def azure_filesystem(storage_options: dict[str, Any] | None) -> fsspec.AbstractFileSystem:
@@ -103,17 +109,18 @@ class AzureStore(ObjectStore):
         return self._run("download", name, download)
 
     def _put(self, name: str, pieces: Sequence[Any], overwrite: bool) -> None:
-        self._run(
-            "upload",
-            name,
-            lambda b: b.upload_blob(
-                _joined(pieces),
-                overwrite=overwrite,
-                validate_content=True,
-                max_concurrency=1,
-                **NO_SDK_RETRIES,
-            ),
-        )
+        async def put() -> None:
+            data = _joined(pieces)
+            md5 = await content_md5(data)
+            await self._call(
+                "upload",
+                name,
+                lambda b: b.upload_blob(
+                    data, overwrite=overwrite, max_concurrency=1, headers={"Content-MD5": md5}, **NO_SDK_RETRIES
+                ),
+            )
+
+        self._sync("upload", name, put)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         self._put(name, [data], overwrite=True)
@@ -152,6 +159,12 @@ class AzureStore(ObjectStore):
         return await self._call(self.read_operation, name, download)
 
 
+async def content_md5(data: bytes) -> str:
+    """The ``Content-MD5`` of ``data``, hashed in a worker thread (hashlib releases the GIL)."""
+    digest = await asyncio.to_thread(lambda: hashlib.md5(data, usedforsecurity=False).digest())
+    return base64.b64encode(digest).decode("ascii")
+
+
 def _joined(pieces: Sequence[Any]) -> bytes:
     """The pieces as one ``bytes`` (the SDK hashes and sends a body it holds whole): one copy."""
     return b"".join(pieces)
@@ -184,17 +197,19 @@ class BlockSink(PartStream):
         # concurrent writer's uncommitted blocks apart.
         block_id = base64.b64encode(f"{self.upload_id}-{len(self.block_ids):06d}".encode()).decode("ascii")
         self.block_ids.append(block_id)
-        data = _joined([p for p, _ in pieces])
-        self.submit(
-            self.store._call(
-                "stage block",
-                self.name,
-                lambda b: b.stage_block(block_id, data, length=len(data), validate_content=True, **NO_SDK_RETRIES),
-            )
+        self.submit(self._stage(block_id, [p for p, _ in pieces]))
+
+    async def _stage(self, block_id: str, pieces: list[memoryview]) -> None:
+        data = _joined(pieces)
+        headers = {"Content-MD5": await content_md5(data)}
+        await self.store._call(
+            "stage block",
+            self.name,
+            lambda b: b.stage_block(block_id, data, length=len(data), headers=headers, **NO_SDK_RETRIES),
         )
 
     def close(self) -> None:
-        if not self.parts:
+        if not self.parts and self.pending_bytes <= MAX_SINGLE_PUT_BYTES:
             self.store._put(self.name, [p for p, _ in self.take_rest()], overwrite=True)
             return
         if self.pending:
