@@ -11,11 +11,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptio
+from ckptio.config import StorageConfig
 from ckptio.format.names import METADATA_NAME
 from ckptio.legacy.v1 import pack_counts
+from ckptio.storage import open_store
 from ckptio.tools.cli import main as cli_main
 from ckptio.tools.inspection import open_checkpoint
-from tests.conftest import S3_SERVERS, s3_client
+from tests.conftest import S3_SERVERS, cli_storage_options, object_store, s3_client, store_objects
 from tests.helpers.documents import STATE, meta_path, read_doc, saved, saved_with_dcp, write_doc
 from tests.helpers.faultproxy import Fault
 
@@ -166,3 +168,21 @@ def test_gc_delete_lists_what_it_could_not_delete_and_exits_non_zero(s3_proxy, c
     assert cli_main(argv) == 0  # once the store allows it, the same command finishes the job
     keys = [o["Key"] for o in s3_client(options).list_objects_v2(Bucket=bucket)["Contents"]]
     assert orphan not in keys
+
+
+def test_gc_lists_and_removes_the_parts_a_killed_gcs_save_left_uncomposed(request, capsys):
+    base, options = object_store(request, "gcs")
+    url = f"{base}/step-5"
+    ckptio.save({"w": torch.ones(10)}, url, storage_options=options)
+    store = open_store(url, options, StorageConfig(part_size=5 << 20))
+    sink = store.open_sink("data-00000000000000aa-r00001.ckio")
+    sink.write(bytes(8 << 20))  # one part sent; the process dies before close
+    sink.results("upload")
+    cli = cli_storage_options(options)
+    assert cli_main(["gc", url, *cli]) == 0
+    assert "unfinished upload" in capsys.readouterr().out
+    assert cli_main(["gc", url, "--delete", *cli]) == 0
+    assert not [name for name in store_objects(url, options) if ".ckptio-part." in name]
+    out = {"w": torch.zeros(10)}
+    ckptio.load(out, url, storage_options=options)
+    assert torch.equal(out["w"], torch.ones(10))
