@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any, Callable
 
 from . import usage_error
 from .workload import parse_size
@@ -218,11 +219,22 @@ def _ranges(size: int) -> tuple[list[int], list[int]]:
 
 def measure_one(client: str, server: dict, size: int, part: int, repeats: int, signed: bool) -> dict:
     """In this process: ``repeats`` uploads and downloads with ``client`` (one untimed first)."""
+
+    impl = IMPLEMENTATIONS[client](server, signed, part)
+    return {
+        "client": client,
+        "signed": signed,
+        **timed_transfers(impl, size, repeats, lambda key: _delete(server, key)),
+    }
+
+
+def timed_transfers(impl: Any, size: int, repeats: int, delete: Callable[[str], None] | None = None) -> dict:
+    """``repeats`` uploads and downloads of ``size`` random bytes through ``impl`` (one untimed first), each
+    read back checked; CPU seconds per GiB and MB/s of each, median, min and max."""
     import numpy as np
 
     data = memoryview(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)).cast("B")
     out = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
-    impl = IMPLEMENTATIONS[client](server, signed, part)
     rows = []
     for rep in range(repeats + 1):
         key = f"{uuid.uuid4().hex}"
@@ -233,8 +245,9 @@ def measure_one(client: str, server: dict, size: int, part: int, repeats: int, s
         impl.download(key, out)
         down_cpu, down_s = _cpu() - cpu, time.monotonic() - wall
         if out != data:
-            raise AssertionError(f"{client}: the object read back differs from the one written")
-        _delete(server, key)
+            raise AssertionError(f"{type(impl).__name__}: the object read back differs from the one written")
+        if delete is not None:
+            delete(key)
         if rep:  # the first includes connection setup and imports on first use
             rows.append((up_cpu, up_s, down_cpu, down_s))
     gib = size / (1 << 30)
@@ -243,8 +256,6 @@ def measure_one(client: str, server: dict, size: int, part: int, repeats: int, s
         return [statistics.median(values), min(values), max(values)]
 
     return {
-        "client": client,
-        "signed": signed,
         "upload_cpu_s_per_gib": stat([r[0] / gib for r in rows]),
         "upload_mb_s": stat([size / r[1] / 1e6 for r in rows]),
         "download_cpu_s_per_gib": stat([r[2] / gib for r in rows]),
@@ -316,10 +327,12 @@ def _create_bucket(server: dict) -> None:
         s3.create_bucket(Bucket=BUCKET)
 
 
-def table(rows: list[dict]) -> str:
-    def cell(values: list[float], digits: int) -> str:
-        return f"{values[0]:.{digits}f} ({values[1]:.{digits}f}-{values[2]:.{digits}f})"
+def cell(values: list[float], digits: int) -> str:
+    """``median (min-max)``."""
+    return f"{values[0]:.{digits}f} ({values[1]:.{digits}f}-{values[2]:.{digits}f})"
 
+
+def table(rows: list[dict]) -> str:
     lines = [
         "| server | client | payload | upload CPU-s/GiB | upload MB/s | download CPU-s/GiB | download MB/s |",
         "|---|---|---|---|---|---|---|",

@@ -17,15 +17,12 @@ import contextlib
 import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import uuid
 
 from . import emulators, usage_error
-from .s3_clients import CONCURRENCY, WRITE_BYTES, _cpu, _ranges
+from .s3_clients import CONCURRENCY, WRITE_BYTES, _ranges, cell, timed_transfers
 from .workload import parse_size
 
 CLIENTS = {
@@ -184,36 +181,7 @@ IMPLEMENTATIONS = {
 
 def measure_one(client: str, server: dict, size: int, part: int, repeats: int) -> dict:
     """In this process: ``repeats`` uploads and downloads with ``client`` (one untimed first)."""
-    import numpy as np
-
-    data = memoryview(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)).cast("B")
-    out = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
-    impl = IMPLEMENTATIONS[client](server, part)
-    rows = []
-    for rep in range(repeats + 1):
-        key = uuid.uuid4().hex
-        cpu, wall = _cpu(), time.monotonic()
-        impl.upload(key, data)
-        up_cpu, up_s = _cpu() - cpu, time.monotonic() - wall
-        cpu, wall = _cpu(), time.monotonic()
-        impl.download(key, out)
-        down_cpu, down_s = _cpu() - cpu, time.monotonic() - wall
-        if out != data:
-            raise AssertionError(f"{client}: the object read back differs from the one written")
-        if rep:  # the first includes connection setup and imports on first use
-            rows.append((up_cpu, up_s, down_cpu, down_s))
-    gib = size / (1 << 30)
-
-    def stat(values: list[float]) -> list[float]:
-        return [statistics.median(values), min(values), max(values)]
-
-    return {
-        "client": client,
-        "upload_cpu_s_per_gib": stat([r[0] / gib for r in rows]),
-        "upload_mb_s": stat([size / r[1] / 1e6 for r in rows]),
-        "download_cpu_s_per_gib": stat([r[2] / gib for r in rows]),
-        "download_mb_s": stat([size / r[3] / 1e6 for r in rows]),
-    }
+    return {"client": client, **timed_transfers(IMPLEMENTATIONS[client](server, part), size, repeats)}
 
 
 @contextlib.contextmanager
@@ -232,9 +200,6 @@ def _servers(stores: list[str]):
 
 
 def table(rows: list[dict]) -> str:
-    def cell(values: list[float], digits: int) -> str:
-        return f"{values[0]:.{digits}f} ({values[1]:.{digits}f}-{values[2]:.{digits}f})"
-
     lines = [
         "| server | client | upload CPU-s/GiB | upload MB/s | download CPU-s/GiB | download MB/s |",
         "|---|---|---|---|---|---|",

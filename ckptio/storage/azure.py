@@ -83,21 +83,16 @@ class AzureStore(ObjectStore):
         if code == "BlobAlreadyExists" or status in (409, 412):
             return PreconditionFailed(self.describe(name))
         if status in (401, 403):
-            return StorageError(
-                f"access denied: {operation} {self.describe(name)} ({status} {code}); check the credentials in "
-                "storage_options (connection_string, account_name with account_key, sas_token, credential) or "
-                "the environment DefaultAzureCredential reads, and the roles docs/stores.md lists"
+            return self.access_denied(
+                operation,
+                name,
+                (code, status),
+                "storage_options connection_string, account_name with account_key, sas_token or credential, "
+                "or the environment DefaultAzureCredential reads",
             )
         return self.failed_after_retries(operation, name, exc)
 
     # --- small objects ------------------------------------------------------------------
-    def exists(self, name: str) -> bool:
-        try:
-            self.size(name)
-            return True
-        except FileNotFoundError:
-            return False
-
     def size(self, name: str) -> int:
         return int(self._run("properties", name, lambda b: b.get_blob_properties(**NO_SDK_RETRIES)).size)
 
@@ -137,13 +132,6 @@ class AzureStore(ObjectStore):
             self._run("delete", name, lambda b: b.delete_blob(**NO_SDK_RETRIES))
         except FileNotFoundError:
             pass
-
-    def delete_best_effort(self, names: Sequence[str]) -> None:
-        for name in names:
-            try:
-                self.remove(name)
-            except StorageError as exc:
-                log.warning("ckptio: could not delete superseded %s: %s", self.describe(name), exc)
 
     # --- data objects -------------------------------------------------------------------
     def open_sink(self, name: str) -> "BlockSink":

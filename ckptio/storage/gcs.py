@@ -77,18 +77,14 @@ class GCSStore(ObjectStore):
         name: str,
         url: str,
         *,
-        params: dict[str, str] | None = None,
-        headers: dict[str, str] | None = None,
-        body: Sequence[Any] | None = None,
-        into: Sequence[memoryview] | None = None,
         reported_as: str | None = None,
         check: Callable[[Any], Awaitable[None]] | None = None,
+        **request: Any,
     ) -> Any:
-        """One request, retried; its body as bytes, parsed JSON (``application/json``), or the count
-        of bytes copied into ``into``. ``check(answer)`` runs within each attempt (its error retries it)."""
+        """``_once``, retried. ``check(answer)`` runs within each attempt (its error retries it)."""
 
         async def attempt() -> Any:
-            answer = await self._once(method, name, url, params=params, headers=headers, body=body, into=into)
+            answer = await self._once(method, name, url, **request)
             if check is not None:
                 await check(answer)
             return answer
@@ -106,6 +102,8 @@ class GCSStore(ObjectStore):
         body: Sequence[Any] | None = None,
         into: Sequence[memoryview] | None = None,
     ) -> Any:
+        """One request; its body as bytes, parsed JSON (``application/json``), or the count of bytes copied
+        into ``into``."""
         session = await self._session()
         data = RequestBody(body) if body is not None else None  # a fresh one per attempt
         async with session.request(
@@ -141,23 +139,18 @@ class GCSStore(ObjectStore):
         if status == 412:
             return PreconditionFailed(self.describe(name))
         if status in (401, 403):
-            return StorageError(
-                f"access denied: {operation} {self.describe(name)} ({status} {code}); check the credentials "
-                "(storage_options token=..., or Application Default Credentials: GOOGLE_APPLICATION_CREDENTIALS, "
-                "gcloud auth application-default login) and that they hold the roles docs/stores.md lists"
+            return self.access_denied(
+                operation,
+                name,
+                (code, status),
+                "storage_options token=..., or Application Default Credentials: GOOGLE_APPLICATION_CREDENTIALS, "
+                "gcloud auth application-default login",
             )
         return self.failed_after_retries(operation, name, exc)
 
     # --- small objects ------------------------------------------------------------------
     def _metadata(self, name: str) -> dict:
         return self._run("get", name, "GET", self._object_url(name))
-
-    def exists(self, name: str) -> bool:
-        try:
-            self._metadata(name)
-            return True
-        except FileNotFoundError:
-            return False
 
     def size(self, name: str) -> int:
         return int(self._metadata(name)["size"])
@@ -217,13 +210,6 @@ class GCSStore(ObjectStore):
             self._run("delete", name, "DELETE", self._object_url(name))
         except FileNotFoundError:
             pass
-
-    def delete_best_effort(self, names: Sequence[str]) -> None:
-        for name in names:
-            try:
-                self.remove(name)
-            except StorageError as exc:
-                log.warning("ckptio: could not delete superseded %s: %s", self.describe(name), exc)
 
     def open_uploads(self) -> list[tuple[str, str]]:
         """Parts a save left uncomposed, one entry per data object and upload id."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import secrets
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
@@ -21,6 +22,7 @@ from ckptio.storage.base import FsspecStore, RangeRequest, ReadRequest
 from ckptio.storage.retry import with_retries
 from ckptio.storage.throttle import AdaptiveLimit, limit_for
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: The object ``check_conditional_writes`` creates twice (and deletes) in a checkpoint's folder.
@@ -95,11 +97,34 @@ class ObjectStore(FsspecStore):
         except Exception as exc:
             raise self._translate(exc, operation, name) from exc
 
+    def access_denied(
+        self, operation: str, name: str, answer: tuple[str, int | None], credentials: str
+    ) -> StorageError:
+        code, status = answer
+        return StorageError(
+            f"access denied: {operation} {self.describe(name)} ({status} {code}); check the credentials "
+            f"({credentials}) and that they hold the permissions docs/stores.md lists"
+        )
+
     def failed_after_retries(self, operation: str, name: str, exc: BaseException) -> StorageError:
         return StorageError(
             f"{operation} {self.describe(name)} failed after retries (up to {self.attempts} attempts within "
             f"{self.deadline_s:.0f}s): {type(exc).__name__}: {exc}"
         )
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.size(name)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def delete_best_effort(self, names: Sequence[str]) -> None:
+        for name in names:
+            try:
+                self.remove(name)
+            except StorageError as exc:
+                log.warning("ckptio: could not delete superseded %s: %s", self.describe(name), exc)
 
     # --- the commit's precondition ----------------------------------------------------
     def check_conditional_writes(self) -> None:

@@ -203,10 +203,13 @@ class Commit:
     save_id: str | None = None
 
     rebase: Rebase | None = None  # made against a base still draining: the save made full, should it not arrive
+    #: referenced base files other ranks upload for this commit (a resumed drain's, ``latest._missing_bases``)
+    uploaded_bases: list[str] = dataclasses.field(default_factory=list)
 
     def run(self, deadline: float) -> None:
         store = self.durable.store()
         wait_for_files(store, self.durable.url, self.files, self.writers, deadline)
+        _wait_for_bases(store, self.durable.url, {n: self.files[n] for n in self.uploaded_bases}, deadline)
         document, files = self.document, self.files
         if self.references is not None and self.rebase is not None and missing_references(store, self.files):
             log.warning(
@@ -255,6 +258,30 @@ def wait_for_files(
         )
 
     _poll(arrived, deadline, late)
+
+
+def _wait_for_bases(store: FsspecStore, url: str, files: dict[str, int], deadline: float) -> None:
+    """Wait until each referenced base file of ``files`` (``../<step>/<name>``) is on the durable tier at its size."""
+    missing = sorted(files)
+
+    def arrived() -> bool:
+        missing[:] = [n for n in missing if not _has(store, n, files[n])]
+        return not missing
+
+    def late() -> DrainError:
+        return DrainError(
+            f"the base files {', '.join(missing[:8])} that {url} references were not uploaded in time from the "
+            "nodes' copies; the step is not committed, and ckptio.latest(...) tries again on the next start"
+        )
+
+    _poll(arrived, deadline, late)
+
+
+def _has(store: FsspecStore, name: str, size: int) -> bool:
+    try:
+        return store.size(name) == size
+    except FileNotFoundError:
+        return False
 
 
 @dataclasses.dataclass

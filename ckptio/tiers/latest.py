@@ -213,12 +213,16 @@ def _resume(
         for n in missing
         if uploader[n] == group.rank
     ]
-    mine += _missing_bases(group, durable, manifest, local_run)
+    bases, named = _missing_bases(group, durable, manifest, local_run)
+    mine += bases
+    # the holder's commit checks that every referenced file is there: it waits for those any rank uploads now
+    uploaded_bases = sorted({name for names in group.all(named) for name in names})
     writers = dict(manifest.header.writer_ranks)
     references = references_of(manifest.header)
     node = os.path.join(local_run, step)
     save_id = manifest.header.save_id
     commit = Commit(durable, document, manifest.files, writers, [], False, references, node, save_id)
+    commit.uploaded_bases = uploaded_bases
     # Every node that holds a copy notes the commit, not the holder's alone (a restarted node may hold none):
     # once the URL is deleted, a copy on a node without the note would look live (``node_notes.deleted``).
     holds_copy = bool(views[group.rank].documents) and group.rank != holder
@@ -252,13 +256,16 @@ def _await_resumed_commit(durable: Durable, manifest: Manifest, node: str) -> Aw
     return AwaitCommit(durable, "", manifest.header.created_unix, node, listed=False)
 
 
-def _missing_bases(group: "_Group", durable: Durable, manifest: Manifest, local_run: str) -> list[Upload]:
+def _missing_bases(
+    group: "_Group", durable: Durable, manifest: Manifest, local_run: str
+) -> tuple[list[Upload], list[str]]:
     """This rank's uploads of the base files ``manifest`` references that the durable tier lacks (a save made
-    while its base drained, both cut off): each from the node's copy of its base step, by the rank that wrote
-    it, where that copy is still there (else the commit finds it missing and fails, naming it)."""
+    while its base drained, both cut off), and those files' names in ``manifest``: each from the node's copy
+    of its base step, by the rank that wrote it, where that copy is still there (else the commit finds it
+    missing and fails, naming it)."""
     run = durable.url.rsplit("/", 1)[0]
     records = manifest.records()
-    uploads = []
+    uploads, uploaded = [], []
     for sibling, names in sorted(by_sibling(manifest.files).items()):
         base = dataclasses.replace(durable, url=f"{run}/{sibling}")
         present = group.one_rank(lambda base=base: base.store().list_sizes() or {})
@@ -271,7 +278,8 @@ def _missing_bases(group: "_Group", durable: Durable, manifest: Manifest, local_
             if os.path.exists(path) and os.path.getsize(path) >= size:
                 segments = durable_segments(records, named, size, manifest.extents)
                 uploads.append(Upload(base, path, name, segments, resumed=True))
-    return uploads
+                uploaded.append(named)
+    return uploads, uploaded
 
 
 def _checked(local: FsspecStore, manifest: Manifest, group: "_Group") -> tuple[LocalCopies, list]:
