@@ -114,7 +114,8 @@ class GCSStore(ObjectStore):
             if into is not None:
                 return await read_chunks_into(aiohttp_chunks(response.content), into, self.describe(name))
             content = await response.read()
-            if response.content_type == "application/json" and content:
+            media = (params or {}).get("alt") == "media"  # an object's bytes, whatever its content type says
+            if response.content_type == "application/json" and content and not media:
                 return json.loads(content)
             return content
 
