@@ -70,7 +70,8 @@ def store_answer(exc: BaseException | None) -> tuple[str, int | None] | None:
         return ("" if code is None else str(code)), (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
     status = getattr(exc, "status_code", None)
     if isinstance(status, int) and type(exc).__module__.startswith("azure."):
-        code = str(getattr(exc, "error_code", None) or status)
+        code = getattr(exc, "error_code", None) or status
+        code = str(getattr(code, "value", code))  # the SDK's StorageErrorCode enum, by its value (Md5Mismatch)
         if status == 400 and "contentmd5 doesn't match" in str(exc).lower():
             code = "Md5Mismatch"  # Azurite's InvalidOperation for what Azure answers as Md5Mismatch
         return code, status
