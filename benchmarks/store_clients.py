@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 from . import emulators, usage_error
-from .s3_clients import CONCURRENCY, WRITE_BYTES, _ranges, cell, timed_transfers
+from .s3_clients import CONCURRENCY, WRITE_BYTES, _ranges, table, timed_transfers
 from .workload import parse_size
 
 CLIENTS = {
@@ -197,22 +197,6 @@ def _servers(stores: list[str]):
             emulators.create_azure_container(connection_string, BUCKET)
             servers["Azurite"] = {"store": "azure", "connection_string": connection_string}
         yield servers
-
-
-def table(rows: list[dict]) -> str:
-    lines = [
-        "| server | client | upload CPU-s/GiB | upload MB/s | download CPU-s/GiB | download MB/s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if "skipped" in r:
-            lines.append(f"| {r['server']} | {r['client']} | {r['skipped']} | | | |")
-            continue
-        lines.append(
-            f"| {r['server']} | {r['client']} | {cell(r['upload_cpu_s_per_gib'], 2)} | {cell(r['upload_mb_s'], 0)} | "
-            f"{cell(r['download_cpu_s_per_gib'], 2)} | {cell(r['download_mb_s'], 0)} |"
-        )
-    return "\n".join(lines)
 
 
 def _measure(client: str, server: dict, size: int, part: int, repeats: int) -> dict:

@@ -71,11 +71,11 @@ def clear_for_fragments(store: FsspecStore, overwrite: bool) -> None:
     ``ckptio merge``), its data files are theirs and stay: the set still loads until each rank's new
     fragment replaces its own and deletes its files (``publish_fragment``); else they go with it."""
     files = _committed_files(store, METADATA_NAME, decode_metadata)
+    if files is not None and not overwrite:
+        raise exists_error(store.describe(METADATA_NAME))
     store.check_conditional_writes()
     if files is None:
         return
-    if not overwrite:
-        raise exists_error(store.describe(METADATA_NAME))
     merged = _merged_from_fragments(store)
     store.remove(METADATA_NAME)
     if not merged:

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 import fsspec
 
 from ckptio.config import StorageConfig
-from ckptio.errors import CheckpointNotFoundError, StorageError
+from ckptio.errors import StorageError
 from ckptio.storage.object_store import ObjectStore, PartStream, PreconditionFailed, read_chunks_into
 from ckptio.storage.retry import store_answer
 
@@ -47,6 +47,8 @@ def azure_filesystem(storage_options: dict[str, Any] | None) -> fsspec.AbstractF
 
 class AzureStore(ObjectStore):
     read_operation = "download"
+    read_operations = ("properties", "download")
+    bucket_word, bucket_home = "container", "the account"
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
         super().__init__(fs, root, url, config)
@@ -73,11 +75,7 @@ class AzureStore(ObjectStore):
             return exc
         code, status = store_answer(exc) or ("", None)
         if code == "ContainerNotFound":
-            kind = CheckpointNotFoundError if operation in ("properties", "download") else StorageError
-            return kind(
-                f"container {self.bucket!r} does not exist ({operation} {self.describe(name)}); check the URL and "
-                "the account, or create the container first"
-            )
+            return self.missing_bucket(operation, name)
         if status == 404:
             return FileNotFoundError(self.describe(name))
         if code == "BlobAlreadyExists" or status in (409, 412):
@@ -103,19 +101,18 @@ class AzureStore(ObjectStore):
 
         return self._run("download", name, download)
 
-    def _put(self, name: str, pieces: Sequence[Any], overwrite: bool) -> None:
-        async def put() -> None:
-            data = _joined(pieces)
-            md5 = await content_md5(data)
-            await self._call(
-                "upload",
-                name,
-                lambda b: b.upload_blob(
-                    data, overwrite=overwrite, max_concurrency=1, headers={"Content-MD5": md5}, **NO_SDK_RETRIES
-                ),
-            )
+    async def _send(self, operation: str, name: str, pieces: Sequence[Any], request: Callable[..., Any]) -> Any:
+        """``request(blob client, body, headers)`` with the pieces joined as the body and its ``Content-MD5``
+        (hashed once, not per attempt), retried."""
+        data = _joined(pieces)
+        headers = {"Content-MD5": await content_md5(data)}
+        return await self._call(operation, name, lambda b: request(b, data, headers))
 
-        self._sync("upload", name, put)
+    def _put(self, name: str, pieces: Sequence[Any], overwrite: bool) -> None:
+        def upload(blob: Any, data: bytes, headers: dict) -> Any:
+            return blob.upload_blob(data, overwrite=overwrite, max_concurrency=1, headers=headers, **NO_SDK_RETRIES)
+
+        self._sync("upload", name, self._send, "upload", name, pieces, upload)
 
     def put_atomic(self, name: str, data: bytes) -> None:
         self._put(name, [data], overwrite=True)
@@ -185,16 +182,11 @@ class BlockSink(PartStream):
         # concurrent writer's uncommitted blocks apart.
         block_id = base64.b64encode(f"{self.upload_id}-{len(self.block_ids):06d}".encode()).decode("ascii")
         self.block_ids.append(block_id)
-        self.submit(self._stage(block_id, [p for p, _ in pieces]))
 
-    async def _stage(self, block_id: str, pieces: list[memoryview]) -> None:
-        data = _joined(pieces)
-        headers = {"Content-MD5": await content_md5(data)}
-        await self.store._call(
-            "stage block",
-            self.name,
-            lambda b: b.stage_block(block_id, data, length=len(data), headers=headers, **NO_SDK_RETRIES),
-        )
+        def stage(blob: Any, data: bytes, headers: dict) -> Any:
+            return blob.stage_block(block_id, data, length=len(data), headers=headers, **NO_SDK_RETRIES)
+
+        self.submit(self.store._send("stage block", self.name, [p for p, _ in pieces], stage))
 
     def close(self) -> None:
         if not self.parts and self.pending_bytes <= MAX_SINGLE_PUT_BYTES:

@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 import fsspec
 
-from ckptio.errors import CheckpointNotFoundError, StorageError
+from ckptio.errors import StorageError
 from ckptio.format.codec import checksum_concat, checksum_of_pieces
 from ckptio.storage.object_store import ObjectStore, PartStream, PreconditionFailed, aiohttp_chunks, read_chunks_into
 from ckptio.storage.request_body import RequestBody
@@ -56,6 +56,7 @@ def crc32c_value(crc: int) -> str:
 
 class GCSStore(ObjectStore):
     read_operation = "get"
+    read_operations = ("get",)
     precondition = "ifGenerationMatch=0"
 
     async def _session(self) -> Any:
@@ -127,15 +128,9 @@ class GCSStore(ObjectStore):
             return exc
         code, status = store_answer(exc) or ("", None)
         if status == 404:
-            if operation in ("upload", "compose"):
-                return StorageError(
-                    f"bucket {self.bucket!r} does not exist ({operation} {self.describe(name)}); check the URL and "
-                    "the endpoint, or create the bucket first"
-                )
-            if "bucket" in str(exc).lower():
-                return CheckpointNotFoundError(
-                    f"bucket {self.bucket!r} does not exist ({self.describe(name)}); check the URL and the endpoint"
-                )
+            # an upload's 404 can only be the bucket's; another request's says so
+            if operation in ("upload", "compose") or "bucket" in str(exc).lower():
+                return self.missing_bucket(operation, name)
             return FileNotFoundError(self.describe(name))
         if status == 412:
             return PreconditionFailed(self.describe(name))

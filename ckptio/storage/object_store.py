@@ -17,7 +17,7 @@ import fsspec
 from fsspec.asyn import sync
 
 from ckptio.config import StorageConfig
-from ckptio.errors import StorageError
+from ckptio.errors import CheckpointNotFoundError, StorageError
 from ckptio.storage.base import FsspecStore, RangeRequest, ReadRequest
 from ckptio.storage.retry import with_retries
 from ckptio.storage.throttle import AdaptiveLimit, limit_for
@@ -39,6 +39,10 @@ class ObjectStore(FsspecStore):
 
     #: The operation a ranged read is reported as (``_translate`` tells a missing bucket on a read by it).
     read_operation = "read"
+    #: The operations that read (a missing bucket there: nothing to load, ``missing_bucket``).
+    read_operations: tuple[str, ...] = ("read",)
+    #: What the store calls the bucket a URL names, and where besides the URL to look for it.
+    bucket_word, bucket_home = "bucket", "the endpoint"
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str, config: StorageConfig):
         super().__init__(fs, root, url, config)
@@ -96,6 +100,14 @@ class ObjectStore(FsspecStore):
             return sync(self.loop, fn, *args, **params)
         except Exception as exc:
             raise self._translate(exc, operation, name) from exc
+
+    def missing_bucket(self, operation: str, name: str) -> StorageError | CheckpointNotFoundError:
+        """The bucket does not exist: nothing to load for a read, else nowhere to save."""
+        kind = CheckpointNotFoundError if operation in self.read_operations else StorageError
+        return kind(
+            f"{self.bucket_word} {self.bucket!r} does not exist ({operation} {self.describe(name)}); check the URL "
+            f"and {self.bucket_home}, or create the {self.bucket_word} first"
+        )
 
     def access_denied(
         self, operation: str, name: str, answer: tuple[str, int | None], credentials: str

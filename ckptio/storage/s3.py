@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Sequence
 import fsspec
 
 from ckptio.config import StorageConfig
-from ckptio.errors import CheckpointNotFoundError, StorageError
+from ckptio.errors import StorageError
 from ckptio.storage import s3_checksums
 from ckptio.storage.object_store import ObjectStore, PartStream, PreconditionFailed, read_chunks_into
 from ckptio.storage.request_body import RequestBody
@@ -54,6 +54,7 @@ def s3_storage_options(storage_options: dict[str, Any] | None) -> dict[str, Any]
 
 class S3Store(ObjectStore):
     read_operation = "get_object"
+    read_operations = ("get_object", "head_object")
 
     def check_conditional_writes(self) -> None:
         """S3 answers a conditional PUT it does not implement with 501, which ``put_if_absent`` handles (one
@@ -161,21 +162,19 @@ class S3Store(ObjectStore):
     def _translate(self, exc: BaseException, operation: str, name: str) -> BaseException:
         if isinstance(exc, StorageError):
             return exc
-        code = (store_answer(exc) or ("", None))[0]
+        code, status = store_answer(exc) or ("", None)
         if code in ("NoSuchKey", "404", "NotFound"):
             return FileNotFoundError(self.describe(name))
         if code in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409"):
             return PreconditionFailed(self.describe(name))
         if code == "NoSuchBucket":
-            kind = CheckpointNotFoundError if operation in ("get_object", "head_object") else StorageError
-            return kind(
-                f"bucket {self.bucket!r} does not exist ({operation} {self.describe(name)}); check the URL "
-                "and the endpoint, or create the bucket first"
-            )
+            return self.missing_bucket(operation, name)
         if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return StorageError(
-                f"access denied: {operation} {self.describe(name)} ({code}); check the credentials and region in "
-                "storage_options or the AWS environment, and the bucket policy"
+            return self.access_denied(
+                operation,
+                name,
+                (code, status),
+                "storage_options key and secret, or the AWS environment; the region; the bucket policy",
             )
         return self.failed_after_retries(operation, name, exc)
 

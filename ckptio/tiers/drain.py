@@ -262,10 +262,10 @@ def wait_for_files(
 
 def _wait_for_bases(store: FsspecStore, url: str, files: dict[str, int], deadline: float) -> None:
     """Wait until each referenced base file of ``files`` (``../<step>/<name>``) is on the durable tier at its size."""
-    missing = sorted(files)
+    missing: list[str] = []
 
     def arrived() -> bool:
-        missing[:] = [n for n in missing if not _has(store, n, files[n])]
+        missing[:] = [where for where, _ in missing_references(store, files)]
         return not missing
 
     def late() -> DrainError:
@@ -275,13 +275,6 @@ def _wait_for_bases(store: FsspecStore, url: str, files: dict[str, int], deadlin
         )
 
     _poll(arrived, deadline, late)
-
-
-def _has(store: FsspecStore, name: str, size: int) -> bool:
-    try:
-        return store.size(name) == size
-    except FileNotFoundError:
-        return False
 
 
 @dataclasses.dataclass

@@ -221,8 +221,9 @@ def _resume(
     references = references_of(manifest.header)
     node = os.path.join(local_run, step)
     save_id = manifest.header.save_id
-    commit = Commit(durable, document, manifest.files, writers, [], False, references, node, save_id)
-    commit.uploaded_bases = uploaded_bases
+    commit = Commit(
+        durable, document, manifest.files, writers, [], False, references, node, save_id, uploaded_bases=uploaded_bases
+    )
     # Every node that holds a copy notes the commit, not the holder's alone (a restarted node may hold none):
     # once the URL is deleted, a copy on a node without the note would look live (``node_notes.deleted``).
     holds_copy = bool(views[group.rank].documents) and group.rank != holder
