@@ -172,6 +172,9 @@ class BlockSink(PartStream):
         self.upload_id = secrets.token_hex(4)
         self.block_ids: list[str] = []
 
+    def next_part_size(self) -> int:
+        return min(self.store.part_size, MAX_BLOCK_BYTES)  # part_size may be 4 GiB; a block holds 4000 MiB
+
     def send_part(self, pieces: list[tuple[memoryview, int | None]]) -> None:
         if len(self.block_ids) == MAX_BLOCKS:
             raise StorageError(
