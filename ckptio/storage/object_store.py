@@ -124,6 +124,22 @@ class ObjectStore(FsspecStore):
             f"{self.deadline_s:.0f}s): {type(exc).__name__}: {exc}"
         )
 
+    # --- listings: the filesystem's own calls, under the one policy and its deadline ----------
+    def _fs_call(self, operation: str, call: Callable[[], Awaitable[T]]) -> T:
+        """A call of the filesystem's own (s3fs, gcsfs, adlfs), retried and bounded by the deadline like
+        ckptio's requests (the filesystem's own timeouts and retries may wait far longer); its errors as
+        the filesystem raises them (``_guard`` words them)."""
+        return sync(self.loop, self.retried, operation, "", call)
+
+    def _find_files(self) -> dict[str, dict]:
+        return self._fs_call("list", lambda: self.fs._find(self.root, detail=True))
+
+    def _list_root(self) -> list[str]:
+        return self._fs_call("list", lambda: self.fs._ls(self.root, detail=False, refresh=True))
+
+    def _remove_tree(self) -> None:
+        self._fs_call("delete", lambda: self.fs._rm(self.root, recursive=True))
+
     def exists(self, name: str) -> bool:
         try:
             self.size(name)
@@ -189,21 +205,36 @@ class ObjectStore(FsspecStore):
         return self._sync(self.read_operation, requests[0][0], fetch_all)
 
 
+class BufferFiller:
+    """A writable stream that fills ``buffers`` in order with what it is given (``write``), refusing more
+    than they hold; ``filled`` counts the bytes received."""
+
+    def __init__(self, buffers: Sequence[memoryview], where: str):
+        self.buffers, self.where = buffers, where
+        self.index, self.at, self.filled = 0, 0, 0
+
+    def write(self, data: Any) -> int:
+        chunk = memoryview(data).cast("B")
+        received = len(chunk)
+        while len(chunk):
+            if self.index == len(self.buffers):
+                raise StorageError(f"GET {self.where} returned more bytes than the range asked for")
+            buffer = self.buffers[self.index]
+            n = min(len(chunk), len(buffer) - self.at)
+            buffer[self.at : self.at + n] = chunk[:n]
+            chunk, self.at, self.filled = chunk[n:], self.at + n, self.filled + n
+            if self.at == len(buffer):
+                self.index, self.at = self.index + 1, 0
+        return received
+
+
 async def read_chunks_into(chunks: AsyncIterator[memoryview], buffers: Sequence[memoryview], where: str) -> int:
     """Copy a GET's body into ``buffers`` chunk by chunk as it arrives; return the bytes received
     (fewer than the buffers hold at the end of the object)."""
-    filled, index, at = 0, 0, 0
+    filler = BufferFiller(buffers, where)
     async for chunk in chunks:
-        while len(chunk):
-            if index == len(buffers):
-                raise StorageError(f"GET {where} returned more bytes than the range asked for")
-            buffer = buffers[index]
-            n = min(len(chunk), len(buffer) - at)
-            buffer[at : at + n] = chunk[:n]
-            chunk, at, filled = chunk[n:], at + n, filled + n
-            if at == len(buffer):
-                index, at = index + 1, 0
-    return filled
+        filler.write(chunk)
+    return filler.filled
 
 
 async def aiohttp_chunks(content: Any) -> AsyncIterator[memoryview]:

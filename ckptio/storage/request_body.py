@@ -1,5 +1,6 @@
-"""A request body made of memory the caller already holds: S3 parts and objects are sent from the
-encoded blocks (views of the staged tensors, or compressed blocks) without joining them first.
+"""A request body made of memory the caller already holds: S3 parts and objects, GCS parts and Azure
+blocks are sent from the encoded blocks (views of the staged tensors, or compressed blocks) without
+joining them first.
 
 The body is an aiohttp ``Payload``, so aiohttp sends it slice by slice straight from that memory, and
 a file-like object, which is what botocore accepts as a body (it reads it only to hash the payload
