@@ -122,8 +122,8 @@ class FsspecStore:
         ``None`` too (diagnostics), or ``StorageError`` when ``strict``."""
         try:
             if nested:
-                return sorted(self._files_below(self.fs.find(self.root, detail=True)))
-            entries = self.fs.ls(self.root, detail=False, refresh=True)  # not a cached listing: others write too
+                return sorted(self._files_below(self._find_files()))
+            entries = self._list_root()
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001 - listing is diagnostic unless strict
@@ -138,12 +138,21 @@ class FsspecStore:
         ``xx/data-....ckio``), listed afresh (not from a cache: another process may have written
         since; on S3 one listing without a delimiter); ``None`` when the root does not exist."""
         try:
-            entries = self._guard(
-                "", "list", lambda: self.fs.find(self.root, detail=True), passthrough=(FileNotFoundError,)
-            )
+            entries = self._guard("", "list", self._find_files, passthrough=(FileNotFoundError,))
         except FileNotFoundError:
             return None
         return self._files_below(entries)
+
+    def _find_files(self) -> dict[str, dict]:
+        """``fs.find`` of the root, with details (object stores: under the retry policy)."""
+        return self.fs.find(self.root, detail=True)
+
+    def _list_root(self) -> list[str]:
+        """The paths directly under the root, listed afresh (not cached: others write too)."""
+        return self.fs.ls(self.root, detail=False, refresh=True)
+
+    def _remove_tree(self) -> None:
+        self.fs.rm(self.root, recursive=True)
 
     def _files_below(self, entries: dict[str, dict]) -> dict[str, int]:
         """``fs.find(root, detail=True)``'s files as names relative to the root, with their sizes."""
@@ -188,7 +197,7 @@ class FsspecStore:
     def remove_all(self) -> None:
         """Delete every object under the root, and the root itself (absent is fine)."""
         try:
-            self._guard("", "delete", lambda: self.fs.rm(self.root, recursive=True), passthrough=(FileNotFoundError,))
+            self._guard("", "delete", self._remove_tree, passthrough=(FileNotFoundError,))
         except FileNotFoundError:
             pass
 
