@@ -31,6 +31,11 @@ MAX_COMPOSE_SOURCES = 32
 #: A data object's parts are objects beside it named ``<name>.ckptio-part.<upload id>.<number>``
 #: until they are composed; a save that died leaves them, and ``open_uploads`` finds them.
 PART_MARK = ".ckptio-part."
+#: Objects of at most this many parts (160 MiB at the default part_size; gcloud storage's threshold is
+#: 150 MiB) go up as one upload: a composed upload costs 2 requests more per part, and each part is an
+#: object whose deletion a bucket with soft delete (on by default, 7 days) still bills for its
+#: retention. Above it, parallel parts pay for themselves.
+COMPOSE_ABOVE_PARTS = 5
 
 
 def gcs_filesystem(storage_options: dict[str, Any] | None) -> fsspec.AbstractFileSystem:
@@ -279,10 +284,12 @@ def _check_crc32c(answer: Any, sent: str, where: str) -> None:
 
 
 class ComposeSink(PartStream):
-    """One GCS data object (``PartStream``): one upload if it stays under 1.25 x ``part_size``; else parts
-    uploaded in parallel as objects of their own, composed (32 at a time, in rounds) into the object,
-    then deleted. Each upload carries its CRC32C; the composed object's CRC32C and size are checked
-    against those of the parts."""
+    """One GCS data object (``PartStream``): one upload if it stays within ``COMPOSE_ABOVE_PARTS`` parts;
+    else parts uploaded in parallel as objects of their own, composed (32 at a time, in rounds) into the
+    object, then deleted. Each upload carries its CRC32C; the composed object's CRC32C and size are
+    checked against those of the parts."""
+
+    single_upload_parts = COMPOSE_ABOVE_PARTS
 
     def __init__(self, store: GCSStore, name: str):
         super().__init__(store, name)

@@ -247,7 +247,7 @@ class PartStream:
     """A data object written front to back and sent as parts in parallel: at most ``max_concurrency``
     in flight, bounding memory. A part leaves only once a quarter part more is buffered, so the tail
     joins the last part instead of costing a request of its own; an object that stays under 1.25 parts
-    goes up as one request at ``close``.
+    (or ``single_upload_parts``) goes up as one request at ``close``.
 
     Nothing is copied here: a part is the list of views of the written pieces it spans (the one piece
     that straddles a part boundary is split as two views, without a CRC32C), sent as they are. Written
@@ -255,6 +255,9 @@ class PartStream:
 
     #: The most bytes one part may hold.
     max_part_bytes = 5 << 30
+    #: An object of at most this many parts goes up as one request at ``close`` (0: only one that stays
+    #: under 1.25 parts); parts start once more is written.
+    single_upload_parts = 0
 
     def __init__(self, store: ObjectStore, name: str):
         self.store, self.name = store, name
@@ -271,6 +274,8 @@ class PartStream:
             return
         self.pending.append((view, crc))
         self.pending_bytes += len(view)
+        if not self.parts and self.pending_bytes <= self.single_upload_parts * self.next_part_size():
+            return
         while True:
             size = self.next_part_size()
             if self.pending_bytes < min(size + size // 4, self.max_part_bytes):

@@ -15,6 +15,7 @@ from ckptio.config import StorageConfig
 from ckptio.format.names import METADATA_NAME
 from ckptio.legacy.v1 import pack_counts
 from ckptio.storage import open_store
+from ckptio.storage.gcs import COMPOSE_ABOVE_PARTS
 from ckptio.tools.cli import main as cli_main
 from ckptio.tools.inspection import open_checkpoint
 from tests.conftest import S3_SERVERS, cli_storage_options, object_store, s3_client, store_objects
@@ -176,7 +177,7 @@ def test_gc_lists_and_removes_the_parts_a_killed_gcs_save_left_uncomposed(reques
     ckptio.save({"w": torch.ones(10)}, url, storage_options=options)
     store = open_store(url, options, StorageConfig(part_size=5 << 20))
     sink = store.open_sink("data-00000000000000aa-r00001.ckio")
-    sink.write(bytes(8 << 20))  # one part sent; the process dies before close
+    sink.write(bytes((COMPOSE_ABOVE_PARTS + 1) * (5 << 20)))  # parts sent; the process dies before close
     sink.results("upload")
     cli = cli_storage_options(options)
     assert cli_main(["gc", url, *cli]) == 0
