@@ -144,12 +144,20 @@ class FsspecStore:
         return self._files_below(entries)
 
     def _find_files(self) -> dict[str, dict]:
-        """``fs.find`` of the root, with details (object stores: under the retry policy)."""
+        """``fs.find`` of the root, with details, listed afresh (object stores: under the retry policy)."""
+        self._forget_listings()
         return self.fs.find(self.root, detail=True)
 
     def _list_root(self) -> list[str]:
-        """The paths directly under the root, listed afresh (not cached: others write too)."""
-        return self.fs.ls(self.root, detail=False, refresh=True)
+        """The paths directly under the root, listed afresh."""
+        self._forget_listings()
+        return self.fs.ls(self.root, detail=False)
+
+    def _forget_listings(self) -> None:
+        """Drop the filesystem's cached listings below the root: others write there too, and a cached
+        answer never changes (adlfs ignores ``ls``'s ``refresh``; a merge polling it waited out its
+        600 s for fragments long there)."""
+        self.fs.invalidate_cache(self.root)
 
     def _remove_tree(self) -> None:
         self.fs.rm(self.root, recursive=True)

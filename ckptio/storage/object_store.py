@@ -132,10 +132,12 @@ class ObjectStore(FsspecStore):
         return sync(self.loop, self.retried, operation, "", call)
 
     def _find_files(self) -> dict[str, dict]:
+        self._forget_listings()
         return self._fs_call("list", lambda: self.fs._find(self.root, detail=True))
 
     def _list_root(self) -> list[str]:
-        return self._fs_call("list", lambda: self.fs._ls(self.root, detail=False, refresh=True))
+        self._forget_listings()
+        return self._fs_call("list", lambda: self.fs._ls(self.root, detail=False))
 
     def _remove_tree(self) -> None:
         self._fs_call("delete", lambda: self.fs._rm(self.root, recursive=True))

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptio
+from ckptio.storage import open_store
 from ckptio.storage.object_store import PROBE_PREFIX
 from tests.conftest import STORES, store_objects
 from tests.helpers import scenarios
@@ -57,3 +58,21 @@ def test_plain_and_async_dcp_saves_latest_and_the_create_only_commit(store):
     assert isinstance(ckptio.unwrap(refused.value), ckptio.CheckpointExistsError), refused.value
     dcp.load(out, storage_reader=ckptio.Reader(f"{run}/step-1", storage_options=options))
     assert torch.equal(out["w"], torch.arange(1000.0)) and out["step"] == 1
+
+
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_listings_see_what_was_written_since_the_last_listing(store):
+    """A listing is asked afresh, never answered from the filesystem's cache: a merge waiting for the
+    other ranks' fragments polls it (adlfs kept its first answer, and the merge waited out its 600 s)."""
+    base, options = store
+    ckptio_store = open_store(f"{base}/run/step-1", options)
+    ckptio_store.put_atomic("a.json", b"{}")
+    assert ckptio_store.list_names() == ["a.json"]
+    assert sorted(ckptio_store.list_sizes()) == ["a.json"]
+    ckptio_store.put_atomic("b.json", b"{}")
+    assert ckptio_store.list_names() == ["a.json", "b.json"]
+    assert sorted(ckptio_store.list_sizes()) == ["a.json", "b.json"]
+    assert open_store(f"{base}/run", options).list_names() == ["step-1"]
+    ckptio_store.remove("a.json")
+    assert ckptio_store.list_names() == ["b.json"]
+    assert sorted(ckptio_store.list_sizes()) == ["b.json"]
