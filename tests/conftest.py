@@ -26,6 +26,8 @@ S3_SERVERS = ["moto", "radosgw"]
 #: Every object store a test can ask the ``store`` fixture for: ``@pytest.mark.parametrize("store", STORES,
 #: indirect=True)`` runs it on S3 (moto and radosgw), GCS (fake-gcs-server) and Azure Blob (Azurite).
 STORES = ["moto", "radosgw", "gcs", "azure"]
+#: ``STORES`` for a heavy scenario: moto in the main run, the other stores in the slow one (CI runs both).
+STORES_SLOW_BEYOND_MOTO = ["moto"] + [pytest.param(kind, marks=pytest.mark.slow) for kind in STORES[1:]]
 
 
 def _bucket_name(request) -> str:

@@ -434,6 +434,7 @@ def test_the_writers_without_a_coordinator_run_only_when_named():
     assert all(w.save_options == {"use_collectives": False} for w in chosen)
 
 
+@pytest.mark.slow
 def test_the_incremental_section_writes_only_what_changed_and_loads_bit_exact(tmp_path, capsys):
     out = str(tmp_path / "results")
     args = ["--ranks", "2", "--mesh", "1x2", "--size", "2MiB", "--out", out, "--quiet", "--no-charts"]

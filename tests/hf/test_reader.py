@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 import ckptio
 from ckptio.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
 from ckptio.hf.format import HEADER_PROBE_BYTES, parse_header, parse_index
-from tests.conftest import STORES
+from tests.conftest import STORES_SLOW_BEYOND_MOTO
 from tests.helpers import hf
 from tests.helpers.harness import spawn
 
@@ -319,6 +319,7 @@ def _probes(sizes) -> int:
     return sum(min(size, HEADER_PROBE_BYTES) for size in sizes.values())  # one header read per file (rank 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "layout, reader", [("hsdp:2x2", {"dedup_reads": True}), ("tp:4", {"storage_config": {"read_gap_bytes": 0}})]
 )
@@ -338,7 +339,7 @@ def test_s3_loads_read_each_needed_byte_once(s3_proxy, s3, weights, layout, read
         assert needed > data and served <= 1.05 * needed + _probes(sizes), (served, needed)
 
 
-@pytest.mark.parametrize("store", STORES, indirect=True)
+@pytest.mark.parametrize("store", STORES_SLOW_BEYOND_MOTO, indirect=True)
 def test_the_exporters_files_on_an_object_store_load_into_fsdp(store, tmp_path):
     base, options = store
     out = f"{base}/exported"

@@ -29,6 +29,7 @@ def test_the_rows_cover_every_pair_of_settings_and_the_eight_of_tiers_incrementa
     assert len(eight) == 8
 
 
+@pytest.mark.slow
 def test_every_row_saves_twice_and_its_second_step_loads_exact_on_any_mesh(s3, tmp_path):
     base, storage_options = s3
     options = {"base": base, "storage_options": storage_options}

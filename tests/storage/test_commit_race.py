@@ -10,7 +10,7 @@ import torch
 
 import ckptio
 from ckptio.format.names import METADATA_NAME
-from tests.conftest import STORES, store_objects
+from tests.conftest import STORES_SLOW_BEYOND_MOTO, store_objects
 from tests.helpers.faultproxy import Fault
 
 ROUNDS = 5
@@ -29,7 +29,7 @@ def _save_each_round(urls: list[str], options: dict, value: int, barrier, result
             results.put((round_, value, f"{type(exc).__name__}: {exc}"))
 
 
-@pytest.mark.parametrize("store", STORES, indirect=True)
+@pytest.mark.parametrize("store", STORES_SLOW_BEYOND_MOTO, indirect=True)
 def test_of_two_jobs_committing_to_one_url_at_once_exactly_one_succeeds(store):
     base, options = store
     context = multiprocessing.get_context("spawn")

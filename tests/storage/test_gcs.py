@@ -6,6 +6,7 @@ import json
 import urllib.request
 
 import numpy as np
+import pytest
 
 from ckptio.config import StorageConfig
 from ckptio.format.codec import checksum
@@ -32,6 +33,7 @@ def test_an_object_another_tool_uploaded_as_json_is_read_as_its_bytes(request):
     assert store.read_ranges([RangeRequest("index.json", 2, 13)]) == [body[2:13]]
 
 
+@pytest.mark.slow
 def test_an_object_of_more_parts_than_one_compose_takes_is_composed_in_rounds_exactly(request):
     """Above ``COMPOSE_ABOVE_PARTS`` parts an object goes up in parallel parts; above 32 (one compose
     request's limit) they are composed in rounds. Below it, one upload."""

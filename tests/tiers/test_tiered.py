@@ -24,7 +24,7 @@ def _held(tier_base, node, step):
     return sorted(n for n in os.listdir(os.path.join(root, run, step)) if n.endswith(".held.json"))
 
 
-@pytest.mark.parametrize("mode", ["replica_group", "all_ranks"])
+@pytest.mark.parametrize("mode", [pytest.param("replica_group", marks=pytest.mark.slow), "all_ranks"])
 def test_tiered_save_drains_then_each_node_restarts_from_its_own_copy(s3, tmp_path, mode):
     base, options = s3
     run, tiers = f"{base}/run", str(tmp_path / "tiers")

@@ -20,7 +20,7 @@ from ckptio.format.document import decode_metadata
 from ckptio.format.names import METADATA_NAME, reference_marker_name
 from ckptio.storage import open_store
 from ckptio.tools.cli import main as cli_main
-from tests.conftest import STORES, s3_objects, store_objects
+from tests.conftest import STORES_SLOW_BEYOND_MOTO, s3_objects, store_objects
 from tests.helpers import tiered
 from tests.helpers.harness import run_ranks, spawn
 
@@ -230,7 +230,7 @@ def _chain(options, url: str):
     return json.loads(open_store(url, options).read(METADATA_NAME)).get("chain")
 
 
-@pytest.mark.parametrize("store", STORES, indirect=True)
+@pytest.mark.parametrize("store", STORES_SLOW_BEYOND_MOTO, indirect=True)
 def test_saves_on_two_nodes_made_while_the_drain_lags_stay_incremental_and_load_exactly(store, tmp_path):
     base, options = store
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
@@ -247,6 +247,7 @@ def test_saves_on_two_nodes_made_while_the_drain_lags_stay_incremental_and_load_
     assert spawn(4, tiered.load_settling, f"{run}/step-3", options, 3) == [True] * 4
 
 
+@pytest.mark.slow
 def test_saves_on_two_nodes_whose_draining_base_is_refused_are_rebased_full_and_load_exactly(s3, tmp_path):
     base, options = s3
     run, tiers = f"{base}/run", str(tmp_path / "tiers")

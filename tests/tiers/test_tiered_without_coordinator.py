@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import STORES, store_objects
+from tests.conftest import STORES_SLOW_BEYOND_MOTO, store_objects
 from tests.helpers import tiered
 from tests.helpers.harness import spawn
 
@@ -19,7 +19,7 @@ def _names(options, url):
     return sorted(key.rsplit("/", 1)[-1] for key in store_objects(url, options))
 
 
-@pytest.mark.parametrize("store", STORES, indirect=True)
+@pytest.mark.parametrize("store", STORES_SLOW_BEYOND_MOTO, indirect=True)
 def test_fragments_drain_merge_once_and_each_node_restarts_from_its_own_copy(store, tmp_path):
     base, options = store
     run, tiers = f"{base}/run", str(tmp_path / "tiers")
