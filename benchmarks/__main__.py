@@ -89,10 +89,10 @@ def _parser() -> argparse.ArgumentParser:
         "--target",
         action="append",
         default=[],
-        help="a further store to benchmark, repeatable: gcs or azure (fake-gcs-server or Azurite, started on "
-        "127.0.0.1 by this run), or a gs://bucket/prefix or az://container/prefix URL (credentials: "
-        "--storage-options, else Application Default Credentials / DefaultAzureCredential). With --target "
-        "alone, the local and moto defaults do not run",
+        help="a further store to benchmark, repeatable: gcs, azure or moto (fake-gcs-server, Azurite or the "
+        "embedded S3 server, started on 127.0.0.1 by this run), or a gs://bucket/prefix or "
+        "az://container/prefix URL (credentials: --storage-options, else Application Default Credentials / "
+        "DefaultAzureCredential). With --target alone, the local and moto defaults do not run",
     )
     p.add_argument("--storage-options", help="fsspec storage_options as JSON, for --target URLs")
     p.add_argument(
@@ -191,8 +191,6 @@ def _parser() -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def targets_for(args: argparse.Namespace):
     """Yield the target list; the embedded default starts (and stops) its own S3 server."""
-    from .s3server import create_bucket, local_s3_server, use_test_credentials
-
     run_id = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     with contextlib.ExitStack() as stack:
         targets = []
@@ -215,22 +213,27 @@ def targets_for(args: argparse.Namespace):
             )
         if args.radosgw:
             targets.append(_radosgw_target(stack, run_id))
-        targets += [_store_target(stack, args, target, run_id) for target in args.target]
-        if defaults:
-            endpoint = stack.enter_context(local_s3_server())
-            use_test_credentials()
-            create_bucket(endpoint, "ckptio-bench")
-            targets.append(
-                {
-                    "name": "s3 (moto)",
-                    "kind": "s3",
-                    "base": f"s3://ckptio-bench/{run_id}",
-                    "storage_options": {"client_kwargs": {"endpoint_url": endpoint}},
-                    "embedded": True,
-                    "server_pids": [os.getpid()],  # moto serves from a thread of this process
-                }
-            )
+        targets += [_store_target(stack, args, target, run_id) for target in args.target if target != "moto"]
+        if defaults or "moto" in args.target:
+            targets.append(_moto_target(stack, run_id))
         yield targets
+
+
+def _moto_target(stack: contextlib.ExitStack, run_id: str) -> dict:
+    """The embedded S3 server (moto, in a thread of this process)."""
+    from .s3server import create_bucket, local_s3_server, use_test_credentials
+
+    endpoint = stack.enter_context(local_s3_server())
+    use_test_credentials()
+    create_bucket(endpoint, "ckptio-bench")
+    return {
+        "name": "s3 (moto)",
+        "kind": "s3",
+        "base": f"s3://ckptio-bench/{run_id}",
+        "storage_options": {"client_kwargs": {"endpoint_url": endpoint}},
+        "embedded": True,
+        "server_pids": [os.getpid()],  # moto serves from a thread of this process
+    }
 
 
 def _store_target(stack: contextlib.ExitStack, args: argparse.Namespace, target: str, run_id: str) -> dict:
@@ -256,7 +259,7 @@ def _store_target(stack: contextlib.ExitStack, args: argparse.Namespace, target:
             emulators.create_azure_container(connection_string, "ckptio-bench")
             options, name, url = emulators.azure_options(connection_string), "azure (Azurite)", "az://ckptio-bench"
         else:
-            usage_error(f"--target {target}: gcs, azure, or a gs:// or az:// URL")
+            usage_error(f"--target {target}: gcs, azure, moto, or a gs:// or az:// URL")
     except emulators.Unavailable as exc:
         usage_error(f"--target {target}: {exc}")
     return {"name": name, "kind": target, "base": f"{url}/{run_id}", "storage_options": options, "embedded": True}
