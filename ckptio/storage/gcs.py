@@ -34,7 +34,8 @@ PART_MARK = ".ckptio-part."
 #: Objects of at most this many parts (160 MiB at the default part_size; gcloud storage's threshold is
 #: 150 MiB) go up as one upload: a composed upload costs 2 requests more per part, and each part is an
 #: object whose deletion a bucket with soft delete (on by default, 7 days) still bills for its
-#: retention. Above it, parallel parts pay for themselves.
+#: retention. Above it, parallel parts pay for themselves. Until then the written blocks wait for close
+#: (views of the staged tensors; compressed blocks: up to 160 MiB more per file being written).
 COMPOSE_ABOVE_PARTS = 5
 
 
