@@ -113,6 +113,9 @@ class FsspecStore:
             raise FileExistsError(self.describe(name))
         self.put_atomic(name, data)
 
+    def check_save_target(self) -> None:
+        """Before a save looks at its target: object stores refuse a bucket's root (``object_store.py``)."""
+
     def check_conditional_writes(self) -> None:
         """Object stores prove their create-only precondition before a save (``object_store.py``)."""
 

@@ -156,7 +156,15 @@ class ObjectStore(FsspecStore):
             except StorageError as exc:
                 log.warning("ckptio: could not delete superseded %s: %s", self.describe(name), exc)
 
-    # --- the commit's precondition ----------------------------------------------------
+    # --- before a save -----------------------------------------------------------------
+    def check_save_target(self) -> None:
+        if not self.prefix.strip("/"):
+            raise StorageError(
+                f"{self.url}: a checkpoint needs a folder inside the {self.bucket_word}, e.g. "
+                f"{self.url.rstrip('/')}/run/step-100; at its root it would share the {self.bucket_word} with "
+                f"everything else there, and deleting it would empty the {self.bucket_word}. Nothing was saved"
+            )
+
     def check_conditional_writes(self) -> None:
         """Before a save writes anything: prove once per process and bucket that the store refuses a
         create-only write over an existing object (an emulator or gateway may ignore the precondition,

@@ -76,3 +76,17 @@ def test_listings_see_what_was_written_since_the_last_listing(store):
     ckptio_store.remove("a.json")
     assert ckptio_store.list_names() == ["b.json"]
     assert sorted(ckptio_store.list_sizes()) == ["b.json"]
+
+
+@pytest.mark.parametrize("store", STORES, indirect=True)
+def test_a_save_at_a_buckets_root_is_refused_by_name_with_nothing_written(store):
+    base, options = store
+    for save in (
+        lambda: ckptio.save({"w": torch.ones(4)}, base, storage_options=options),
+        lambda: dcp.save({"w": torch.ones(4)}, storage_writer=ckptio.Writer(base, storage_options=options)),
+    ):
+        with pytest.raises((ckptio.StorageError, CheckpointException)) as refused:
+            save()
+        message = str(ckptio.unwrap(refused.value))
+        assert f"{base}: a checkpoint needs a folder inside the" in message and "Nothing was saved" in message
+        assert store_objects(base, options) == {}
