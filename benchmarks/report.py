@@ -14,8 +14,9 @@ SCHEMA_VERSION = 1
 
 
 def on_s3(row: dict) -> bool:
-    """Whether a result row is of an object-store target (rows of older runs: by the target's name)."""
-    return row.get("target_kind", "local" if row["target"] == "local" else "s3") != "local"
+    """Whether a result row is of an S3 target, whose requests are counted (botocore's event hooks; GCS and
+    Azure requests are not: their rows show none). Rows of older runs: by the target's name."""
+    return row.get("target_kind", "local" if row["target"] == "local" else "s3") == "s3"
 
 
 def summarize(records: list[dict], files: dict[str, dict[str, int]], world: int, sizes: dict[str, int]) -> list[dict]:
