@@ -119,12 +119,8 @@ class AzureStore(ObjectStore):
     def put_atomic(self, name: str, data: bytes) -> None:
         self._put(name, [data], overwrite=True)
 
-    def put_if_absent(self, name: str, data: bytes) -> None:
-        """A create-only upload (``If-None-Match: *``): the service refuses it if the blob exists, atomically."""
-        try:
-            self._put(name, [data], overwrite=False)
-        except PreconditionFailed:
-            raise FileExistsError(self.describe(name)) from None
+    def _create_only(self, name: str, data: bytes) -> None:
+        self._put(name, [data], overwrite=False)  # If-None-Match: *
 
     def remove(self, name: str) -> None:
         try:

@@ -200,12 +200,8 @@ class GCSStore(ObjectStore):
     def put_atomic(self, name: str, data: bytes) -> None:
         self._sync("upload", name, self._upload, name, self.key(name), [(data, None)])
 
-    def put_if_absent(self, name: str, data: bytes) -> None:
-        """A create-only upload (``ifGenerationMatch=0``): GCS refuses it if the object exists, atomically."""
-        try:
-            self._sync("upload", name, self._upload, name, self.key(name), [(data, None)], True)
-        except PreconditionFailed:
-            raise FileExistsError(self.describe(name)) from None
+    def _create_only(self, name: str, data: bytes) -> None:
+        self._sync("upload", name, self._upload, name, self.key(name), [(data, None)], True)  # ifGenerationMatch=0
 
     def remove(self, name: str) -> None:
         try:

@@ -19,7 +19,7 @@ from fsspec.asyn import sync
 from ckptio.config import StorageConfig
 from ckptio.errors import CheckpointNotFoundError, StorageError
 from ckptio.storage.base import FsspecStore, RangeRequest, ReadRequest
-from ckptio.storage.retry import with_retries
+from ckptio.storage.retry import store_answer, with_retries
 from ckptio.storage.throttle import AdaptiveLimit, limit_for
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ T = TypeVar("T")
 #: The object ``check_conditional_writes`` creates twice (and deletes) in a checkpoint's folder.
 PROBE_PREFIX = ".ckptio-precondition-probe."
 _conditional_writes_proven: set = set()
+_warned_without_preconditions: set = set()
 
 
 class PreconditionFailed(Exception):
@@ -155,6 +156,35 @@ class ObjectStore(FsspecStore):
                 self.remove(name)
             except StorageError as exc:
                 log.warning("ckptio: could not delete superseded %s: %s", self.describe(name), exc)
+
+    # --- the commit ----------------------------------------------------------------------
+    def _create_only(self, name: str, data: bytes) -> None:
+        """Write ``name`` with the store's create-only precondition (``precondition``): raise
+        ``PreconditionFailed`` where it exists."""
+        raise NotImplementedError
+
+    def put_if_absent(self, name: str, data: bytes) -> None:
+        """A create-only write: the store refuses it atomically if ``name`` exists (``FileExistsError``).
+        A store that answers the precondition 501 Not Implemented gets the generic check-then-write
+        (racy), with one warning per process and bucket."""
+        try:
+            self._create_only(name, data)
+        except PreconditionFailed:
+            raise FileExistsError(self.describe(name)) from None
+        except StorageError as exc:
+            code, status = store_answer(exc.__cause__) or ("", None)
+            if code not in ("NotImplemented", "501") and status != 501:
+                raise
+            key = (type(self), self.bucket)
+            if key not in _warned_without_preconditions:
+                _warned_without_preconditions.add(key)
+                log.warning(
+                    "ckptio: %s does not implement create-only writes (%s answered 501); committing by a check, "
+                    "then a write: two jobs saving to one URL at once could both commit",
+                    self.url,
+                    self.precondition,
+                )
+            super().put_if_absent(name, data)
 
     # --- before a save -----------------------------------------------------------------
     def check_save_target(self) -> None:

@@ -195,18 +195,8 @@ class S3Store(ObjectStore):
     def put_atomic(self, name: str, data: bytes) -> None:
         self._run_upload("put_object", name, [(data, None)])
 
-    def put_if_absent(self, name: str, data: bytes) -> None:
-        """A conditional PUT (``If-None-Match: *``): S3 refuses it if the key exists, atomically.
-        S3-compatible stores without conditional writes get the generic check-then-write (racy)."""
-        try:
-            self._run_upload("put_object", name, [(data, None)], IfNoneMatch="*")
-        except PreconditionFailed:
-            raise FileExistsError(self.describe(name)) from None
-        except StorageError as exc:
-            if (store_answer(exc.__cause__) or ("", None))[0] not in ("NotImplemented", "501"):
-                raise
-            log.warning("ckptio: %s does not support conditional writes; committing without them (racy)", self.url)
-            super().put_if_absent(name, data)
+    def _create_only(self, name: str, data: bytes) -> None:
+        self._run_upload("put_object", name, [(data, None)], IfNoneMatch="*")
 
     def open_uploads(self) -> list[tuple[str, str]]:
         prefix = self.key("")

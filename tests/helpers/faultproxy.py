@@ -54,7 +54,7 @@ class Request:
     query: dict
     operation: str
     key: str
-    conditional: bool = False  # an If-None-Match / If-Match request
+    conditional: bool = False  # an If-None-Match / If-Match request, or GCS's ifGenerationMatch
     checksum: bool = False  # it carries x-amz-checksum-crc32c (a part, a PUT) or x-amz-checksum-algorithm
     signed_payload: bool = False  # its x-amz-content-sha256 is the payload's hash (not UNSIGNED-PAYLOAD)
     range: str = ""  # a ranged GET's Range header
@@ -89,7 +89,7 @@ def classify(method: str, target: str, headers) -> Request:
         op = "HEAD"
     else:
         op = method
-    conditional = any(h in headers for h in ("If-None-Match", "If-Match"))
+    conditional = any(h in headers for h in ("If-None-Match", "If-Match")) or "ifGenerationMatch" in query
     checksum = any(h in headers for h in ("x-amz-checksum-crc32c", "x-amz-checksum-algorithm"))
     signed = len(headers.get("x-amz-content-sha256", "")) == 64
     return Request(method, path, query, op, key, conditional, checksum, signed, headers.get("Range", ""))

@@ -3,6 +3,7 @@ create-only precondition), the other is refused, and the URL loads the committed
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 
 import pytest
@@ -63,3 +64,24 @@ def test_a_store_that_ignores_the_create_only_precondition_is_refused_before_any
     proxy.faults.clear()
     ckptio.save({"w": torch.ones(3)}, f"{base}/safe", storage_options=options)
     assert METADATA_NAME in store_objects(f"{base}/safe", options)
+
+
+@pytest.mark.parametrize("store", ["gcs", "azure"], indirect=True)
+def test_a_store_that_does_not_implement_the_precondition_commits_by_check_then_write_with_one_warning(
+    store_proxy, caplog
+):
+    """As S3's 501 path (``test_s3_failures.py``): a store answering the create-only write 501 Not Implemented."""
+    proxy, base, options = store_proxy
+    not_implemented = Fault(lambda r: r.conditional, 501)
+    proxy.faults.append(not_implemented)
+    with caplog.at_level(logging.WARNING, logger="ckptio"):
+        for step in (1, 2):
+            ckptio.save({"w": torch.full((3,), float(step))}, f"{base}/step-{step}", storage_options=options)
+    warnings = [r for r in caplog.records if "does not implement create-only writes" in r.getMessage()]
+    assert len(warnings) == 1, caplog.text
+    assert not_implemented.hits >= 3  # the probe's two creates and each commit
+    with pytest.raises(ckptio.CheckpointExistsError):  # the check still refuses a committed checkpoint
+        ckptio.save({"w": torch.ones(3)}, f"{base}/step-1", storage_options=options)
+    out = {"w": torch.zeros(3)}
+    ckptio.load(out, f"{base}/step-2", storage_options=options)
+    assert torch.equal(out["w"], torch.full((3,), 2.0))
