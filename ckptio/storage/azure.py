@@ -122,11 +122,8 @@ class AzureStore(ObjectStore):
     def _create_only(self, name: str, data: bytes) -> None:
         self._put(name, [data], overwrite=False)  # If-None-Match: *
 
-    def remove(self, name: str) -> None:
-        try:
-            self._run("delete", name, lambda b: b.delete_blob(**NO_SDK_RETRIES))
-        except FileNotFoundError:
-            pass
+    async def _delete(self, name: str) -> None:
+        await self._call("delete", name, lambda b: b.delete_blob(**NO_SDK_RETRIES))
 
     # --- data objects -------------------------------------------------------------------
     def open_sink(self, name: str) -> "BlockSink":

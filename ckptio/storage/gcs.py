@@ -203,11 +203,8 @@ class GCSStore(ObjectStore):
     def _create_only(self, name: str, data: bytes) -> None:
         self._sync("upload", name, self._upload, name, self.key(name), [(data, None)], True)  # ifGenerationMatch=0
 
-    def remove(self, name: str) -> None:
-        try:
-            self._run("delete", name, "DELETE", self._object_url(name))
-        except FileNotFoundError:
-            pass
+    async def _delete(self, name: str) -> None:
+        await self._call("DELETE", name, self._object_url(name), reported_as="delete")
 
     def open_uploads(self) -> list[tuple[str, str]]:
         """Parts a save left uncomposed, one entry per data object and upload id."""

@@ -150,12 +150,31 @@ class ObjectStore(FsspecStore):
         except FileNotFoundError:
             return False
 
+    async def _delete(self, name: str) -> None:
+        """Delete ``name``, retried (absent: ``FileNotFoundError``)."""
+        raise NotImplementedError
+
+    def remove(self, name: str) -> None:
+        try:
+            self._sync("delete", name, self._delete, name)
+        except FileNotFoundError:
+            pass
+
     def delete_best_effort(self, names: Sequence[str]) -> None:
-        for name in names:
+        """Delete ``names`` at once (a composed object's parts: a request each), logging what fails."""
+
+        async def delete(name: str) -> None:
             try:
-                self.remove(name)
-            except StorageError as exc:
-                log.warning("ckptio: could not delete superseded %s: %s", self.describe(name), exc)
+                await self._delete(name)
+            except Exception as exc:  # noqa: BLE001 - cleanup must not fail the save
+                error = self._translate(exc, "delete", name)
+                if not isinstance(error, FileNotFoundError):
+                    log.warning("ckptio: could not delete %s: %s", self.describe(name), error)
+
+        async def delete_all() -> None:
+            await asyncio.gather(*(delete(name) for name in names))
+
+        sync(self.loop, delete_all)
 
     # --- the commit ----------------------------------------------------------------------
     def _create_only(self, name: str, data: bytes) -> None:
