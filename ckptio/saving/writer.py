@@ -207,7 +207,7 @@ class Writer(CheckpointLocation, StorageWriter, AsyncStager):
     @paused_gc()
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         store = self._open_store()
-        store.check_save_target()  # every rank alike, before anything is read or written there
+        store.check_save_target()  # each rank that plans (the coordinator, or every rank without one) refuses alike
         settle(store.url)  # this process's merge of an earlier save there is called off
         if self._fragment is not None:  # every rank, with its own plan alone
             if self.is_coordinator:

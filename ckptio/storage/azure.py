@@ -179,12 +179,11 @@ class BlockSink(PartStream):
         self.block_ids.append(block_id)
 
         views = [p for p, _ in pieces]
-        size = sum(len(v) for v in views)
 
         def stage(blob: Any, headers: dict) -> Any:
             # sent from the written pieces as they are (a fresh body per attempt), not joined
             body = RequestBody(views)
-            return blob.stage_block(block_id, body, length=size, headers=headers, **NO_SDK_RETRIES)
+            return blob.stage_block(block_id, body, length=len(body), headers=headers, **NO_SDK_RETRIES)
 
         self.submit(self.store._send("stage block", self.name, views, stage))
 

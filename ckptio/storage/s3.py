@@ -179,13 +179,6 @@ class S3Store(ObjectStore):
         return self.failed_after_retries(operation, name, exc)
 
     # --- small objects ------------------------------------------------------------------
-    def exists(self, name: str) -> bool:
-        try:
-            self._run("head_object", name, Key=self.key(name))
-            return True
-        except FileNotFoundError:
-            return False
-
     def read(self, name: str) -> bytes:
         return self._run("get_object", name, Key=self.key(name))
 
@@ -215,18 +208,8 @@ class S3Store(ObjectStore):
     def abort_upload(self, name: str, upload_id: str) -> None:
         self._run("abort_multipart_upload", name, Key=self.key(name), UploadId=upload_id)
 
-    def delete_best_effort(self, names: Sequence[str]) -> None:
-        for name in names:
-            try:
-                self._run("delete_object", name, Key=self.key(name))
-            except (FileNotFoundError, StorageError):
-                pass
-
-    def remove(self, name: str) -> None:
-        try:
-            self._run("delete_object", name, Key=self.key(name))
-        except FileNotFoundError:
-            pass
+    async def _delete(self, name: str) -> None:
+        await self._request("delete_object", name, Key=self.key(name))
 
     # --- data objects -------------------------------------------------------------------
     def open_sink(self, name: str) -> "MultipartSink":
